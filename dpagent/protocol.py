@@ -1,0 +1,360 @@
+"""The one wire protocol of DeadPool: typed messages, framing, versioning and authentication.
+
+Controller, agents and workers speak it over ZeroMQ; it has no torch and no I/O of its own.
+
+A message travels as ZeroMQ frames::
+
+    [b"DP" + version byte, type name, JSON body, HMAC-SHA256(token, frames 0..2)] + payload frames
+
+Payload frames (snapshot bytes) are not covered by the MAC; the body carries their checksum.
+`Codec.decode` refuses anything malformed, oversized, unauthenticated or of another version by
+raising `ProtocolError`; callers drop and count such messages and carry on.
+
+Who sends what (the reconstruction protocol of docs/DESIGN.md):
+
+agent -> controller : Register, Heartbeat, Pong, WorkerExited, and relayed from workers:
+                      Progress, WorkerReady, PeerError, RankFinished; from its replica store: SnapshotStored
+controller -> agent : Welcome, Reconfigure, Stop, Ping, Inject
+agent -> worker     : Reconfigure, Stop (relayed)
+worker -> agent     : Hello, Progress, WorkerReady, PeerError, RankFinished
+worker -> replica   : PutSnapshot (+ 2 payload frames: meta, data)  ->  SnapshotAck
+worker -> replica   : FetchSnapshot  ->  SnapshotData (+ 2 payload frames when found)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+PROTOCOL_VERSION = 1
+MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
+MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
+NO_RANK = -1  # node_rank / step value meaning "none"
+
+
+class ProtocolError(ValueError):
+    """A message that must be dropped: malformed, unauthenticated, oversized or of another version."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def _message(cls):
+    cls = dataclass(frozen=True)(cls)
+    _REGISTRY[cls.__name__] = cls
+    return cls
+
+
+# ----------------------------------------------------------------------------- agent -> controller
+
+
+@_message
+class Register:
+    """An agent announces itself. `want_spare` and `node_rank` are hints the controller may honour."""
+
+    node_id: str
+    host: str
+    pid: int
+    nproc: int
+    want_spare: bool
+    node_rank: int  # NO_RANK when the agent has no preference
+    replica_endpoint: str  # tcp:// address of the agent's replica store
+
+
+@_message
+class Heartbeat:
+    node_id: str
+    generation: int
+
+
+@_message
+class Pong:
+    node_id: str
+    seq: int
+
+
+@_message
+class WorkerExited:
+    """A local worker process ended; exitcode < 0 is -signal, as in subprocess."""
+
+    node_id: str
+    generation: int
+    local_rank: int
+    pid: int
+    exitcode: int
+    detail: str = ""
+
+
+@_message
+class SnapshotStored:
+    """A replica store (on node `node_id`) holds a complete snapshot of `rank` at `step`."""
+
+    node_id: str
+    rank: int
+    step: int
+    generation: int
+
+
+# ----------------------------------------------------------------------------- worker -> agent (-> controller)
+
+
+@_message
+class Hello:
+    """First message of a worker to its agent."""
+
+    node_id: str
+    local_rank: int
+    pid: int
+
+
+@_message
+class Progress:
+    """A rank completed training step `step` in `generation`."""
+
+    node_id: str
+    generation: int
+    rank: int
+    step: int
+    metrics: dict = field(default_factory=dict)
+
+
+@_message
+class WorkerReady:
+    """A rank rebuilt its communicators and restored its state for `generation`."""
+
+    node_id: str
+    generation: int
+    rank: int
+    rebuild_s: float
+    restore_s: float
+    restored_from: str = ""  # "local", "replica", "init" or "" for a fresh start
+
+
+@_message
+class PeerError:
+    """A rank's collective failed with a peer error: a hint for the controller to probe now."""
+
+    node_id: str
+    generation: int
+    rank: int
+    detail: str
+
+
+@_message
+class RankFinished:
+    """A rank passed the final barrier after its last step: its work is done and kept."""
+
+    node_id: str
+    generation: int
+    rank: int
+    step: int
+
+
+# ----------------------------------------------------------------------------- controller -> agent (-> worker)
+
+
+@_message
+class Welcome:
+    """Registration accepted. role is "active" or "spare"; the node rank comes with Reconfigure."""
+
+    node_id: str
+    role: str
+    job_id: str
+    heartbeat_interval: float
+    heartbeat_timeout: float
+
+
+@_message
+class Reconfigure:
+    """Join generation `generation` as node `node_rank`. One per recipient node, O(1) in size.
+
+    restore_step: NO_RANK for a fresh start, else every rank loads its state at that step.
+    restore_from: for each global rank of this node, the replica endpoint that holds its snapshot at
+    restore_step, or "" when the rank's own process may have it locally (a survivor).
+    replica_to: the replica endpoint where this node's ranks send their snapshots from now on.
+    """
+
+    generation: int
+    node_rank: int
+    nnodes: int
+    nproc_per_node: int
+    world_size: int
+    restore_step: int
+    store_endpoint: str  # host:port of the torch TCPStore
+    replica_to: str
+    restore_from: dict = field(default_factory=dict)  # str(rank) -> endpoint
+    reason: str = ""
+
+
+@_message
+class Stop:
+    """Stop all workers and exit. Sent at the end of a job and to fence a failed node."""
+
+    reason: str
+    exit_code: int = 0
+
+
+@_message
+class Ping:
+    seq: int
+
+
+@_message
+class Inject:
+    """Fault injection, carried out by the agent on itself: kill-node, kill-worker, ..."""
+
+    kind: str
+    local_rank: int = 0
+
+
+# ----------------------------------------------------------------------------- worker <-> replica store
+
+
+@_message
+class PutSnapshot:
+    """Store a snapshot; two payload frames follow: meta (opaque bytes) and data (tensor bytes)."""
+
+    rank: int
+    step: int
+    generation: int
+    checksum: int  # zlib.crc32 over meta then data
+    nbytes: int
+
+
+@_message
+class SnapshotAck:
+    rank: int
+    step: int
+    ok: bool
+    error: str = ""
+
+
+@_message
+class FetchSnapshot:
+    rank: int
+    step: int
+
+
+@_message
+class SnapshotData:
+    """Reply to FetchSnapshot; when found, two payload frames follow (meta, data)."""
+
+    rank: int
+    step: int
+    found: bool
+    checksum: int = 0
+    nbytes: int = 0
+
+
+Message = typing.Union[tuple(_REGISTRY.values())]  # type: ignore[valid-type]
+
+
+def message_types() -> dict[str, type]:
+    return dict(_REGISTRY)
+
+
+# ----------------------------------------------------------------------------- codec
+
+
+def _check_type(value: Any, annotation: Any) -> bool:
+    if annotation in ("int", int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation in ("float", float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation in ("str", str):
+        return isinstance(value, str)
+    if annotation in ("bool", bool):
+        return isinstance(value, bool)
+    if annotation in ("dict", dict):
+        return isinstance(value, dict)
+    if annotation in ("list", list):
+        return isinstance(value, list)
+    return True
+
+
+def _from_body(cls: type, body: Any):
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{cls.__name__}: body is not an object")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(body) - set(known)
+    if unknown:
+        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    for name, value in body.items():
+        if not _check_type(value, known[name].type):
+            raise ProtocolError(f"{cls.__name__}.{name}: bad value {value!r}")
+    try:
+        return cls(**body)
+    except TypeError as exc:  # a required field is missing
+        raise ProtocolError(f"{cls.__name__}: {exc}") from None
+
+
+class Codec:
+    """Encodes and authenticates messages with the job's secret token."""
+
+    def __init__(self, token: str | bytes):
+        if isinstance(token, str):
+            token = token.encode()
+        if not token:
+            raise ValueError("the job token must not be empty")
+        self._key = token
+
+    def _mac(self, kind: bytes, body: bytes) -> bytes:
+        mac = hmac.new(self._key, MAGIC, hashlib.sha256)
+        mac.update(len(kind).to_bytes(4, "big") + kind)
+        mac.update(body)
+        return mac.digest()
+
+    def encode(self, msg: Any, payload: Sequence[Any] = ()) -> list:
+        kind = type(msg).__name__.encode()
+        if kind.decode() not in _REGISTRY:
+            raise TypeError(f"not a protocol message: {msg!r}")
+        body = json.dumps(dataclasses.asdict(msg), separators=(",", ":")).encode()
+        return [MAGIC, kind, body, self._mac(kind, body), *payload]
+
+    def decode(self, frames: Sequence[Any]) -> tuple[Any, list]:
+        """Returns (message, payload frames); raises ProtocolError for anything to drop."""
+        if len(frames) < 4:
+            raise ProtocolError(f"expected at least 4 frames, got {len(frames)}")
+        magic, kind, body, mac = (bytes(_buffer(f)) for f in frames[:4])
+        if magic[:2] != MAGIC[:2]:
+            raise ProtocolError("not a DeadPool message")
+        if magic != MAGIC:
+            raise ProtocolError(f"protocol version {magic[2:]!r} is not {PROTOCOL_VERSION}")
+        if len(body) > MAX_BODY_BYTES:
+            raise ProtocolError(f"body of {len(body)} bytes is over {MAX_BODY_BYTES}")
+        if not hmac.compare_digest(mac, self._mac(kind, body)):
+            raise ProtocolError("bad MAC: wrong job token or a tampered message")
+        cls = _REGISTRY.get(kind.decode(errors="replace"))
+        if cls is None:
+            raise ProtocolError(f"unknown message type {kind[:40]!r}")
+        try:
+            parsed = json.loads(body)
+        except ValueError as exc:
+            raise ProtocolError(f"{cls.__name__}: body is not JSON ({exc})") from None
+        return _from_body(cls, parsed), list(frames[4:])
+
+
+def _buffer(frame: Any):
+    """The bytes of a zmq.Frame (copy=False receive) or of a bytes-like frame."""
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def payload_bytes(frame: Any) -> memoryview:
+    """A zero-copy view of a payload frame."""
+    return memoryview(_buffer(frame))
+
+
+__all__ = [name for name in _REGISTRY] + [
+    "Codec",
+    "Message",
+    "NO_RANK",
+    "PROTOCOL_VERSION",
+    "ProtocolError",
+    "message_types",
+    "payload_bytes",
+]

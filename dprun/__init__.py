@@ -1,0 +1,1 @@
+"""dprun: the DeadPool launcher (CLI, controller, fault injection)."""

@@ -1,0 +1,510 @@
+"""The controller's decisions as a pure state machine: membership, failure detection, reconstruction.
+
+Inputs (messages from agents, observations, ticks) go in with the current time; actions (messages to
+send, events to publish, the job's end) come out. No sockets, clocks or processes: dprun/server.py and
+the simulator drive it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpagent import protocol as p
+
+from .faults import FaultPlan, FaultSpec
+from .ledger import INIT, ReplicaLedger
+from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    nnodes: int
+    spares: int
+    nproc_per_node: int
+    store_endpoint: str
+    job_id: str = "deadpool"
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 5.0
+    probe_timeout: float = 1.0
+    rdzv_timeout: float = 300.0
+    faults: tuple[FaultSpec, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+# ----------------------------------------------------------------------------- inputs and actions
+
+
+@dataclass(frozen=True)
+class Received:
+    """A decoded message from the agent whose socket identity is `node_id`."""
+
+    node_id: str
+    msg: Any
+
+
+@dataclass(frozen=True)
+class NodeGone:
+    """The shell saw a node's agent vanish (its process exited, its connection dropped)."""
+
+    node_id: str
+    cause: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """The launcher was told to stop (a signal, a user's Ctrl-C): stop every node and end the job."""
+
+    exit_code: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Send:
+    node_id: str
+    msg: Any
+
+
+@dataclass(frozen=True)
+class Publish:
+    event: dict
+
+
+@dataclass(frozen=True)
+class Finish:
+    exit_code: int
+    message: str
+
+
+# ----------------------------------------------------------------------------- recovery bookkeeping
+
+
+@dataclass
+class Recovery:
+    """One reconstruction, from the first failure it covers to the first step after it."""
+
+    failed: list[str]
+    t_fail: float
+    t_detect: float
+    generation: int = -1
+    t_decide: float = 0.0
+    restore_step: int = -1
+    lost_steps: int = 0
+    promoted: dict = field(default_factory=dict)  # node rank -> spare node id
+    ready: dict = field(default_factory=dict)  # rank -> (rebuild_s, restore_s)
+    stepped: set = field(default_factory=set)  # ranks that completed a step after the restore step
+
+
+@dataclass
+class Flush:
+    """A probe round: every node in `waiting` must Pong(seq >= seq) before `deadline`."""
+
+    seq: int
+    deadline: float
+    waiting: set
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+# ----------------------------------------------------------------------------- the state machine
+
+
+class Controller:
+    def __init__(self, spec: JobSpec, now: float):
+        if spec.nnodes < 1 or spec.spares < 0 or spec.nproc_per_node < 1:
+            raise ValueError("nnodes and nproc_per_node must be at least 1, spares at least 0")
+        self.spec = spec
+        self.table = NodeTable()
+        self.ledger = ReplicaLedger()
+        self.faults = FaultPlan(list(spec.faults))
+        self.started_at = now
+        self.training_since: float | None = None
+        self.generation = -1  # -1 while the first generation forms
+        self.layout: list[str] = []  # node rank -> node id
+        self.finished = False
+        self.recovery: Recovery | None = None  # decided, waiting for its first step
+        self.pending: Recovery | None = None  # failures known, decision waiting for the flush
+        self.flush: Flush | None = None
+        self.seq = 0
+        self.next_ping = now
+        self.injected_at: dict[str, float] = {}
+        self.dropped: dict[str, int] = {}
+        self.max_step = 0
+        self.recoveries: list[Recovery] = []
+        self._out: list = []
+
+    # -- entry point -----------------------------------------------------------------------------
+
+    def handle(self, event: Any, now: float) -> list:
+        self._out = []
+        if self.finished:
+            return []
+        if isinstance(event, Received):
+            self._received(event.node_id, event.msg, now)
+        elif isinstance(event, NodeGone):
+            self._node_failed(event.node_id, event.cause, now)
+        elif isinstance(event, Tick):
+            self._tick(now)
+        elif isinstance(event, Shutdown):
+            self._finish(event.exit_code, event.reason)
+        else:
+            raise TypeError(f"unknown input {event!r}")
+        self._maybe_decide(now)
+        out, self._out = self._out, []
+        return out
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _send(self, node_id: str, msg: Any) -> None:
+        self._out.append(Send(node_id, msg))
+
+    def _publish(self, name: str, **fields) -> None:
+        self._out.append(Publish({"event": name, **fields}))
+
+    def _drop(self, why: str) -> None:
+        self.dropped[why] = self.dropped.get(why, 0) + 1
+
+    def _finish(self, code: int, message: str) -> None:
+        for node in self.table.live():
+            self._send(node.node_id, p.Stop(reason=message, exit_code=code))
+        self._publish("job_finished", exit_code=code, message=message)
+        self._out.append(Finish(code, message))
+        self.finished = True
+
+    def ranks_of(self, node_rank: int) -> range:
+        n = self.spec.nproc_per_node
+        return range(node_rank * n, (node_rank + 1) * n)
+
+    def node_of_rank(self, rank: int) -> str:
+        return self.layout[rank // self.spec.nproc_per_node]
+
+    def replica_holder(self, node_rank: int) -> Node:
+        """Node rank r's snapshots live on node rank r+1 (a ring); a single active node uses a spare."""
+        if self.spec.nnodes > 1:
+            return self.table.nodes[self.layout[(node_rank + 1) % self.spec.nnodes]]
+        spares = self.table.with_role(SPARE)
+        return spares[0] if spares else self.table.nodes[self.layout[node_rank]]
+
+    # -- messages --------------------------------------------------------------------------------
+
+    def _received(self, sender: str, msg: Any, now: float) -> None:
+        if isinstance(msg, p.Register):
+            self._register(sender, msg, now)
+            return
+        node = self.table.get(sender)
+        if node is None:
+            self._drop("unregistered sender")
+            return
+        if node.role == FAILED:
+            self._drop("fenced node")
+            if isinstance(msg, (p.Heartbeat, p.Pong)):
+                self._send(sender, p.Stop(reason=f"node {sender} was fenced: {node.cause}", exit_code=1))
+            return
+        node.last_heard = now
+        if getattr(msg, "node_id", sender) != sender:
+            self._drop("node_id does not match the sender")
+            return
+        generation = getattr(msg, "generation", None)
+        if generation is not None and generation != self.generation and not isinstance(msg, (p.Heartbeat, p.WorkerExited)):
+            self._drop("stale generation")
+            return
+        handler = getattr(self, f"_on_{type(msg).__name__}", None)
+        if handler is None:
+            self._drop(f"unexpected {type(msg).__name__}")
+            return
+        handler(node, msg, now)
+
+    def _register(self, sender: str, msg: p.Register, now: float) -> None:
+        if msg.node_id != sender:
+            self._drop("node_id does not match the sender")
+            return
+        known = self.table.get(sender)
+        if known is not None:
+            if known.role == FAILED:
+                self._send(sender, p.Stop(reason=f"node {sender} was fenced: {known.cause}", exit_code=1))
+            else:  # a re-sent Register (reconnect): answer again
+                known.last_heard = now
+                self._welcome(known)
+            return
+        forming = self.generation < 0
+        actives = len(self.table.with_role(ACTIVE))
+        role = ACTIVE if forming and not msg.want_spare and actives < self.spec.nnodes else SPARE
+        node = Node(
+            node_id=sender, host=msg.host, pid=msg.pid, nproc=msg.nproc, replica_endpoint=msg.replica_endpoint,
+            role=role, registered_at=now, last_heard=now, want_rank=msg.node_rank,
+        )
+        if msg.nproc != self.spec.nproc_per_node:
+            self._send(sender, p.Stop(reason=f"node {sender} runs {msg.nproc} workers, the job needs "
+                                      f"{self.spec.nproc_per_node} per node (--nproc-per-node)", exit_code=2))
+            self._drop("wrong nproc")
+            return
+        self.table.add(node)
+        self._welcome(node)
+        self._publish("node_joined", node=sender, host=msg.host, role=role, pid=msg.pid)
+        if forming:
+            self._maybe_form(now)
+
+    def _welcome(self, node: Node) -> None:
+        self._send(node.node_id, p.Welcome(
+            node_id=node.node_id, role=node.role, job_id=self.spec.job_id,
+            heartbeat_interval=self.spec.heartbeat_interval, heartbeat_timeout=self.spec.heartbeat_timeout,
+        ))
+
+    def _on_Heartbeat(self, node: Node, msg: p.Heartbeat, now: float) -> None:
+        pass  # last_heard is already updated
+
+    def _on_Pong(self, node: Node, msg: p.Pong, now: float) -> None:
+        if self.flush is not None and msg.seq >= self.flush.seq:
+            self.flush.waiting.discard(node.node_id)
+
+    def _on_Progress(self, node: Node, msg: p.Progress, now: float) -> None:
+        node.last_step = max(node.last_step, msg.step)
+        self.max_step = max(self.max_step, msg.step)
+        rec = self.recovery
+        if rec is not None and msg.step > rec.restore_step:
+            rec.stepped.add(msg.rank)
+            if len(rec.stepped) == self.spec.world_size:
+                self._recovery_complete(rec, now)
+        self._fire_faults(now)
+
+    def _on_SnapshotStored(self, node: Node, msg: p.SnapshotStored, now: float) -> None:
+        self.ledger.stored(msg.rank, msg.step, node.node_id)
+
+    def _on_WorkerReady(self, node: Node, msg: p.WorkerReady, now: float) -> None:
+        if self.recovery is not None:
+            self.recovery.ready[msg.rank] = (msg.rebuild_s, msg.restore_s)
+
+    def _on_PeerError(self, node: Node, msg: p.PeerError, now: float) -> None:
+        self._publish("peer_error", node=node.node_id, rank=msg.rank, detail=msg.detail[:200])
+        if self.flush is None:
+            self._start_flush(now)
+
+    def _on_RankFinished(self, node: Node, msg: p.RankFinished, now: float) -> None:
+        pass  # the job ends when every active worker has exited 0 (as with torchrun)
+
+    def _on_WorkerExited(self, node: Node, msg: p.WorkerExited, now: float) -> None:
+        if node.role == ACTIVE and msg.exitcode == 0 and msg.generation == self.generation:
+            node.exited_ok.add(msg.local_rank)
+            if all(len(self.table.nodes[n].exited_ok) == self.spec.nproc_per_node for n in self.layout):
+                self._finish(0, f"all {self.spec.world_size} ranks finished")
+            return
+        if node.role == SPARE and msg.exitcode == 0:
+            return
+        detail = f": {msg.detail}" if msg.detail else ""
+        cause = f"worker {msg.local_rank} (pid {msg.pid}) {describe_exit(msg.exitcode)}{detail}"
+        self._node_failed(node.node_id, cause, now)
+
+    # -- forming the first generation ------------------------------------------------------------
+
+    def _maybe_form(self, now: float) -> None:
+        actives = self.table.with_role(ACTIVE)
+        if len(actives) < self.spec.nnodes:
+            return
+        spares_ready = len(self.table.with_role(SPARE)) >= self.spec.spares
+        if not spares_ready and now - self.started_at < self.spec.rdzv_timeout:
+            return
+        # honour node-rank hints, then fill the gaps in registration order
+        layout: list[str | None] = [None] * self.spec.nnodes
+        rest = []
+        for node in actives:
+            if 0 <= node.want_rank < self.spec.nnodes and layout[node.want_rank] is None:
+                layout[node.want_rank] = node.node_id
+            else:
+                rest.append(node.node_id)
+        for i, slot in enumerate(layout):
+            if slot is None:
+                layout[i] = rest.pop(0)
+        self.layout = [n for n in layout if n is not None]
+        self.generation = 0
+        self.training_since = now
+        for rank, node_id in enumerate(self.layout):
+            self.table.nodes[node_id].node_rank = rank
+        self._reconfigure_all(restore_step=p.NO_RANK, sources={}, reason="start")
+        self._publish("job_started", generation=0, nnodes=self.spec.nnodes, world_size=self.spec.world_size,
+                      spares=len(self.table.with_role(SPARE)), layout=list(self.layout))
+
+    def _reconfigure_all(self, restore_step: int, sources: dict[int, str], reason: str) -> None:
+        for node_rank, node_id in enumerate(self.layout):
+            restore_from = {}
+            for rank in self.ranks_of(node_rank):
+                source = sources.get(rank, "")
+                if source not in ("", INIT):
+                    source = self.table.nodes[source].replica_endpoint
+                restore_from[str(rank)] = source
+            self._send(node_id, p.Reconfigure(
+                generation=self.generation, node_rank=node_rank, nnodes=self.spec.nnodes,
+                nproc_per_node=self.spec.nproc_per_node, world_size=self.spec.world_size,
+                restore_step=restore_step, store_endpoint=self.spec.store_endpoint,
+                replica_to=self.replica_holder(node_rank).replica_endpoint, restore_from=restore_from,
+                reason=reason,
+            ))
+
+    # -- failures --------------------------------------------------------------------------------
+
+    def _node_failed(self, node_id: str, cause: str, now: float) -> None:
+        node = self.table.get(node_id)
+        if node is None or node.role == FAILED:
+            return
+        was = node.role
+        node.role, node.cause = FAILED, cause
+        self.ledger.holder_lost(node_id)
+        self._send(node_id, p.Stop(reason=f"node {node_id} was fenced: {cause}", exit_code=1))
+        self._publish("node_failed", node=node_id, node_rank=node.node_rank if was == ACTIVE else None,
+                      role=was, cause=cause)
+        if self.flush is not None:
+            self.flush.waiting.discard(node_id)
+        if was == SPARE:
+            self._publish("spare_lost", node=node_id, spares_left=len(self.table.with_role(SPARE)))
+            return
+        if self.generation < 0:  # still forming: the slot opens for the next node to register
+            return
+        if self.pending is None:
+            if self.recovery is not None:  # a failure during recovery: one recovery covers both
+                prior, self.recovery = self.recovery, None
+                self.pending = Recovery(failed=list(prior.failed), t_fail=prior.t_fail, t_detect=prior.t_detect)
+            else:
+                self.pending = Recovery(failed=[], t_fail=now, t_detect=now)
+        self.pending.failed.append(node_id)
+        if node_id in self.injected_at:
+            self.pending.t_fail = min(self.pending.t_fail, self.injected_at[node_id])
+        self._start_flush(now)
+
+    def _start_flush(self, now: float) -> None:
+        """Ping every live node: a Pong proves it alive and flushes the SnapshotStored it sent before."""
+        self.seq += 1
+        waiting = {n.node_id for n in self.table.live()}
+        self.flush = Flush(seq=self.seq, deadline=now + self.spec.probe_timeout, waiting=waiting)
+        for node_id in sorted(waiting):
+            self._send(node_id, p.Ping(seq=self.seq))
+
+    def _maybe_decide(self, now: float) -> None:
+        if self.flush is None or self.flush.waiting:
+            return
+        self.flush = None
+        if self.pending is not None and not self.finished:
+            pending, self.pending = self.pending, None
+            self._reconstruct(pending, now)
+
+    def _reconstruct(self, rec: Recovery, now: float) -> None:
+        failed_slots = [i for i, n in enumerate(self.layout) if self.table.nodes[n].role == FAILED]
+        if not failed_slots:
+            return
+        spares = self.table.with_role(SPARE)
+        if len(spares) < len(failed_slots):
+            names = ", ".join(f"{self.layout[i]} (node rank {i}: {self.table.nodes[self.layout[i]].cause})"
+                              for i in failed_slots)
+            self._finish(1, f"node failure with no spare left: {names}; rerun with more --spares")
+            return
+        failed_ranks = {r for i in failed_slots for r in self.ranks_of(i)}
+        plan = self.ledger.plan(self.spec.world_size, failed_ranks)
+        if plan.lost:
+            holders = sorted({self.table.nodes[n].node_id for n in rec.failed})
+            self._finish(1, f"state lost: ranks {plan.lost} had every copy on failed nodes {holders}; "
+                            "rerun with more replicas or restore from disk")
+            return
+        for i in failed_slots:
+            spare = spares.pop(0)
+            spare.role, spare.node_rank = ACTIVE, i
+            rec.promoted[i] = spare.node_id
+            self.layout[i] = spare.node_id
+            self._publish("spare_promoted", spare=spare.node_id, node_rank=i, generation=self.generation + 1)
+        self.generation += 1
+        rec.generation = self.generation
+        rec.t_decide = now
+        rec.restore_step = plan.step
+        rec.lost_steps = max(0, self.max_step - plan.step)
+        self.ledger.rollback(plan.step)
+        self.max_step = plan.step
+        for node_id in self.layout:
+            self.table.nodes[node_id].exited_ok.clear()
+        self._reconfigure_all(plan.step, plan.sources, reason="recovery")
+        self._publish("reconfigure", generation=self.generation, restore_step=plan.step,
+                      layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))
+        self.recovery = rec
+
+    def _recovery_complete(self, rec: Recovery, now: float) -> None:
+        rebuild = max((r[0] for r in rec.ready.values()), default=0.0)
+        restore = max((r[1] for r in rec.ready.values()), default=0.0)
+        phases = {
+            "detect_s": round(rec.t_detect - rec.t_fail, 4),
+            "decide_s": round(rec.t_decide - rec.t_detect, 4),
+            "rebuild_s": round(rebuild, 4),
+            "restore_s": round(restore, 4),
+            "total_s": round(now - rec.t_fail, 4),
+        }
+        self._publish("recovery_complete", generation=rec.generation, restore_step=rec.restore_step,
+                      lost_steps=rec.lost_steps, failed=rec.failed, promoted=rec.promoted, phases=phases)
+        self.recoveries.append(rec)
+        self.recovery = None
+
+    # -- time ------------------------------------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        if self.generation < 0:
+            if now - self.started_at >= self.spec.rdzv_timeout:
+                if len(self.table.with_role(ACTIVE)) >= self.spec.nnodes:
+                    self._maybe_form(now)
+                else:
+                    self._finish(1, f"only {len(self.table.with_role(ACTIVE))} of {self.spec.nnodes} nodes "
+                                    f"registered within {self.spec.rdzv_timeout:g} s; start the missing nodes "
+                                    "or lower --nnodes")
+                    return
+        for node in self.table.live():
+            silent = now - node.last_heard
+            if silent > self.spec.heartbeat_timeout:
+                self._node_failed(node.node_id, f"no heartbeat for {silent:.1f} s", now)
+        if self.flush is not None and now >= self.flush.deadline:
+            for node_id in sorted(self.flush.waiting):
+                self._node_failed(node_id, f"no answer to a probe within {self.spec.probe_timeout:g} s", now)
+            if self.flush is not None:
+                self.flush.waiting.clear()
+        if now >= self.next_ping:
+            self.next_ping = now + self.spec.heartbeat_interval
+            self.seq += 1
+            for node in self.table.live():
+                self._send(node.node_id, p.Ping(seq=self.seq))
+        self._fire_faults(now)
+
+    def _fire_faults(self, now: float) -> None:
+        if self.generation < 0 or not self.faults.pending:
+            return
+        steps = {node.node_rank: node.last_step for node in self.table.with_role(ACTIVE)}
+        for spec in self.faults.due(steps, now - (self.training_since or now)):
+            if spec.node_rank >= len(self.layout):
+                self._publish("fault_skipped", spec=str(spec), reason="no such node rank")
+                continue
+            node_id = self.layout[spec.node_rank]
+            self.injected_at[node_id] = now
+            self._send(node_id, p.Inject(kind=spec.kind, local_rank=spec.local_rank))
+            self._publish("fault_injected", node=node_id, node_rank=spec.node_rank, kind=spec.kind, spec=str(spec))
+
+    # -- views -----------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """A read-only view for dashboards and tests."""
+        return {
+            "generation": self.generation,
+            "layout": list(self.layout),
+            "nodes": {n: dataclasses.asdict(node) for n, node in self.table.nodes.items()},
+            "dropped": dict(self.dropped),
+        }

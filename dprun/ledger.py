@@ -1,0 +1,94 @@
+"""Which replica store holds which rank's snapshot at which step, and the restore step that follows.
+
+Pure logic used by the controller when it reconstructs a generation (DESIGN.md, protocol step 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KEEP_PER_HOLDER = 3  # mirrors dpagent.replica_store retention
+INIT = "init"  # restore source: keep the freshly initialised state (a rank that never had a snapshot)
+
+
+@dataclass
+class RestorePlan:
+    step: int
+    sources: dict[int, str] = field(default_factory=dict)  # rank -> holder node id, "" (own local copy) or INIT
+    lost: list[int] = field(default_factory=list)  # ranks whose state is gone
+
+
+class ReplicaLedger:
+    def __init__(self, keep: int = KEEP_PER_HOLDER):
+        self.keep = keep
+        self.held: dict[int, dict[str, list[int]]] = {}  # rank -> holder -> newest steps, ascending
+        self.newest_ever: dict[int, int] = {}  # rank -> newest step ever replicated (bounded by its live state)
+
+    def stored(self, rank: int, step: int, holder: str) -> None:
+        steps = self.held.setdefault(rank, {}).setdefault(holder, [])
+        if step not in steps:
+            steps.append(step)
+            steps.sort()
+            del steps[: -self.keep]
+        self.newest_ever[rank] = max(step, self.newest_ever.get(rank, -1))
+
+    def holder_lost(self, holder: str) -> None:
+        for by_holder in self.held.values():
+            by_holder.pop(holder, None)
+
+    def rollback(self, step: int) -> None:
+        """All ranks go back to `step`: copies of later steps no longer bound anyone's live state."""
+        for rank, by_holder in self.held.items():
+            for steps in by_holder.values():
+                steps[:] = [s for s in steps if s <= step]
+            if self.newest_ever.get(rank, -1) > step:
+                self.newest_ever[rank] = step
+
+    def newest_live(self, rank: int) -> int | None:
+        steps = [s for held in self.held.get(rank, {}).values() for s in held]
+        return max(steps) if steps else None
+
+    def holder_of(self, rank: int, step: int) -> str | None:
+        for holder, steps in sorted(self.held.get(rank, {}).items()):
+            if step in steps:
+                return holder
+        return None
+
+    def plan(self, world_size: int, failed_ranks: set[int]) -> RestorePlan:
+        """The newest step every rank can come back to; failed nodes must already be `holder_lost`.
+
+        A failed rank comes back from a live replica; one that never had a snapshot comes back from its
+        fresh initial state at step 0; one whose every copy is gone is lost. A surviving rank is bounded
+        by its newest replicated step (it never lags its live state by more than the local copies hold).
+        """
+        bounds: dict[int, int] = {}
+        lost = []
+        for rank in range(world_size):
+            if rank in failed_ranks:
+                live = self.newest_live(rank)
+                if live is not None:
+                    bounds[rank] = live
+                elif rank in self.newest_ever:
+                    lost.append(rank)
+                else:
+                    bounds[rank] = 0
+            else:
+                bounds[rank] = max(self.newest_ever.get(rank, 0), 0)
+        if lost:
+            return RestorePlan(step=-1, lost=lost)
+        step = min(bounds.values()) if bounds else 0
+        sources: dict[int, str] = {}
+        for rank in range(world_size):
+            holder = self.holder_of(rank, step)
+            if rank in failed_ranks:
+                if holder is not None:
+                    sources[rank] = holder
+                elif step == 0 and rank not in self.newest_ever:
+                    sources[rank] = INIT
+                else:
+                    lost.append(rank)
+            else:
+                sources[rank] = holder or ""
+        if lost:
+            return RestorePlan(step=-1, lost=lost)
+        return RestorePlan(step=step, sources=sources)

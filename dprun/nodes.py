@@ -1,0 +1,49 @@
+"""The controller's table of nodes: who registered, in which role, at which node rank, when last heard.
+
+Pure data with a few queries; the controller decides, this only records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ACTIVE, SPARE, FAILED = "active", "spare", "failed"
+
+
+@dataclass
+class Node:
+    node_id: str
+    host: str
+    pid: int
+    nproc: int
+    replica_endpoint: str
+    role: str
+    registered_at: float
+    last_heard: float
+    node_rank: int = -1  # in the current layout; -1 for spares and nodes not yet placed
+    want_rank: int = -1
+    cause: str = ""  # why it failed
+    exited_ok: set = field(default_factory=set)  # local ranks whose worker exited 0
+    last_step: int = -1  # newest step any of its ranks reported (any generation)
+
+
+class NodeTable:
+    def __init__(self):
+        self.nodes: dict[str, Node] = {}
+        self.order: list[str] = []  # registration order: spares are promoted first-come first-served
+
+    def add(self, node: Node) -> None:
+        self.nodes[node.node_id] = node
+        self.order.append(node.node_id)
+
+    def get(self, node_id: str) -> Node | None:
+        return self.nodes.get(node_id)
+
+    def with_role(self, role: str) -> list[Node]:
+        return [self.nodes[n] for n in self.order if self.nodes[n].role == role]
+
+    def live(self) -> list[Node]:
+        return [self.nodes[n] for n in self.order if self.nodes[n].role != FAILED]
+
+    def __len__(self) -> int:
+        return len(self.nodes)

@@ -1,0 +1,90 @@
+"""Shared test fixtures: free ports, process-tree cleanup and leftover checks for multi-process tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """Starts commands in their own session and kills every descendant at teardown."""
+
+    def __init__(self):
+        self.started: list[subprocess.Popen] = []
+
+    def popen(self, args, **kwargs) -> subprocess.Popen:
+        kwargs.setdefault("start_new_session", True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.update(kwargs.pop("env", {}) or {})
+        proc = subprocess.Popen(args, env=env, **kwargs)
+        self.started.append(proc)
+        return proc
+
+    def dprun(self, *args, **kwargs) -> subprocess.Popen:
+        return self.popen([sys.executable, "-m", "dprun", *map(str, args)], **kwargs)
+
+    def kill_all(self):
+        for proc in self.started:
+            try:
+                tree = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                tree = []
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            for child in tree:
+                try:
+                    child.resume()
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _our_descendants() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture
+def procs():
+    """Start processes through this; all of them and their descendants are gone after the test."""
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    tracker = Processes()
+    try:
+        yield tracker
+    finally:
+        tracker.kill_all()
+    # descendants started in new sessions still count as our children while the parent lives
+    leftovers = _our_descendants()
+    for p in leftovers:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not leftovers, f"processes left behind: {[p.pid for p in leftovers]}"
+    assert shm_after <= shm_before, f"/dev/shm segments left behind: {sorted(shm_after - shm_before)}"
+
+
+@pytest.fixture
+def port():
+    return free_port()
