@@ -1,0 +1,227 @@
+"""Unit tests of the controller's state machine: forming, failures, spare promotion, fencing, restore step."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpagent import protocol as p
+from dprun.controller import Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
+from dprun.faults import parse_fault
+
+
+def spec(**kw) -> JobSpec:
+    base = dict(nnodes=2, spares=1, nproc_per_node=1, store_endpoint="127.0.0.1:1", heartbeat_interval=0.5,
+                heartbeat_timeout=5.0, probe_timeout=1.0, rdzv_timeout=30.0)
+    base.update(kw)
+    return JobSpec(**base)
+
+
+class Harness:
+    """Drives a Controller with a fake clock and records what it does."""
+
+    def __init__(self, job: JobSpec):
+        self.now = 0.0
+        self.c = Controller(job, self.now)
+        self.sent: list[Send] = []
+        self.events: list[dict] = []
+        self.finish: Finish | None = None
+
+    def feed(self, event, dt: float = 0.0):
+        self.now += dt
+        actions = self.c.handle(event, self.now)
+        for a in actions:
+            if isinstance(a, Send):
+                self.sent.append(a)
+            elif isinstance(a, Publish):
+                self.events.append(a.event)
+            elif isinstance(a, Finish):
+                self.finish = a
+        return actions
+
+    def msg(self, node: str, m):
+        return self.feed(Received(node, m))
+
+    def register(self, node: str, spare=False, rank=-1, nproc=1):
+        return self.msg(node, p.Register(node, "h", 1, nproc, spare, rank, f"tcp://{node}:1"))
+
+    def sent_to(self, node: str, kind) -> list:
+        return [s.msg for s in self.sent if s.node_id == node and isinstance(s.msg, kind)]
+
+    def pong_all(self):
+        seq = self.c.seq
+        for node in self.c.table.live():
+            self.msg(node.node_id, p.Pong(node.node_id, seq))
+
+    def named(self, name: str) -> list[dict]:
+        return [e for e in self.events if e["event"] == name]
+
+
+def formed(job=None) -> Harness:
+    h = Harness(job or spec())
+    h.register("a", rank=0)
+    h.register("b", rank=1)
+    h.register("s", spare=True)
+    return h
+
+
+def test_first_generation_forms_when_every_node_registered():
+    h = Harness(spec())
+    h.register("a", rank=0)
+    h.register("b", rank=1)
+    assert h.c.generation == -1, "waits for the spare"
+    h.register("s", spare=True)
+    assert h.c.generation == 0
+    assert h.c.layout == ["a", "b"]
+    (ra,) = h.sent_to("a", p.Reconfigure)
+    assert (ra.node_rank, ra.world_size, ra.restore_step) == (0, 2, -1)
+    assert ra.replica_to == "tcp://b:1", "node 0's snapshots live on node 1"
+    assert h.sent_to("s", p.Welcome)[0].role == "spare"
+    assert not h.sent_to("s", p.Reconfigure)
+
+
+def test_forms_without_spares_at_rendezvous_timeout_and_fails_without_actives():
+    h = Harness(spec())
+    h.register("a", rank=0)
+    h.register("b", rank=1)
+    h.feed(Tick(), dt=31)
+    assert h.c.generation == 0
+    lonely = Harness(spec())
+    lonely.register("a")
+    lonely.feed(Tick(), dt=31)
+    assert lonely.finish and lonely.finish.exit_code == 1
+    assert "only 1 of 2 nodes" in lonely.finish.message
+
+
+def test_node_failure_promotes_spare_into_same_node_rank_and_restores_newest_common_step():
+    h = formed()
+    for step in range(0, 6):
+        h.msg("b", p.SnapshotStored("b", 0, step, 0))  # rank 0's copies on b
+        h.msg("a", p.SnapshotStored("a", 1, step, 0))  # rank 1's copies on a
+    h.msg("a", p.SnapshotStored("a", 1, 6, 0))
+    h.msg("a", p.Progress("a", 0, 0, 7))
+    h.feed(NodeGone("b", "agent process exited"), dt=1)
+    assert h.named("node_failed")[0]["node"] == "b"
+    assert h.c.generation == 0, "decision waits for the probe round"
+    h.pong_all()
+    assert h.c.generation == 1
+    assert h.c.layout == ["a", "s"]
+    (rs,) = h.sent_to("s", p.Reconfigure)
+    assert rs.node_rank == 1 and rs.restore_step == 5
+    assert rs.restore_from == {"1": "tcp://a:1"}, "the spare fetches node 1's state from its replica on a"
+    ra = h.sent_to("a", p.Reconfigure)[-1]
+    assert ra.generation == 1 and ra.restore_from == {"0": ""}, "rank 0's replicas died with b: local copy"
+    assert ra.replica_to == "tcp://s:1"
+    assert h.sent_to("b", p.Stop), "the failed node is fenced"
+    assert h.named("spare_promoted")[0] == {"event": "spare_promoted", "spare": "s", "node_rank": 1,
+                                             "generation": 1}
+
+
+def test_recovery_complete_after_every_rank_steps_past_restore_step():
+    h = formed()
+    h.msg("a", p.SnapshotStored("a", 1, 3, 0))
+    h.msg("b", p.SnapshotStored("b", 0, 3, 0))
+    h.msg("a", p.Progress("a", 0, 0, 4))
+    h.msg("b", p.Progress("b", 0, 1, 4))
+    h.c.injected_at["b"] = h.now
+    h.msg("b", p.WorkerExited("b", 0, 0, 99, -9), )
+    h.pong_all()
+    assert h.c.generation == 1
+    h.msg("a", p.WorkerReady("a", 1, 0, 0.02, 0.01, "local"))
+    h.msg("s", p.WorkerReady("s", 1, 1, 0.03, 0.05, "replica"))
+    h.feed(Received("a", p.Progress("a", 1, 0, 4)), dt=0.5)
+    assert not h.named("recovery_complete")
+    h.feed(Received("s", p.Progress("s", 1, 1, 4)), dt=0.1)
+    (done,) = h.named("recovery_complete")
+    assert done["restore_step"] == 3 and done["lost_steps"] == 1 and done["generation"] == 1
+    assert done["phases"]["rebuild_s"] == 0.03 and done["phases"]["restore_s"] == 0.05
+    assert done["phases"]["total_s"] == pytest.approx(0.6)
+    assert "worker 0 (pid 99) killed by SIGKILL" in h.named("node_failed")[0]["cause"]
+
+
+def test_stale_generation_and_fenced_messages_change_nothing():
+    h = formed()
+    h.feed(NodeGone("b", "gone"))
+    h.pong_all()
+    before = h.c.snapshot()
+    h.msg("a", p.Progress("a", 0, 0, 50))  # generation 0 is over
+    h.msg("b", p.SnapshotStored("b", 0, 50, 1))  # b is fenced
+    h.msg("zz", p.Heartbeat("zz", 1))  # never registered
+    after = h.c.snapshot()
+    assert after["nodes"] == before["nodes"]
+    assert after["dropped"]["stale generation"] == 1
+    assert after["dropped"]["fenced node"] == 1
+    assert after["dropped"]["unregistered sender"] == 1
+
+
+def test_no_spare_left_stops_the_job_naming_the_node():
+    h = Harness(spec(spares=0))
+    h.register("a", rank=0)
+    h.register("b", rank=1)
+    h.msg("b", p.WorkerExited("b", 0, 0, 7, 1, "Traceback ..."))
+    h.pong_all()
+    assert h.finish and h.finish.exit_code == 1
+    assert "b (node rank 1" in h.finish.message and "no spare left" in h.finish.message
+    assert h.sent_to("a", p.Stop)
+
+
+def test_missed_heartbeats_fail_a_frozen_node():
+    h = formed()
+    for _ in range(12):  # a keeps talking, b is frozen
+        h.msg("a", p.Heartbeat("a", 0))
+        h.msg("s", p.Heartbeat("s", -1))
+        h.feed(Tick(), dt=0.5)
+    failed = h.named("node_failed")
+    assert [e["node"] for e in failed] == ["b"]
+    assert failed[0]["cause"].startswith("no heartbeat")
+
+
+def test_peer_error_probes_and_fails_the_node_that_does_not_answer():
+    h = formed()
+    h.msg("a", p.PeerError("a", 0, 0, "Connection reset by peer"))
+    seq = h.c.seq
+    assert {s.node_id for s in h.sent if isinstance(s.msg, p.Ping) and s.msg.seq == seq} == {"a", "b", "s"}
+    h.msg("a", p.Pong("a", seq))
+    h.msg("s", p.Pong("s", seq))
+    h.feed(Tick(), dt=1.1)
+    assert h.named("node_failed")[0]["node"] == "b"
+    assert "probe" in h.named("node_failed")[0]["cause"]
+    h.pong_all()
+    assert h.c.generation == 1
+
+
+def test_state_lost_when_a_node_and_its_replica_holder_die_together():
+    h = formed(spec(nnodes=3, spares=2))
+    h.register("c", rank=2)
+    h.register("t", spare=True)
+    assert h.c.generation == 0
+    h.msg("c", p.SnapshotStored("c", 1, 4, 0))  # rank 1's copy lives on c
+    h.msg("b", p.Progress("b", 0, 1, 5))
+    h.feed(NodeGone("b", "killed"))
+    h.feed(NodeGone("c", "killed"))
+    h.pong_all()
+    assert h.finish and h.finish.exit_code == 1 and "state lost" in h.finish.message
+
+
+def test_fault_injection_fires_once_on_the_node_holding_that_rank():
+    h = formed(spec(faults=(parse_fault("kill-node:1@step=3"),)))
+    h.msg("b", p.Progress("b", 0, 1, 2))
+    assert not h.sent_to("b", p.Inject)
+    h.msg("b", p.Progress("b", 0, 1, 3))
+    h.msg("b", p.Progress("b", 0, 1, 4))
+    assert h.sent_to("b", p.Inject) == [p.Inject("kill-node", 0)]
+
+
+def test_job_finishes_when_every_active_worker_exits_zero():
+    h = formed()
+    h.msg("a", p.WorkerExited("a", 0, 0, 1, 0))
+    assert h.finish is None
+    h.msg("b", p.WorkerExited("b", 0, 0, 2, 0))
+    assert h.finish and h.finish.exit_code == 0
+    assert h.sent_to("s", p.Stop), "spares are told to stop too"
+
+
+def test_wrong_worker_count_is_refused():
+    h = Harness(spec(nproc_per_node=2))
+    h.register("a", nproc=1)
+    assert h.sent_to("a", p.Stop)[0].exit_code == 2
+    assert len(h.c.table) == 0
