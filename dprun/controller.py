@@ -19,6 +19,8 @@ from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 
 
+PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
+
 # ----------------------------------------------------------------------------- configuration
 
 
@@ -104,6 +106,7 @@ class Recovery:
     restore_step: int = -1
     lost_steps: int = 0
     promoted: dict = field(default_factory=dict)  # node rank -> spare node id
+    holder_lost: bool = False  # a replica holder outside the layout (a spare) died: re-point replication
     ready: dict = field(default_factory=dict)  # rank -> (rebuild_s, restore_s)
     stepped: set = field(default_factory=set)  # ranks that completed a step after the restore step
 
@@ -148,8 +151,11 @@ class Controller:
         self.seq = 0
         self.next_ping = now
         self.injected_at: dict[str, float] = {}
+        self.holders: dict[int, str] = {}  # node rank -> node holding its replicas, this generation
+        self.unrestored: set[int] = set()  # ranks handed to a new node that has not yet restored their state
         self.dropped: dict[str, int] = {}
         self.max_step = 0
+        self.last_progress_event = float("-inf")
         self.recoveries: list[Recovery] = []
         self._out: list = []
 
@@ -280,6 +286,9 @@ class Controller:
     def _on_Progress(self, node: Node, msg: p.Progress, now: float) -> None:
         node.last_step = max(node.last_step, msg.step)
         self.max_step = max(self.max_step, msg.step)
+        if now - self.last_progress_event >= PROGRESS_EVERY_S:
+            self.last_progress_event = now
+            self._publish("progress", generation=self.generation, step=self.max_step, **msg.metrics)
         rec = self.recovery
         if rec is not None and msg.step > rec.restore_step:
             rec.stepped.add(msg.rank)
@@ -291,6 +300,7 @@ class Controller:
         self.ledger.stored(msg.rank, msg.step, node.node_id)
 
     def _on_WorkerReady(self, node: Node, msg: p.WorkerReady, now: float) -> None:
+        self.unrestored.discard(msg.rank)
         if self.recovery is not None:
             self.recovery.ready[msg.rank] = (msg.rebuild_s, msg.restore_s)
 
@@ -344,6 +354,7 @@ class Controller:
                       spares=len(self.table.with_role(SPARE)), layout=list(self.layout))
 
     def _reconfigure_all(self, restore_step: int, sources: dict[int, str], reason: str) -> None:
+        self.holders = {r: self.replica_holder(r).node_id for r in range(len(self.layout))}
         for node_rank, node_id in enumerate(self.layout):
             restore_from = {}
             for rank in self.ranks_of(node_rank):
@@ -355,7 +366,7 @@ class Controller:
                 generation=self.generation, node_rank=node_rank, nnodes=self.spec.nnodes,
                 nproc_per_node=self.spec.nproc_per_node, world_size=self.spec.world_size,
                 restore_step=restore_step, store_endpoint=self.spec.store_endpoint,
-                replica_to=self.replica_holder(node_rank).replica_endpoint, restore_from=restore_from,
+                replica_to=self.table.nodes[self.holders[node_rank]].replica_endpoint, restore_from=restore_from,
                 reason=reason,
             ))
 
@@ -375,8 +386,14 @@ class Controller:
             self.flush.waiting.discard(node_id)
         if was == SPARE:
             self._publish("spare_lost", node=node_id, spares_left=len(self.table.with_role(SPARE)))
+            if self.generation < 0 or node_id not in self.holders.values():
+                return
+        elif self.generation < 0:  # still forming: the slot opens for the next node to register
             return
-        if self.generation < 0:  # still forming: the slot opens for the next node to register
+        elif any(self.table.nodes[n].exited_ok for n in self.layout):
+            # some ranks already finished and exited: nobody is left to rebuild a generation with
+            self._finish(1, f"node {node_id} (node rank {node.node_rank}) failed after other ranks had finished "
+                            f"and exited (step {self.max_step}): {cause}")
             return
         if self.pending is None:
             if self.recovery is not None:  # a failure during recovery: one recovery covers both
@@ -385,6 +402,7 @@ class Controller:
             else:
                 self.pending = Recovery(failed=[], t_fail=now, t_detect=now)
         self.pending.failed.append(node_id)
+        self.pending.holder_lost |= was == SPARE
         if node_id in self.injected_at:
             self.pending.t_fail = min(self.pending.t_fail, self.injected_at[node_id])
         self._start_flush(now)
@@ -407,7 +425,7 @@ class Controller:
 
     def _reconstruct(self, rec: Recovery, now: float) -> None:
         failed_slots = [i for i, n in enumerate(self.layout) if self.table.nodes[n].role == FAILED]
-        if not failed_slots:
+        if not failed_slots and not rec.holder_lost:
             return
         spares = self.table.with_role(SPARE)
         if len(spares) < len(failed_slots):
@@ -415,13 +433,15 @@ class Controller:
                               for i in failed_slots)
             self._finish(1, f"node failure with no spare left: {names}; rerun with more --spares")
             return
-        failed_ranks = {r for i in failed_slots for r in self.ranks_of(i)}
+        # a rank whose new node has not restored it yet has its state only on replicas, like a failed one
+        failed_ranks = {r for i in failed_slots for r in self.ranks_of(i)} | self.unrestored
         plan = self.ledger.plan(self.spec.world_size, failed_ranks)
         if plan.lost:
             holders = sorted({self.table.nodes[n].node_id for n in rec.failed})
             self._finish(1, f"state lost: ranks {plan.lost} had every copy on failed nodes {holders}; "
                             "rerun with more replicas or restore from disk")
             return
+        self.unrestored |= {r for i in failed_slots for r in self.ranks_of(i)}
         for i in failed_slots:
             spare = spares.pop(0)
             spare.role, spare.node_rank = ACTIVE, i

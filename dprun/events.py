@@ -40,6 +40,9 @@ def describe(event: dict) -> str:
         return (f"recovered into generation {e['generation']} from step {e['restore_step']}, "
                 f"{e['lost_steps']} step(s) recomputed: detect {ph['detect_s']:.2f}s, decide {ph['decide_s']:.2f}s, "
                 f"rebuild {ph['rebuild_s']:.2f}s, restore {ph['restore_s']:.2f}s, total {ph['total_s']:.2f}s")
+    if kind == "progress":
+        loss = f", loss {e['loss']:.4f}" if isinstance(e.get("loss"), (int, float)) else ""
+        return f"step {e['step']} (generation {e['generation']}){loss}"
     if kind == "job_finished":
         return f"job finished with exit code {e['exit_code']}: {e['message']}"
     rest = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time"))

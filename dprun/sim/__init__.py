@@ -1,0 +1,1 @@
+"""Deterministic simulation of the controller under random fault schedules (see runner.run_schedule)."""

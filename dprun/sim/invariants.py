@@ -1,0 +1,134 @@
+"""The controller's safety properties, checked by the simulator after every event it feeds the controller.
+
+Each check raises InvariantViolation with what was seen; liveness and "lost only when gone" are judged at
+the end of a schedule by `judge_outcome`.
+"""
+
+from __future__ import annotations
+
+from dpagent import protocol as p
+from dprun.controller import Received, Send
+from dprun.nodes import ACTIVE, FAILED
+
+
+class InvariantViolation(AssertionError):
+    pass
+
+
+def fingerprint(controller) -> tuple:
+    """The state an older-generation message must not change (liveness timestamps aside)."""
+    table = controller.table.nodes
+    return (
+        controller.generation,
+        tuple(controller.layout),
+        tuple(sorted((n, node.role, node.node_rank) for n, node in table.items())),
+        repr(sorted(controller.ledger.held.items())),
+        controller.max_step,
+        controller.finished,
+        None if controller.recovery is None else controller.recovery.restore_step,
+    )
+
+
+def is_stale(controller, event) -> bool:
+    if not isinstance(event, Received):
+        return False
+    node = controller.table.get(event.node_id)
+    if node is not None and node.role == FAILED:
+        return not isinstance(event.msg, p.Register)
+    generation = getattr(event.msg, "generation", None)
+    return (generation is not None and generation < controller.generation
+            and not isinstance(event.msg, (p.Heartbeat, p.WorkerExited)))
+
+
+class Checker:
+    """Observer for World: per-event safety invariants 1-3."""
+
+    def __init__(self):
+        self.restore_step_of: dict[int, int] = {}
+        self.before = None
+        self.checked = 0
+
+    def before_input(self, world, event) -> None:
+        self.before = fingerprint(world.controller) if is_stale(world.controller, event) else None
+
+    def __call__(self, world, event, actions) -> None:
+        self.checked += 1
+        c = world.controller
+        if self.before is not None and fingerprint(c) != self.before:
+            raise InvariantViolation(f"invariant 2: a stale message changed state: {event}")
+        if c.generation >= 0:
+            self._one_owner_per_rank(world)
+        for action in actions:
+            if isinstance(action, Send) and isinstance(action.msg, p.Reconfigure):
+                self._restore_point(world, action.node_id, action.msg)
+
+    def _one_owner_per_rank(self, world) -> None:
+        c = world.controller
+        layout = c.layout
+        if len(layout) != c.spec.nnodes or len(set(layout)) != len(layout):
+            raise InvariantViolation(f"invariant 1: layout {layout} does not give each node rank one node")
+        if not c.finished and any(c.table.nodes[n].role != ACTIVE for n in layout):
+            if c.pending is None and c.flush is None:
+                raise InvariantViolation(f"invariant 1: a failed node still owns ranks with no recovery under way: "
+                                         f"{[(n, c.table.nodes[n].role) for n in layout]}")
+        owners: dict[tuple[int, int], str] = {}
+        for node in world.nodes.values():
+            if node.running and node.node_rank >= 0 and node.generation == c.generation:
+                key = (node.generation, node.node_rank)
+                if key in owners:
+                    raise InvariantViolation(f"invariant 1: {owners[key]} and {node.node_id} both own node rank "
+                                             f"{node.node_rank} in generation {node.generation}")
+                owners[key] = node.node_id
+
+    def _restore_point(self, world, node_id: str, msg: p.Reconfigure) -> None:
+        step = msg.restore_step
+        seen = self.restore_step_of.setdefault(msg.generation, step)
+        if seen != step:
+            raise InvariantViolation(f"invariant 3: generation {msg.generation} restores from {seen} and {step}")
+        if step < 0:
+            return
+        for rank_text, source in msg.restore_from.items():
+            rank = int(rank_text)
+            if source == "init":
+                if step != 0 or any((rank, s) in world.replicated for s in range(1, world.steps + 1)):
+                    raise InvariantViolation(f"invariant 3: rank {rank} told to start fresh at step {step}")
+                continue
+            if (rank, step) not in world.replicated:
+                raise InvariantViolation(f"invariant 3: rank {rank} restores step {step}, never replicated")
+            if source:
+                holder = world.node_of(source)
+                if holder is None or step not in holder.store.get(rank, []):
+                    raise InvariantViolation(f"invariant 3: {source} does not hold rank {rank} at step {step}")
+
+
+def judge_outcome(world) -> str:
+    """Liveness (4) and 'lost only when gone' (5). Returns the outcome's name."""
+    finish = world.finish
+    if finish is None:
+        raise InvariantViolation(f"liveness: no progress to an end by t={world.now:.1f}s "
+                                 f"(generation {world.controller.generation}, step {world.controller.max_step})")
+    if finish.exit_code == 0:
+        for node_id in world.controller.layout:
+            for worker in world.nodes[node_id].workers:
+                if worker.state != world.steps:
+                    raise InvariantViolation(f"finished with rank {worker.rank} at step {worker.state}")
+        return "completed"
+    if "state lost" in finish.message:
+        c = world.controller
+        failed_ranks = [r for i, n in enumerate(c.layout) if c.table.nodes[n].role == FAILED for r in c.ranks_of(i)]
+        failed_ranks += sorted(c.unrestored)
+        gone = [r for r in failed_ranks if not any(n.running and n.store.get(r) for n in world.nodes.values())]
+        if not gone:
+            raise InvariantViolation(f"invariant 5: state reported lost while every rank has a live copy: "
+                                     f"{finish.message}")
+        return "state-lost"
+    if "after other ranks had finished" in finish.message:
+        if world.controller.max_step < world.steps:
+            raise InvariantViolation(f"ended as finished before the last step: {finish.message}")
+        return "failed-at-exit"
+    if "no spare left" in finish.message:
+        if world.failures <= world.spec.spares:
+            raise InvariantViolation(f"no spare left after {world.failures} failures with "
+                                     f"{world.spec.spares} spares: {finish.message}")
+        return "spares-exhausted"
+    raise InvariantViolation(f"job ended with {finish.exit_code}: {finish.message}")

@@ -1,0 +1,81 @@
+"""Runs one fault schedule through the simulated cluster and judges it; a failing seed replays exactly.
+
+`run_schedule(random_schedule(seed))` returns the outcome name or raises InvariantViolation.
+"""
+
+from __future__ import annotations
+
+import random
+
+from .invariants import Checker, InvariantViolation, judge_outcome
+from .schedule import Fault, Schedule
+from .world import World
+
+SIM_SECONDS = 120.0
+
+
+class FaultDriver:
+    """Applies a schedule's faults to the world at their times (or at the next reconfiguration)."""
+
+    def __init__(self, world: World, rng: random.Random):
+        self.world, self.rng = world, rng
+        self.armed: list[Fault] = []
+
+    def fire(self, fault: Fault) -> None:
+        w = self.world
+        c = w.controller
+        if fault.kind == "kill-during-recovery":
+            self.armed.append(fault)
+            return
+        if fault.kind == "kill-spare":
+            candidates = [n for n in w.nodes.values() if n.running and n.node_id not in c.layout]
+        else:
+            candidates = [w.nodes[n] for n in c.layout if w.nodes[n].running]
+        if not candidates:
+            return
+        node = candidates[int(fault.pick * len(candidates)) % len(candidates)]
+        w.failures += 1
+        if fault.kind in ("kill-node", "kill-spare"):
+            w.kill_node(node.node_id, observed_by_parent=True)
+        elif fault.kind == "kill-node-silent":
+            w.kill_node(node.node_id, observed_by_parent=False)
+        elif fault.kind == "kill-worker":
+            w.kill_worker(node.node_id, 0)
+        elif fault.kind in ("freeze-node", "freeze-wake"):
+            w.freeze_node(node.node_id)
+            if fault.kind == "freeze-wake":
+                w.at(fault.wake_after, w.wake_node, node.node_id)
+
+    def on_reconfigure(self) -> None:
+        while self.armed:
+            fault = self.armed.pop(0)
+            self.world.at(self.rng.uniform(0.0, 0.05), self.fire, Fault(0, "kill-node", fault.pick))
+
+
+class _Observer(Checker):
+    def __init__(self, driver_ref: list):
+        super().__init__()
+        self.driver_ref = driver_ref
+
+    def __call__(self, world, event, actions) -> None:
+        super().__call__(world, event, actions)
+        driver = self.driver_ref[0] if self.driver_ref else None
+        if driver and any(getattr(a, "event", {}).get("event") == "reconfigure" for a in actions):
+            driver.on_reconfigure()
+
+
+def run_schedule(schedule: Schedule) -> str:
+    rng = random.Random(schedule.seed * 7919 + 1)
+    ref: list = []
+    observer = _Observer(ref)
+    world = World(schedule.spec(), schedule.nnodes + schedule.spares, schedule.steps, rng, observer=observer)
+    driver = FaultDriver(world, rng)
+    ref.append(driver)
+    for fault in schedule.faults:
+        world.at(fault.at, driver.fire, fault)
+    try:
+        world.run(until=SIM_SECONDS)
+        return judge_outcome(world)
+    except InvariantViolation as exc:
+        trail = "\n  ".join(world.log[-10:] + [f"{e['time']:.3f} {e['event']}" for e in world.events[-15:]])
+        raise InvariantViolation(f"{exc}\n{schedule.describe()}\n  {trail}") from None

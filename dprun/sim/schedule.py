@@ -1,0 +1,54 @@
+"""Random fault schedules for the simulator, reproducible from one seed.
+
+A schedule is a job shape plus timed faults: kills, freezes, wake-ups, worker kills, spare kills, and
+faults armed to strike while a recovery is under way.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from dprun.controller import JobSpec
+
+KINDS = ["kill-node", "kill-node-silent", "kill-worker", "freeze-node", "freeze-wake", "kill-spare",
+         "kill-during-recovery"]
+
+
+@dataclass
+class Fault:
+    at: float
+    kind: str
+    pick: float  # which node, as a fraction of the candidates at fire time
+    wake_after: float = 0.0
+
+
+@dataclass
+class Schedule:
+    seed: int
+    nnodes: int
+    spares: int
+    nproc: int
+    steps: int
+    faults: list = field(default_factory=list)
+
+    def spec(self) -> JobSpec:
+        return JobSpec(nnodes=self.nnodes, spares=self.spares, nproc_per_node=self.nproc, store_endpoint="sim:0",
+                       heartbeat_interval=0.5, heartbeat_timeout=2.0, probe_timeout=0.5, rdzv_timeout=5.0)
+
+    def describe(self) -> str:
+        faults = ", ".join(f"{f.kind}@{f.at:.2f}" for f in self.faults) or "no faults"
+        return (f"seed {self.seed}: {self.nnodes} nodes x {self.nproc} + {self.spares} spares, "
+                f"{self.steps} steps; {faults}")
+
+
+def random_schedule(seed: int, max_nodes: int = 4) -> Schedule:
+    rng = random.Random(seed)
+    nnodes = rng.randint(1, max_nodes)
+    spares = rng.randint(0, 3)
+    nproc = rng.choice([1, 1, 2])
+    steps = rng.randint(10, 40)
+    faults = [Fault(at=rng.uniform(0.2, 3.0), kind=rng.choice(KINDS), pick=rng.random(),
+                    wake_after=rng.uniform(0.5, 6.0))
+              for _ in range(rng.choice([0, 1, 1, 2, 2, 3, 4]))]
+    return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at))

@@ -1,0 +1,365 @@
+"""A simulated cluster for the controller: fake clock, fake agents and workers, a lossy reordering network.
+
+The real Controller runs unchanged inside it; everything else is a small model of what agents and
+dpstate workers do (lockstep data-parallel steps, snapshots acked by a replica store, recovery).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dpagent import protocol as p
+from dprun.controller import Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
+
+CONTROLLER = "controller"
+KEEP_REPLICA = 3
+KEEP_LOCAL = 3
+
+
+@dataclass
+class SimWorker:
+    rank: int = -1
+    generation: int = -1
+    state: int = 0  # optimizer steps applied
+    phase: str = "waiting"  # waiting (for a Reconfigure), running, blocked, recovering, done, dead
+    local: list = field(default_factory=list)  # snapshot steps held locally
+    acked: int = -1  # newest snapshot acked by the replica store
+    restore: Any = None  # the Reconfigure being applied
+
+
+@dataclass
+class SimNode:
+    node_id: str
+    nproc: int
+    alive: bool = True
+    frozen: bool = False
+    stopped: bool = False
+    welcomed: bool = False
+    generation: int = -1
+    node_rank: int = -1
+    replica_to: str = ""
+    store: dict = field(default_factory=dict)  # rank -> sorted steps held
+    workers: list = field(default_factory=list)
+    inbox_while_frozen: list = field(default_factory=list)
+    deferred: list = field(default_factory=list)  # its own work that came due while it was frozen
+
+    @property
+    def running(self) -> bool:
+        return self.alive and not self.frozen and not self.stopped
+
+    @property
+    def endpoint(self) -> str:
+        return f"sim://{self.node_id}"
+
+
+class World:
+    """Discrete-event simulation. `observer(world, event, actions)` is called after every controller input."""
+
+    def __init__(self, spec: JobSpec, nodes: int, steps: int, rng: random.Random,
+                 observer: Callable[["World", Any, list], None] | None = None,
+                 delay: tuple[float, float] = (0.0005, 0.01), hb_interval: float = 0.5):
+        self.spec, self.steps, self.rng = spec, steps, rng
+        self.now = 0.0
+        self.queue: list = []
+        self.seq = itertools.count()
+        self.delay = delay
+        self.channel_clock: dict[tuple[str, str], float] = {}
+        self.controller = Controller(spec, self.now)
+        self.nodes = {f"n{i}": SimNode(f"n{i}", spec.nproc_per_node) for i in range(nodes)}
+        self.observer = observer
+        self.finish: Finish | None = None
+        self.events: list[dict] = []
+        self.hb_interval = hb_interval
+        self.entered: dict[tuple[int, int], set] = {}  # (generation, step) -> ranks in the all-reduce
+        self.ready: dict[int, set] = {}  # generation -> ranks at the post-restore barrier
+        self.log: list[str] = []
+        self.replicated: set = set()  # (rank, step) ever stored on a replica: the truth invariants check
+        self.failures = 0  # nodes that failed by a fault (killed, frozen, a worker killed)
+        for i, node in enumerate(self.nodes.values()):
+            node.workers = [SimWorker() for _ in range(node.nproc)]
+            want_spare = i >= spec.nnodes
+            self.at(rng.uniform(0, 0.05), self._agent_send, node.node_id,
+                    p.Register(node.node_id, "sim", i, node.nproc, want_spare, -1, node.endpoint))
+            self.at(rng.uniform(0, hb_interval), self._heartbeat, node.node_id)
+        self.at(0.05, self._tick)
+
+    # -- scheduling ------------------------------------------------------------------------------
+
+    def at(self, dt: float, fn, *args) -> None:
+        heapq.heappush(self.queue, (self.now + dt, next(self.seq), fn, args))
+
+    def run(self, until: float) -> None:
+        while self.queue and self.finish is None:
+            t, _, fn, args = heapq.heappop(self.queue)
+            if t > until:
+                break
+            self.now = t
+            fn(*args)
+
+    def _link_delay(self, src: str, dst: str) -> float:
+        """FIFO per connection (TCP), random delay, independent across connections (reordering)."""
+        base = self.now + self.rng.uniform(*self.delay)
+        t = max(base, self.channel_clock.get((src, dst), 0.0) + 1e-6)
+        self.channel_clock[(src, dst)] = t
+        return t - self.now
+
+    # -- controller side -------------------------------------------------------------------------
+
+    def _controller_input(self, event) -> None:
+        if self.finish is not None:
+            return
+        if self.observer is not None and hasattr(self.observer, "before_input"):
+            self.observer.before_input(self, event)
+        actions = self.controller.handle(event, self.now)
+        for action in actions:
+            if isinstance(action, Send):
+                self.at(self._link_delay(CONTROLLER, action.node_id), self._agent_receive, action.node_id, action.msg)
+            elif isinstance(action, Publish):
+                self.events.append({**action.event, "time": self.now})
+            elif isinstance(action, Finish):
+                self.finish = action
+        if self.observer:
+            self.observer(self, event, actions)
+
+    def _tick(self) -> None:
+        self._controller_input(Tick())
+        self.at(0.05, self._tick)
+
+    def _agent_send(self, node_id: str, msg) -> None:
+        node = self.nodes[node_id]
+        if not node.alive or node.frozen or node.stopped:
+            return
+        self.at(self._link_delay(node_id, CONTROLLER), self._controller_input, Received(node_id, msg))
+
+    def _heartbeat(self, node_id: str) -> None:
+        node = self.nodes[node_id]
+        if not node.alive or node.stopped:
+            return
+        if not node.frozen:
+            self._agent_send(node_id, p.Heartbeat(node_id, node.generation))
+        self.at(self.hb_interval, self._heartbeat, node_id)
+
+    # -- agent side ------------------------------------------------------------------------------
+
+    def _agent_receive(self, node_id: str, msg) -> None:
+        node = self.nodes[node_id]
+        if not node.alive or node.stopped:
+            return
+        if node.frozen:
+            node.inbox_while_frozen.append(msg)
+            return
+        if isinstance(msg, p.Ping):
+            self._agent_send(node_id, p.Pong(node_id, msg.seq))
+        elif isinstance(msg, p.Welcome):
+            node.welcomed = True
+        elif isinstance(msg, p.Stop):
+            self._stop_node(node)
+        elif isinstance(msg, p.Reconfigure):
+            node.generation, node.node_rank, node.replica_to = msg.generation, msg.node_rank, msg.replica_to
+            for local, worker in enumerate(node.workers):
+                self.at(self._link_delay(node_id, f"{node_id}/{local}"), self._worker_reconfigure, node, local, msg)
+
+    def _stop_node(self, node: SimNode) -> None:
+        node.stopped = True
+        for worker in node.workers:
+            worker.phase = "dead" if worker.phase != "done" else "done"
+
+    @staticmethod
+    def _frozen(node: SimNode, fn, *args) -> bool:
+        """A frozen node does nothing; what came due runs when it wakes (TCP keeps the bytes meanwhile)."""
+        if node.frozen and node.alive:
+            node.deferred.append((fn, args))
+            return True
+        return False
+
+    def node_of(self, endpoint: str) -> SimNode | None:
+        return self.nodes.get(endpoint.removeprefix("sim://"))
+
+    # -- worker side -----------------------------------------------------------------------------
+
+    def _worker_reconfigure(self, node: SimNode, local: int, msg: p.Reconfigure) -> None:
+        if self._frozen(node, self._worker_reconfigure, node, local, msg):
+            return
+        worker = node.workers[local]
+        if not node.running or worker.phase in ("dead", "done") or msg.generation <= worker.generation:
+            return
+        worker.generation = msg.generation
+        worker.rank = msg.node_rank * msg.nproc_per_node + local
+        worker.phase = "recovering"
+        worker.restore = msg
+        self.at(self.rng.uniform(0.001, 0.03), self._worker_restore, node, local, msg.generation)
+
+    def _worker_restore(self, node: SimNode, local: int, generation: int) -> None:
+        if self._frozen(node, self._worker_restore, node, local, generation):
+            return
+        worker = node.workers[local]
+        if not node.running or worker.generation != generation or worker.phase != "recovering":
+            return
+        msg = worker.restore
+        step, source = msg.restore_step, msg.restore_from.get(str(worker.rank), "")
+        if step < 0:
+            worker.state, worker.local, worker.acked = 0, [], -1
+        elif source == "init" and step == 0:
+            worker.state, worker.local, worker.acked = 0, [], -1
+        elif step in worker.local and worker.state >= step:
+            worker.state = step
+        else:
+            holder = self.node_of(source) if source not in ("", "init") else None
+            if holder is None or not holder.running or step not in holder.store.get(worker.rank, []):
+                # the source is gone: not this node's fault; say so and wait for the next reconfiguration
+                worker.phase = "restore-failed"
+                self._agent_send(node.node_id, p.PeerError(node.node_id, generation, worker.rank,
+                                                           f"snapshot of rank {worker.rank} at step {step} not found"))
+                return
+            worker.state = step
+        worker.local = [s for s in worker.local if s < worker.state] + [worker.state]  # the restored copy
+        worker.acked = min(worker.acked, worker.state)
+        worker.phase = "ready"
+        self.ready.setdefault(generation, set()).add(worker.rank)
+        self._agent_send(node.node_id, p.WorkerReady(node.node_id, generation, worker.rank, 0.01, 0.01, "sim"))
+        self._try_release_barrier(generation)
+
+    def _try_release_barrier(self, generation: int) -> None:
+        if len(self.ready.get(generation, ())) < self.spec.world_size:
+            return
+        for node in self.nodes.values():
+            for local, worker in enumerate(node.workers):
+                if worker.generation == generation and worker.phase == "ready" and node.running:
+                    worker.phase = "running"
+                    self._take_snapshot(node, local)
+                    self.at(self.rng.uniform(0.005, 0.02), self._worker_step, node, local, generation)
+
+    def _take_snapshot(self, node: SimNode, local: int) -> None:
+        worker = node.workers[local]
+        worker.local = (worker.local + [worker.state])[-KEEP_LOCAL:]
+        holder = self.node_of(node.replica_to)
+        if holder is None:
+            return
+        put = (worker.rank, worker.state, worker.generation)
+        self.at(self._link_delay(node.node_id, holder.node_id), self._store_put, holder, node, local, put)
+
+    def _store_put(self, holder: SimNode, sender: SimNode, local: int, put) -> None:
+        if self._frozen(holder, self._store_put, holder, sender, local, put):
+            return
+        if not holder.running:
+            return  # the sender waits forever for the ack; recovery will abort it
+        rank, step, generation = put
+        self.replicated.add((rank, step))
+        steps = holder.store.setdefault(rank, [])
+        if step not in steps:
+            steps.append(step)
+            steps.sort()
+            del steps[:-KEEP_REPLICA]
+        self._agent_send(holder.node_id, p.SnapshotStored(holder.node_id, rank, step, generation))
+        self.at(self._link_delay(holder.node_id, sender.node_id), self._snapshot_acked, sender, local, generation, step)
+
+    def _snapshot_acked(self, node: SimNode, local: int, generation: int, step: int) -> None:
+        if self._frozen(node, self._snapshot_acked, node, local, generation, step):
+            return
+        worker = node.workers[local]
+        if node.running and worker.generation == generation:
+            worker.acked = max(worker.acked, step)
+            if worker.phase == "blocked":  # waiting in the optimizer pre-step hook
+                worker.phase = "running"
+                self._apply_step(node, local)
+
+    def _worker_step(self, node: SimNode, local: int, generation: int) -> None:
+        """Forward/backward done: enter the all-reduce of step state+1."""
+        if self._frozen(node, self._worker_step, node, local, generation):
+            return
+        worker = node.workers[local]
+        if not node.running or worker.generation != generation or worker.phase != "running":
+            return
+        if worker.state >= self.steps:
+            self._worker_exit(node, local, 0, "")
+            return
+        key = (generation, worker.state + 1)
+        self.entered.setdefault(key, set()).add(worker.rank)
+        self._check_allreduce(key)
+
+    def _check_allreduce(self, key) -> None:
+        generation, step = key
+        members = [(n, i, w) for n in self.nodes.values() for i, w in enumerate(n.workers)
+                   if w.generation == generation and w.rank >= 0]
+        if any(w.phase == "dead" or not n.alive for n, _, w in members):
+            for n, i, w in members:  # a dead peer: every survivor's collective raises at once
+                if n.running and w.phase == "running" and w.rank in self.entered.get(key, ()):
+                    w.phase = "failed-collective"
+                    self._agent_send(n.node_id, p.PeerError(n.node_id, generation, w.rank, "peer died"))
+            return
+        if len(self.entered.get(key, ())) < self.spec.world_size:
+            return
+        if any(n.frozen for n, _, w in members):
+            return  # a frozen peer: the all-reduce hangs until the controller reconfigures
+        for n, i, w in members:
+            if w.phase == "running" and w.state == step - 1:
+                if w.acked >= w.state:
+                    self._apply_step(n, i)
+                else:
+                    w.phase = "blocked"
+
+    def _apply_step(self, node: SimNode, local: int) -> None:
+        worker = node.workers[local]
+        worker.state += 1
+        self._agent_send(node.node_id, p.Progress(node.node_id, worker.generation, worker.rank, worker.state))
+        self._take_snapshot(node, local)
+        self.at(self.rng.uniform(0.005, 0.02), self._worker_step, node, local, worker.generation)
+
+    def _worker_exit(self, node: SimNode, local: int, code: int, detail: str) -> None:
+        worker = node.workers[local]
+        worker.phase = "done" if code == 0 else "dead"
+        self._agent_send(node.node_id, p.WorkerExited(node.node_id, node.generation, local, 1000 + local, code, detail))
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def kill_node(self, node_id: str, observed_by_parent: bool = True) -> None:
+        node = self.nodes[node_id]
+        if not node.alive:
+            return
+        node.alive = False
+        for worker in node.workers:
+            worker.phase = "dead"
+        self.log.append(f"{self.now:.3f} kill {node_id}")
+        if observed_by_parent:
+            self.at(self.rng.uniform(0.0005, 0.005), self._controller_input, NodeGone(node_id, "sim: process died"))
+        for key in list(self.entered):
+            self._check_allreduce(key)
+
+    def kill_worker(self, node_id: str, local: int = 0) -> None:
+        node = self.nodes[node_id]
+        if not node.running or node.workers[local].phase in ("dead", "done"):
+            return
+        self.log.append(f"{self.now:.3f} kill-worker {node_id}")
+        self._worker_exit(node, local, -9, "")
+        for key in list(self.entered):
+            self._check_allreduce(key)
+
+    def freeze_node(self, node_id: str) -> None:
+        node = self.nodes[node_id]
+        if node.running:
+            self.log.append(f"{self.now:.3f} freeze {node_id}")
+            node.frozen = True
+
+    def wake_node(self, node_id: str) -> None:
+        node = self.nodes[node_id]
+        if not node.alive or not node.frozen:
+            return
+        self.log.append(f"{self.now:.3f} wake {node_id}")
+        node.frozen = False
+        # it speaks before it reads what was said while it slept: stale heartbeats and progress first
+        self._agent_send(node_id, p.Heartbeat(node_id, node.generation))
+        for worker in node.workers:
+            if worker.phase in ("running", "ready", "blocked") and worker.rank >= 0:
+                self._agent_send(node_id, p.Progress(node_id, worker.generation, worker.rank, worker.state + 1))
+        pending, node.inbox_while_frozen = node.inbox_while_frozen, []
+        for msg in pending:
+            self._agent_receive(node_id, msg)
+        deferred, node.deferred = node.deferred, []
+        for fn, args in deferred:
+            fn(*args)
+        for key in list(self.entered):
+            self._check_allreduce(key)

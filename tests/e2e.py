@@ -1,0 +1,63 @@
+"""Helpers for end-to-end tests: run `dprun` for real, read its events and the trainer's summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import REPO
+
+TRAIN = str(REPO / "examples" / "train_gpt.py")
+# small and quick, still a real GPT on real text
+TRAIN_ARGS = ["--seed", "0", "--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "32",
+              "--batch-size", "8"]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    events: list[dict]
+    summary: dict | None
+    seconds: float
+
+    def named(self, name: str) -> list[dict]:
+        return [e for e in self.events if e["event"] == name]
+
+
+def read_events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def dprun(procs, tmp: Path, name: str, *options: str, steps: int = 40, timeout: float = 150, env=None) -> Run:
+    """Runs `dprun OPTIONS train_gpt.py ...` to its end (killed at `timeout`)."""
+    events = tmp / f"{name}.events.jsonl"
+    summary = tmp / f"{name}.summary.json"
+    start = time.monotonic()
+    proc = procs.dprun(*options, "--events-file", events, TRAIN, "--steps", steps, *TRAIN_ARGS,
+                       "--summary", summary, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       cwd=tmp, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        procs.kill_all()
+        out, err = proc.communicate()
+        raise AssertionError(f"dprun {name} did not finish in {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    return Run(proc.returncode, out, err, read_events(events),
+               json.loads(summary.read_text()) if summary.exists() else None, time.monotonic() - start)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

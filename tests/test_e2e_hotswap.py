@@ -1,0 +1,109 @@
+"""End to end: real dprun, agents and workers on loopback; nodes and workers killed by pid (SIGKILL).
+
+A recovered run must be bitwise identical to the failure-free one (exactly-once training).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import psutil
+import pytest
+
+from conftest import free_port
+from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
+
+pytestmark = pytest.mark.slow
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The failure-free run every recovered run is compared with."""
+    from conftest import Processes
+
+    procs = Processes()
+    try:
+        run = dprun(procs, tmp_path_factory.mktemp("reference"), "reference", "--nnodes", "2", "--spares", "1",
+                    steps=STEPS)
+    finally:
+        procs.kill_all()
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.summary["final_step"] == STEPS
+    assert not run.named("node_failed")
+    return run
+
+
+def _assert_recovered_exactly_once(run, reference):
+    assert run.returncode == 0, run.stderr[-3000:]
+    (done,) = run.named("recovery_complete")
+    assert done["generation"] == 1
+    assert set(done["phases"]) >= {"detect_s", "rebuild_s", "restore_s", "total_s"}
+    (promoted,) = run.named("spare_promoted")
+    assert promoted == {**promoted, "spare": "node2", "node_rank": 1}
+    assert run.summary["final_step"] == STEPS
+    assert run.summary["params_sha256"] == reference.summary["params_sha256"], "recovered run diverged"
+    assert run.named("job_finished")[-1]["exit_code"] == 0
+    return done
+
+
+def test_kill_node_hot_swaps_the_spare_and_trains_bitwise_identically(procs, tmp_path, reference):
+    run = dprun(procs, tmp_path, "kill-node", "--nnodes", "2", "--spares", "1",
+                "--inject", "kill-node:1@step=15", steps=STEPS)
+    done = _assert_recovered_exactly_once(run, reference)
+    (failed,) = run.named("node_failed")
+    assert failed["node"] == "node1" and failed["node_rank"] == 1
+    assert done["phases"]["total_s"] < 10, done
+    assert "recovered into generation 1" in run.stdout
+
+
+def test_kill_worker_is_handled_as_the_node_failing(procs, tmp_path, reference):
+    run = dprun(procs, tmp_path, "kill-worker", "--nnodes", "2", "--spares", "1",
+                "--inject", "kill-worker:1@step=15", steps=STEPS)
+    _assert_recovered_exactly_once(run, reference)
+    (failed,) = run.named("node_failed")
+    assert "SIGKILL" in failed["cause"]
+
+
+def test_failure_without_spare_stops_within_seconds_naming_the_node(procs, tmp_path):
+    run = dprun(procs, tmp_path, "no-spare", "--nnodes", "2", "--spares", "0",
+                "--inject", "kill-node:1@step=5", steps=STEPS, timeout=90)
+    assert run.returncode != 0
+    assert "node1" in run.stderr and "no spare left" in run.stderr
+    failed_at = run.named("node_failed")[0]["time"]
+    finished = run.named("job_finished")[-1]
+    assert finished["time"] - failed_at < 5
+    assert finished["exit_code"] != 0
+
+
+def test_multi_node_mode_survives_a_killed_dprun(procs, tmp_path, reference):
+    token = tmp_path / "token"
+    token.write_text("multi-node-test-secret")
+    endpoint = f"127.0.0.1:{free_port()}"
+    events = tmp_path / "events.jsonl"
+    summary = tmp_path / "summary.json"
+    common = ["--rdzv-endpoint", endpoint, "--nnodes", "2", "--spares", "1", "--token-file", token]
+    script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--summary", summary]
+    head = procs.dprun(*common, "--node-rank", "0", "--events-file", events, *script, cwd=tmp_path,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    victim = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spare = procs.dprun(*common, "--node-rank", "2", *script, cwd=tmp_path,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)),
+             timeout=90, what="training to pass step 8")
+    victim_tree = [victim.pid] + [c.pid for c in psutil.Process(victim.pid).children(recursive=True)]
+    os.kill(victim.pid, signal.SIGKILL)
+    out, err = head.communicate(timeout=120)
+    assert head.returncode == 0, err[-3000:]
+    assert spare.wait(timeout=30) == 0
+    events_seen = read_events(events)
+    assert len([e for e in events_seen if e["event"] == "recovery_complete"]) == 1
+    import json
+
+    result = json.loads(summary.read_text())
+    assert result["params_sha256"] == reference.summary["params_sha256"]
+    wait_for(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                             for pid in victim_tree), timeout=10, what="the killed node's processes to be gone")
