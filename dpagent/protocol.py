@@ -277,20 +277,33 @@ def _check_type(value: Any, annotation: Any) -> bool:
     return True
 
 
+_FIELDS: dict[type, dict[str, Any]] = {}  # message class -> field name -> annotation (cached: hot path)
+
+
+def _fields_of(cls: type) -> dict[str, Any]:
+    known = _FIELDS.get(cls)
+    if known is None:
+        known = _FIELDS[cls] = {f.name: f.type for f in dataclasses.fields(cls)}
+    return known
+
+
 def _from_body(cls: type, body: Any):
     if not isinstance(body, dict):
         raise ProtocolError(f"{cls.__name__}: body is not an object")
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(body) - set(known)
-    if unknown:
-        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    known = _fields_of(cls)
     for name, value in body.items():
-        if not _check_type(value, known[name].type):
+        annotation = known.get(name, _MISSING)
+        if annotation is _MISSING:
+            raise ProtocolError(f"{cls.__name__}: unknown field {name!r}")
+        if not _check_type(value, annotation):
             raise ProtocolError(f"{cls.__name__}.{name}: bad value {value!r}")
     try:
         return cls(**body)
     except TypeError as exc:  # a required field is missing
         raise ProtocolError(f"{cls.__name__}: {exc}") from None
+
+
+_MISSING = object()
 
 
 class Codec:
@@ -304,16 +317,14 @@ class Codec:
         self._key = token
 
     def _mac(self, kind: bytes, body: bytes) -> bytes:
-        mac = hmac.new(self._key, MAGIC, hashlib.sha256)
-        mac.update(len(kind).to_bytes(4, "big") + kind)
-        mac.update(body)
-        return mac.digest()
+        return hmac.digest(self._key, b"".join((MAGIC, len(kind).to_bytes(4, "big"), kind, body)), hashlib.sha256)
 
     def encode(self, msg: Any, payload: Sequence[Any] = ()) -> list:
         kind = type(msg).__name__.encode()
         if kind.decode() not in _REGISTRY:
             raise TypeError(f"not a protocol message: {msg!r}")
-        body = json.dumps(dataclasses.asdict(msg), separators=(",", ":")).encode()
+        fields = {name: getattr(msg, name) for name in _fields_of(type(msg))}
+        body = json.dumps(fields, separators=(",", ":")).encode()
         return [MAGIC, kind, body, self._mac(kind, body), *payload]
 
     def decode(self, frames: Sequence[Any]) -> tuple[Any, list]:

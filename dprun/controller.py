@@ -253,7 +253,7 @@ class Controller:
                 self._welcome(known)
             return
         forming = self.generation < 0
-        actives = len(self.table.with_role(ACTIVE))
+        actives = self.table.count(ACTIVE)
         role = ACTIVE if forming and not msg.want_spare and actives < self.spec.nnodes else SPARE
         node = Node(
             node_id=sender, host=msg.host, pid=msg.pid, nproc=msg.nproc, replica_endpoint=msg.replica_endpoint,
@@ -327,12 +327,12 @@ class Controller:
     # -- forming the first generation ------------------------------------------------------------
 
     def _maybe_form(self, now: float) -> None:
-        actives = self.table.with_role(ACTIVE)
-        if len(actives) < self.spec.nnodes:
+        if self.table.count(ACTIVE) < self.spec.nnodes:
             return
-        spares_ready = len(self.table.with_role(SPARE)) >= self.spec.spares
+        spares_ready = self.table.count(SPARE) >= self.spec.spares
         if not spares_ready and now - self.started_at < self.spec.rdzv_timeout:
             return
+        actives = self.table.with_role(ACTIVE)
         # honour node-rank hints, then fill the gaps in registration order
         layout: list[str | None] = [None] * self.spec.nnodes
         rest = []
@@ -377,7 +377,8 @@ class Controller:
         if node is None or node.role == FAILED:
             return
         was = node.role
-        node.role, node.cause = FAILED, cause
+        self.table.set_role(node, FAILED)
+        node.cause = cause
         self.ledger.holder_lost(node_id)
         self._send(node_id, p.Stop(reason=f"node {node_id} was fenced: {cause}", exit_code=1))
         self._publish("node_failed", node=node_id, node_rank=node.node_rank if was == ACTIVE else None,
@@ -444,7 +445,8 @@ class Controller:
         self.unrestored |= {r for i in failed_slots for r in self.ranks_of(i)}
         for i in failed_slots:
             spare = spares.pop(0)
-            spare.role, spare.node_rank = ACTIVE, i
+            self.table.set_role(spare, ACTIVE)
+            spare.node_rank = i
             rec.promoted[i] = spare.node_id
             self.layout[i] = spare.node_id
             self._publish("spare_promoted", spare=spare.node_id, node_rank=i, generation=self.generation + 1)

@@ -28,22 +28,32 @@ class Node:
 
 
 class NodeTable:
+    """Nodes by id, in registration order (spares are promoted first come, first served), indexed by role."""
+
     def __init__(self):
         self.nodes: dict[str, Node] = {}
-        self.order: list[str] = []  # registration order: spares are promoted first-come first-served
+        self._by_role: dict[str, dict[str, None]] = {ACTIVE: {}, SPARE: {}, FAILED: {}}  # ordered sets
 
     def add(self, node: Node) -> None:
         self.nodes[node.node_id] = node
-        self.order.append(node.node_id)
+        self._by_role[node.role][node.node_id] = None
+
+    def set_role(self, node: Node, role: str) -> None:
+        del self._by_role[node.role][node.node_id]
+        node.role = role
+        self._by_role[role][node.node_id] = None
 
     def get(self, node_id: str) -> Node | None:
         return self.nodes.get(node_id)
 
     def with_role(self, role: str) -> list[Node]:
-        return [self.nodes[n] for n in self.order if self.nodes[n].role == role]
+        return [self.nodes[n] for n in self._by_role[role]]
+
+    def count(self, role: str) -> int:
+        return len(self._by_role[role])
 
     def live(self) -> list[Node]:
-        return [self.nodes[n] for n in self.order if self.nodes[n].role != FAILED]
+        return [node for node in self.nodes.values() if node.role != FAILED]
 
     def __len__(self) -> int:
         return len(self.nodes)
