@@ -1,0 +1,109 @@
+"""Command line of the node agent: `python -m dpagent [options] -- SCRIPT [ARGS...]` (started by dprun).
+
+The job token comes from the environment (DP_JOB_TOKEN), never from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import socket
+import sys
+
+from .agent import Agent, AgentConfig, AgentError
+from .process import set_pdeathsig
+from .protocol import NO_RANK
+from .workers import worker_command
+
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dpagent",
+        description="DeadPool node agent: registers with the controller, runs and supervises this node's "
+        "workers, relays control messages and holds peers' snapshot replicas. Needs DP_JOB_TOKEN.",
+        usage="%(prog)s --controller tcp://HOST:PORT [options] -- SCRIPT [ARGS...]",
+    )
+    p.add_argument("--controller", required=True, help="controller endpoint, tcp://HOST:PORT")
+    p.add_argument("--node-id", default=f"{socket.gethostname()}-{os.getpid()}", help="unique node name")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="workers on this node (default 1)")
+    p.add_argument("--spare", action="store_true", help="ask to be a spare node (a hint)")
+    p.add_argument("--node-rank", type=int, default=NO_RANK, help="preferred node rank (a hint; default -1)")
+    p.add_argument("--local-addr", default="127.0.0.1", help="address the replica store binds (default 127.0.0.1)")
+    p.add_argument("--run-dir", help="directory for the ipc socket (default: a temp dir removed on exit)")
+    p.add_argument("--log-dir", help="write each worker's output to LOG_DIR/<node>-<local_rank>.log")
+    p.add_argument("--stop-grace", type=float, default=3.0, help="seconds workers get after Stop (default 3)")
+    p.add_argument("--term-grace", type=float, default=2.0, help="seconds after SIGTERM before SIGKILL")
+    p.add_argument("--register-timeout", type=float, default=300.0, help="exit 3 without a Welcome by then")
+    p.add_argument("--python", default=sys.executable, help="interpreter for SCRIPT (default: this one)")
+    p.add_argument("--no-python", action="store_true", help="run SCRIPT directly, not through python")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
+
+
+def _setup_logging(node_id: str, verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[dpagent {node_id}] %(message)s"))
+    logger = logging.getLogger("dpagent")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+    logger.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("DP_PDEATHSIG") == "1":
+        set_pdeathsig()  # die with the launcher
+    opts_argv, command = _split(list(sys.argv[1:] if argv is None else argv))
+    parser = _parser()
+    opts = parser.parse_args(opts_argv)
+    if not command:
+        parser.error("no worker script: put it after --, e.g. -- train.py --lr 0.1")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", opts.node_id):
+        parser.error(f"--node-id {opts.node_id!r}: use letters, digits, '_', '.', '-' (at most 64)")
+    if opts.nproc_per_node < 1:
+        parser.error("--nproc-per-node must be at least 1")
+    token = os.environ.get("DP_JOB_TOKEN", "")
+    if not token:
+        print("dpagent: error: DP_JOB_TOKEN is not set; the launcher passes the job's secret token in it",
+              file=sys.stderr)
+        return EXIT_USAGE
+    _setup_logging(opts.node_id, opts.verbose)
+    cfg = AgentConfig(
+        controller=opts.controller,
+        node_id=opts.node_id,
+        token=token,
+        command=worker_command(command[0], command[1:], None if opts.no_python else opts.python),
+        nproc=opts.nproc_per_node,
+        spare=opts.spare,
+        node_rank=opts.node_rank,
+        local_addr=opts.local_addr,
+        run_dir=opts.run_dir,
+        stop_grace=opts.stop_grace,
+        term_grace=opts.term_grace,
+        register_timeout=opts.register_timeout,
+        log_dir=opts.log_dir,
+    )
+    try:
+        code = Agent(cfg).run()
+    except AgentError as exc:
+        logging.getLogger("dpagent").error("%s", exc)
+        code = EXIT_USAGE
+    logging.getLogger("dpagent").info("exit %d", code)
+    return code
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code % 256)  # helper threads may still sit in wait(); the context is already closed

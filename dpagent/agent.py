@@ -1,0 +1,408 @@
+"""The node agent's event loop: sockets, timers and dispatch between the controller, workers and replica store.
+
+Thin by design: workers.py spawns and watches workers, replica_server.py serves snapshots, faults.py injects.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import zmq
+
+from . import faults
+from .channel import Channel, Incoming
+from .events import EventPipe
+from .liveness import Liveness
+from .process import descendants, reap_orphans, set_child_subreaper, signal_procs
+from .protocol import (
+    NO_RANK, Codec, Heartbeat, Hello, Inject, PeerError, Ping, Pong, Progress, RankFinished, Reconfigure,
+    Register, Stop, Welcome, WorkerExited, WorkerReady,
+)
+from .replica_server import ReplicaServer, Verified
+from .replica_store import ReplicaStore
+from .workers import WorkerDone, WorkerGroup, describe_exit, worker_env
+
+log = logging.getLogger("dpagent")
+
+EXIT_CONTROLLER_LOST = 3
+FORWARDED = (Progress, WorkerReady, PeerError, RankFinished)
+IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux
+REAP_EVERY = 10.0
+
+
+class AgentError(RuntimeError):
+    """A setup problem worth one clear line (bad run dir, unusable address)."""
+
+
+@dataclass
+class AgentConfig:
+    controller: str
+    node_id: str
+    token: str
+    command: list[str]
+    nproc: int = 1
+    spare: bool = False
+    node_rank: int = NO_RANK
+    local_addr: str = "127.0.0.1"
+    run_dir: str | None = None
+    stop_grace: float = 3.0  # after Stop is relayed, before SIGTERM
+    term_grace: float = 2.0  # after SIGTERM, before SIGKILL
+    register_timeout: float = 300.0  # no Welcome by then: exit 3
+    log_dir: str | None = None
+    env: dict = field(default_factory=lambda: dict(os.environ))
+
+
+@dataclass
+class Shutdown:
+    code: int
+    reason: str
+    phase: str  # "stop" (Stop relayed) -> "term" -> "kill"
+    deadline: float
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig):
+        self.cfg = cfg
+        self.codec = Codec(cfg.token)
+        self.generation = NO_RANK
+        self.job_id = ""
+        self.role = "spare" if cfg.spare else "active"
+        self.welcome: Welcome | None = None
+        self.liveness: Liveness | None = None
+        self.latest_reconfigure: Reconfigure | None = None
+        self.shutdown: Shutdown | None = None
+        self.exit_code: int | None = None
+        self._peers: dict[bytes, int] = {}  # worker identity -> local rank, once it said Hello
+        self._signalled = 0
+        self._old_handlers: dict = {}
+        self._wakeup = None
+        self._owns_run_dir = False
+
+    # ------------------------------------------------------------------ setup / teardown
+
+    def _open(self) -> None:
+        cfg = self.cfg
+        if cfg.run_dir:
+            self.run_dir = Path(cfg.run_dir)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            self.run_dir = Path(tempfile.mkdtemp(prefix="dpagent-"))
+            self._owns_run_dir = True
+        self.ipc_path = self.run_dir / f"agent-{cfg.node_id}.sock"
+        if len(str(self.ipc_path)) > IPC_PATH_MAX:
+            raise AgentError(f"ipc socket path too long ({len(str(self.ipc_path))} > {IPC_PATH_MAX}): {self.ipc_path}")
+        self.worker_endpoint = f"ipc://{self.ipc_path}"
+
+        self.ctx = zmq.Context()
+        self.events = EventPipe(self.ctx)
+        self.control = self._channel(zmq.DEALER, "control")
+        self.control.sock.setsockopt(zmq.IDENTITY, cfg.node_id.encode())
+        self.control.sock.connect(cfg.controller)
+        self.worker_ch = self._channel(zmq.ROUTER, "workers")
+        self.worker_ch.sock.bind(self.worker_endpoint)
+        self.replica_ch = self._channel(zmq.ROUTER, "replica", zero_copy=True)
+        try:
+            port = self.replica_ch.sock.bind_to_random_port(f"tcp://{cfg.local_addr}")
+        except zmq.ZMQError as exc:
+            raise AgentError(f"cannot bind the replica store on {cfg.local_addr}: {exc}") from None
+        host = cfg.local_addr if cfg.local_addr not in ("0.0.0.0", "*") else socket.gethostname()
+        self.replica_endpoint = f"tcp://{host}:{port}"
+
+        self.workers = WorkerGroup(self.events, cfg.log_dir)
+        self.replica = ReplicaServer(self.replica_ch, ReplicaStore(), self.events, cfg.node_id, self._to_controller)
+        self.poller = zmq.Poller()
+        for sock in (self.control.sock, self.events.wake, self.worker_ch.sock, self.replica_ch.sock):
+            self.poller.register(sock, zmq.POLLIN)
+        self._install_signals()
+        set_child_subreaper()
+
+    def _abandon_open(self) -> None:
+        if hasattr(self, "ctx"):
+            self.ctx.destroy(linger=0)
+        if self._owns_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _channel(self, kind: int, name: str, zero_copy: bool = False) -> Channel:
+        sock = self.ctx.socket(kind)
+        sock.linger = 0
+        return Channel(sock, self.codec, name, zero_copy=zero_copy, on_drop=self._on_drop)
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._wakeup = socket.socketpair()
+        for s in self._wakeup:
+            s.setblocking(False)
+        signal.set_wakeup_fd(self._wakeup[1].fileno(), warn_on_full_buffer=False)
+        self.poller.register(self._wakeup[0].fileno(), zmq.POLLIN)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._signalled = signum
+
+    def _close(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            for s in self._wakeup:
+                s.close()
+        leftovers = descendants()
+        if leftovers:  # a worker's children, orphans inherited as subreaper
+            signal_procs(leftovers, signal.SIGKILL)
+            psutil.wait_procs(leftovers, timeout=2.0)
+        self.replica.close()
+        lost = self.exit_code == EXIT_CONTROLLER_LOST
+        self.control.sock.close(linger=0 if lost else 500)  # let the last reports out
+        self.worker_ch.sock.close(linger=0)
+        self.replica_ch.sock.close(linger=0)
+        self.events.close()
+        term = threading.Thread(target=self.ctx.term, daemon=True)
+        term.start()
+        term.join(timeout=2.0)
+        if self._owns_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        else:
+            self.ipc_path.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        try:
+            self._open()
+        except BaseException:
+            self._abandon_open()
+            raise
+        try:
+            self.started = time.monotonic()
+            self._next_reap = self.started + REAP_EVERY
+            log.info(
+                "registering with %s (nproc %d%s); replica store %s; workers %s",
+                self.cfg.controller, self.cfg.nproc, ", spare" if self.cfg.spare else "",
+                self.replica_endpoint, self.worker_endpoint,
+            )
+            self._to_controller(Register(
+                self.cfg.node_id, socket.gethostname(), os.getpid(), self.cfg.nproc, self.cfg.spare,
+                self.cfg.node_rank, self.replica_endpoint,
+            ))
+            while self.exit_code is None:
+                ready = dict(self.poller.poll(self._poll_timeout_ms()))
+                if self.control.sock in ready:
+                    for incoming in self.control.recv_ready():
+                        self._on_control(incoming)
+                if self.events.wake in ready:
+                    self._on_events()
+                if self._wakeup is not None and self._wakeup[0].fileno() in ready:
+                    self._drain_wakeup()
+                if self.worker_ch.sock in ready:
+                    for incoming in self.worker_ch.recv_ready():
+                        self._on_worker(incoming)
+                if self.replica_ch.sock in ready:
+                    for incoming in self.replica_ch.recv_ready():
+                        self.replica.handle(incoming)
+                self._tick(time.monotonic())
+        finally:
+            if self.exit_code is None:
+                self.exit_code = 1
+            self.workers.signal_all(signal.SIGKILL)
+            self._close()
+        return self.exit_code
+
+    def _poll_timeout_ms(self) -> int:
+        now = time.monotonic()
+        due = [self._next_reap]
+        if self.shutdown is not None:
+            due.append(self.shutdown.deadline)
+        elif self.liveness is not None:
+            due.append(self.liveness.next_deadline())
+        else:
+            due.append(self.started + self.cfg.register_timeout)
+        return max(0, math.ceil((min(due) - now) * 1000))
+
+    def _tick(self, now: float) -> None:
+        if self._signalled and self.shutdown is None:
+            name = signal.Signals(self._signalled).name
+            self._begin_shutdown(128 + self._signalled, f"received {name}", "stop")
+        if self.shutdown is None:
+            if self.liveness is not None:
+                if self.liveness.lost(now):
+                    log.error(
+                        "controller lost: nothing from %s for %.1fs (timeout %.1fs); killing workers, exiting %d",
+                        self.cfg.controller, self.liveness.silent_for(now), self.liveness.timeout,
+                        EXIT_CONTROLLER_LOST,
+                    )
+                    self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", "kill")
+                elif self.liveness.beat_due(now):
+                    self._to_controller(Heartbeat(self.cfg.node_id, self.generation))
+                    self.liveness.beat_sent(now)
+            elif now - self.started >= self.cfg.register_timeout:
+                log.error("no Welcome from %s within %.0fs; exiting %d",
+                          self.cfg.controller, self.cfg.register_timeout, EXIT_CONTROLLER_LOST)
+                self._begin_shutdown(EXIT_CONTROLLER_LOST, "no welcome", "kill")
+        if self.shutdown is not None:
+            self._advance_shutdown(now)
+        if now >= self._next_reap:
+            reap_orphans(self.workers.pids())
+            self._next_reap = now + REAP_EVERY
+
+    def _drain_wakeup(self) -> None:
+        try:
+            while self._wakeup[0].recv(512):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    # ------------------------------------------------------------------ controller
+
+    def _to_controller(self, msg) -> None:
+        self.control.send(msg)
+
+    def _on_control(self, incoming: Incoming) -> None:
+        msg = incoming.msg
+        now = time.monotonic()
+        if self.liveness is not None:
+            self.liveness.heard(now)
+        if isinstance(msg, Ping):
+            self._to_controller(Pong(self.cfg.node_id, msg.seq))
+        elif isinstance(msg, Welcome):
+            self._on_welcome(msg, now)
+        elif isinstance(msg, Reconfigure):
+            self.generation = msg.generation
+            self.role = "active"
+            self.latest_reconfigure = msg
+            log.info("reconfigure: generation %d, node rank %d, restore step %d%s; relaying to %d worker(s)",
+                     msg.generation, msg.node_rank, msg.restore_step,
+                     f" ({msg.reason})" if msg.reason else "", len(self._peers))
+            self._to_workers(msg)
+        elif isinstance(msg, Stop):
+            self._begin_shutdown(msg.exit_code, f"stop from controller: {msg.reason}", "stop", msg)
+        elif isinstance(msg, Inject):
+            faults.inject(msg.kind, msg.local_rank, self.workers)
+        else:
+            self.control.drop_unexpected(incoming)
+
+    def _on_welcome(self, msg: Welcome, now: float) -> None:
+        self.liveness = Liveness(msg.heartbeat_interval, msg.heartbeat_timeout, now)
+        if self.welcome is not None:
+            log.info("welcomed again as %s; workers already running", msg.role)
+            self.welcome = msg
+            return
+        self.welcome, self.role, self.job_id = msg, msg.role, msg.job_id
+        log.info("welcomed as %s in job %s (heartbeat %.2fs, timeout %.1fs); spawning %d worker(s)",
+                 msg.role, msg.job_id, msg.heartbeat_interval, msg.heartbeat_timeout, self.cfg.nproc)
+        if self.shutdown is not None:
+            return
+        for local_rank in range(self.cfg.nproc):
+            env = worker_env(
+                self.cfg.env, node_id=self.cfg.node_id, endpoint=self.worker_endpoint, token=self.cfg.token,
+                job_id=msg.job_id, role=msg.role, nproc=self.cfg.nproc, local_rank=local_rank,
+                local_addr=self.cfg.local_addr,
+            )
+            try:
+                worker = self.workers.spawn(local_rank, self.cfg.command, env, log_name=self.cfg.node_id)
+            except OSError as exc:
+                log.error("cannot start worker %d (%s): %s", local_rank, " ".join(self.cfg.command), exc)
+                self._to_controller(WorkerExited(self.cfg.node_id, self.generation, local_rank, 0, 127, str(exc)))
+                continue
+            log.info("worker %d started (pid %d)", local_rank, worker.pid)
+
+    # ------------------------------------------------------------------ workers
+
+    def _to_workers(self, msg) -> None:
+        for identity in self._peers:
+            self.worker_ch.send(msg, to=identity)
+
+    def _on_worker(self, incoming: Incoming) -> None:
+        msg = incoming.msg
+        if isinstance(msg, FORWARDED):
+            self._to_controller(msg)
+        elif isinstance(msg, Hello):
+            identity = incoming.sender
+            self._peers[identity] = msg.local_rank
+            worker = self.workers.get(msg.local_rank)
+            if worker is not None and worker.identity is None:
+                worker.identity = identity
+            log.info("worker %d said hello (pid %d)", msg.local_rank, msg.pid)
+            if self.shutdown is not None and self.shutdown.phase == "stop":
+                self.worker_ch.send(Stop(self.shutdown.reason, self.shutdown.code), to=identity)
+            elif self.latest_reconfigure is not None:
+                self.worker_ch.send(self.latest_reconfigure, to=identity)
+        else:
+            self.worker_ch.drop_unexpected(incoming)
+
+    def _on_events(self) -> None:
+        for event in self.events.drain():
+            if isinstance(event, WorkerDone):
+                self._on_worker_done(event)
+            elif isinstance(event, Verified):
+                self.replica.on_verified(event)
+
+    def _on_worker_done(self, done: WorkerDone) -> None:
+        worker = self.workers.mark_done(done)
+        if worker is None:
+            return
+        if worker.identity is not None:
+            self._peers.pop(worker.identity, None)
+        detail = describe_exit(done.exitcode)
+        log.log(logging.INFO if done.exitcode == 0 or self.shutdown else logging.WARNING,
+                "worker %d (pid %d) exited: %s", done.local_rank, done.pid, detail)
+        self._to_controller(
+            WorkerExited(self.cfg.node_id, self.generation, done.local_rank, done.pid, done.exitcode, detail)
+        )
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _begin_shutdown(self, code: int, reason: str, phase: str, stop: Stop | None = None) -> None:
+        if self.shutdown is not None:
+            return
+        now = time.monotonic()
+        alive = self.workers.alive()
+        log.info("%s; %d live worker(s); will exit %d", reason, len(alive), code)
+        if phase == "stop":
+            self._to_workers(stop or Stop(reason, code))
+            deadline = now + self.cfg.stop_grace
+        else:
+            self.workers.signal_all(signal.SIGKILL)
+            deadline = now + 2.0
+        self.shutdown = Shutdown(code, reason, phase, deadline)
+        self._advance_shutdown(now)
+
+    def _advance_shutdown(self, now: float) -> None:
+        sd = self.shutdown
+        alive = self.workers.alive()
+        if not alive:
+            self.exit_code = sd.code
+            return
+        if now < sd.deadline:
+            return
+        ranks = ", ".join(str(w.local_rank) for w in alive)
+        if sd.phase == "stop":
+            log.warning("worker(s) %s still running %.1fs after Stop: SIGTERM", ranks, self.cfg.stop_grace)
+            self.workers.signal_all(signal.SIGTERM)
+            sd.phase, sd.deadline = "term", now + self.cfg.term_grace
+        elif sd.phase == "term":
+            log.warning("worker(s) %s still running after SIGTERM: SIGKILL", ranks)
+            self.workers.signal_all(signal.SIGKILL)
+            sd.phase, sd.deadline = "kill", now + 2.0
+        else:
+            log.error("worker(s) %s did not die after SIGKILL; giving up on them", ranks)
+            self.exit_code = sd.code
+
+    # ------------------------------------------------------------------ diagnostics
+
+    def _on_drop(self, channel: Channel, reason: str) -> None:
+        total = sum(c.dropped for c in (self.control, self.worker_ch, self.replica_ch) if c is not None)
+        level = logging.WARNING if channel.dropped == 1 else logging.DEBUG
+        log.log(level, "dropped a message on the %s socket: %s (%d dropped in all)", channel.name, reason, total)

@@ -1,0 +1,102 @@
+"""The replica store: snapshots of other nodes' ranks, held in memory by this node's agent.
+
+Pure logic, no sockets: frames are kept as given (zero-copy zmq.Frames or bytes), verified against the checksum.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from .protocol import PutSnapshot
+
+KEEP_STEPS = 3
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    rank: int
+    step: int
+    generation: int
+    checksum: int
+    nbytes: int
+    meta: Any  # bytes-like or zmq.Frame
+    data: Any
+
+
+def _view(frame: Any) -> memoryview:
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+
+
+def verify(put: PutSnapshot, meta: Any, data: Any) -> str:
+    """"" when the payload matches: nbytes == len(meta) + len(data), crc32(meta then data) == checksum."""
+    meta_v, data_v = _view(meta), _view(data)
+    size = meta_v.nbytes + data_v.nbytes
+    if size != put.nbytes:
+        return f"size mismatch: got {size} bytes, expected {put.nbytes}"
+    crc = zlib.crc32(data_v, zlib.crc32(meta_v))
+    if crc != put.checksum:
+        return f"checksum mismatch: got {crc:#010x}, expected {put.checksum:#010x}"
+    return ""
+
+
+class ReplicaStore:
+    """Keeps the newest `keep` steps of each rank.
+
+    A put from an older generation than the newest held for its rank is refused (a fenced node); a put from a
+    newer generation replaces the entries it supersedes (same or later steps of an abandoned timeline).
+    """
+
+    def __init__(self, keep: int = KEEP_STEPS):
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        self.keep = keep
+        self._ranks: dict[int, dict[int, Snapshot]] = {}
+
+    def add(self, put: PutSnapshot, meta: Any, data: Any, *, verified: bool = False) -> str:
+        """Stores the snapshot; returns "" or why it was refused."""
+        if put.rank < 0 or put.step < 0:
+            return f"bad rank/step {put.rank}/{put.step}"
+        if not verified:
+            error = verify(put, meta, data)
+            if error:
+                return error
+        held = self._ranks.setdefault(put.rank, {})
+        if held:
+            newest_gen = max(s.generation for s in held.values())
+            if put.generation < newest_gen:
+                return f"stale generation {put.generation} < {newest_gen} for rank {put.rank}"
+            for step in [s for s, snap in held.items() if snap.generation < put.generation and s >= put.step]:
+                del held[step]
+            if put.step not in held and len(held) >= self.keep and put.step < min(held):
+                return f"step {put.step} is older than the {self.keep} steps kept for rank {put.rank}"
+        held[put.step] = Snapshot(put.rank, put.step, put.generation, put.checksum, put.nbytes, meta, data)
+        while len(held) > self.keep:
+            del held[min(held)]
+        return ""
+
+    def get(self, rank: int, step: int) -> Snapshot | None:
+        """The snapshot of `rank` at `step`; a negative step means the newest held."""
+        held = self._ranks.get(rank)
+        if not held:
+            return None
+        if step < 0:
+            return held[max(held)]
+        return held.get(step)
+
+    def steps(self, rank: int) -> list[int]:
+        return sorted(self._ranks.get(rank, {}))
+
+    def ranks(self) -> list[int]:
+        return sorted(r for r, held in self._ranks.items() if held)
+
+    def drop_rank(self, rank: int) -> None:
+        self._ranks.pop(rank, None)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for held in self._ranks.values() for s in held.values())
+
+    def __len__(self) -> int:
+        return sum(len(held) for held in self._ranks.values())

@@ -1,0 +1,442 @@
+"""The node agent as a real process: a test ROUTER plays the controller, tests/data/fake_worker.py the workers.
+
+Real sockets on 127.0.0.1; every process and temp dir is cleaned up by the `procs` fixture and `run_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+
+from dpagent.protocol import (
+    Codec, Heartbeat, Inject, Ping, Pong, Progress, PutSnapshot, Reconfigure, Register, SnapshotAck,
+    SnapshotData, SnapshotStored, Stop, FetchSnapshot, Welcome, WorkerExited,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE_WORKER = REPO / "tests" / "data" / "fake_worker.py"
+TOKEN = "test-token"
+JOB = "job-42"
+
+
+class FakeController:
+    """A ROUTER bound where the agent's --controller points; speaks through the real Codec."""
+
+    def __init__(self, port: int, token: str = TOKEN):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.codec = Codec(token)
+        self.node = b""
+
+    def recv(self, kind=None, timeout=5.0, skip=(Heartbeat,)):
+        """The next message of type `kind` (others of `skip` are passed over; anything else fails)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000)):
+                raise AssertionError(f"no {kind.__name__ if kind else 'message'} within {timeout}s")
+            identity, *frames = self.sock.recv_multipart()
+            msg, payload = self.codec.decode(frames)
+            self.node = identity
+            if kind is None or isinstance(msg, kind):
+                return msg
+            if not isinstance(msg, skip):
+                raise AssertionError(f"expected {kind.__name__}, got {msg!r}")
+
+    def recv_all(self, kind, count, timeout=5.0, skip=(Heartbeat,)):
+        return [self.recv(kind, timeout, skip) for _ in range(count)]
+
+    def quiet(self, kind, seconds) -> bool:
+        """True if no message of `kind` arrives within `seconds`."""
+        try:
+            self.recv(kind, seconds, skip=(object,))
+            return False
+        except AssertionError:
+            return True
+
+    def send(self, msg, codec=None):
+        self.sock.send_multipart([self.node, *(codec or self.codec).encode(msg)])
+
+    def send_raw(self, frames):
+        self.sock.send_multipart([self.node, *frames])
+
+    def close(self):
+        self.ctx.destroy(linger=0)
+
+
+class AgentRun:
+    def __init__(self, proc, ctl, node_id, run_dir, report_dir, stderr_path):
+        self.proc, self.ctl, self.node_id = proc, ctl, node_id
+        self.run_dir, self.report_dir, self.stderr_path = run_dir, report_dir, stderr_path
+        self.register: Register | None = None
+
+    def welcome(self, role="active", interval=0.2, timeout=30.0):
+        self.ctl.send(Welcome(self.node_id, role, JOB, interval, timeout))
+
+    def reports(self, nproc, timeout=10.0) -> dict[int, dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            files = [self.report_dir / f"{r}.json" for r in range(nproc)]
+            if all(f.exists() for f in files):
+                return {r: json.loads(f.read_text()) for r, f in enumerate(files)}
+            time.sleep(0.02)
+        raise AssertionError(f"workers did not report within {timeout}s:\n{self.stderr()}")
+
+    def reconfigure(self, generation=0, node_rank=0, nproc=2):
+        self.ctl.send(Reconfigure(generation, node_rank, 2, nproc, 2 * nproc, -1, "127.0.0.1:1", "", {}, "test"))
+
+    def wait(self, timeout=10.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"agent still running after {timeout}s:\n{self.stderr()}") from None
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def run_dir():
+    path = Path(tempfile.mkdtemp(prefix="dpa-"))  # short: ipc paths are limited to ~100 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def controller(port):
+    ctl = FakeController(port)
+    yield ctl
+    ctl.close()
+
+
+@pytest.fixture
+def start_agent(procs, controller, run_dir, tmp_path, monkeypatch):
+    for key in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "DP_TOTAL_LOCAL_WORKERS", "DP_PDEATHSIG", "DP_JOB_TOKEN"):
+        monkeypatch.delenv(key, raising=False)  # the agent's env must not inherit these from ours
+
+    def start(nproc=2, agent_args=(), worker_args=(), env=None, use_run_dir=True, node_id="n1") -> AgentRun:
+        report_dir = tmp_path / "reports"
+        report_dir.mkdir(exist_ok=True)
+        stderr_path = tmp_path / "agent.stderr"
+        cmd = [sys.executable, "-m", "dpagent", "--controller", controller.endpoint, "--node-id", node_id,
+               "--nproc-per-node", str(nproc), *agent_args]
+        if use_run_dir:
+            cmd += ["--run-dir", str(run_dir)]
+        cmd += ["--", str(FAKE_WORKER), "--report-dir", str(report_dir), *worker_args]
+        with open(stderr_path, "wb") as stderr:
+            proc = procs.popen(cmd, cwd=REPO, env={"DP_JOB_TOKEN": TOKEN, **(env or {})}, stderr=stderr)
+        run = AgentRun(proc, controller, node_id, run_dir, report_dir, stderr_path)
+        run.register = controller.recv(Register, timeout=10.0)
+        return run
+
+    return start
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pids, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(gone(p) for p in pids):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_register_welcome_spawns_workers_with_env(start_agent, run_dir):
+    agent = start_agent(nproc=2, agent_args=["--node-rank", "1"])
+    reg = agent.register
+    assert (reg.node_id, reg.pid, reg.nproc, reg.want_spare, reg.node_rank) == ("n1", agent.proc.pid, 2, False, 1)
+    assert reg.replica_endpoint.startswith("tcp://127.0.0.1:")
+    agent.welcome(role="spare")
+    beat = agent.ctl.recv(Heartbeat)
+    assert beat == Heartbeat("n1", -1)
+    reports = agent.reports(2)
+    for local_rank, rep in reports.items():
+        assert rep["env"] == {
+            "DP_NODE_ID": "n1", "DP_AGENT_ENDPOINT": f"ipc://{run_dir}/agent-n1.sock", "DP_JOB_TOKEN": TOKEN,
+            "DP_JOB_ID": JOB, "DP_ROLE": "spare", "DP_NPROC_PER_NODE": "2", "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": JOB, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+        }
+        assert rep["ppid"] == agent.proc.pid and rep["pgid"] == agent.proc.pid  # same process group as the agent
+    agent.ctl.send(Stop("done", 0))
+    assert agent.wait() == 0
+    assert wait_gone([r["pid"] for r in reports.values()])
+    assert not (run_dir / "agent-n1.sock").exists()
+
+
+def test_reconfigure_relayed_progress_forwarded(start_agent):
+    agent = start_agent(nproc=2)
+    agent.welcome()
+    agent.reconfigure(generation=0, node_rank=1)  # before the workers' Hello: relayed when they say it
+    progress = agent.ctl.recv_all(Progress, 2)
+    assert sorted(p.rank for p in progress) == [2, 3]
+    assert {(p.node_id, p.generation, p.step, p.metrics["generation"]) for p in progress} == {("n1", 0, 0, 0)}
+    agent.reconfigure(generation=1, node_rank=0)  # after Hello: relayed at once
+    progress = agent.ctl.recv_all(Progress, 2)
+    assert sorted(p.rank for p in progress) == [0, 1] and {p.generation for p in progress} == {1}
+    assert agent.ctl.recv(Heartbeat) == Heartbeat("n1", 1)  # heartbeats carry the current generation
+    agent.ctl.send(Stop("done", 0))
+    exits = agent.ctl.recv_all(WorkerExited, 2)
+    assert sorted((e.local_rank, e.exitcode, e.generation) for e in exits) == [(0, 0, 1), (1, 0, 1)]
+    assert agent.wait() == 0
+
+
+def test_ping_pong_and_bad_messages_dropped(start_agent):
+    agent = start_agent(nproc=1, agent_args=["--verbose"])
+    agent.welcome()
+    agent.ctl.send(Ping(1), codec=Codec("wrong-token"))
+    agent.ctl.send_raw([b"not", b"a", b"deadpool", b"message"])
+    agent.ctl.send_raw([b"DP\x07", b"Ping", b'{"seq":1}', b"0" * 32])
+    assert agent.ctl.quiet(Pong, 0.3)
+    t0 = time.monotonic()
+    agent.ctl.send(Ping(5))
+    assert agent.ctl.recv(Pong) == Pong("n1", 5)
+    pong_s = time.monotonic() - t0
+    assert pong_s < 0.5
+    agent.ctl.send(Stop("done", 0))
+    assert agent.wait() == 0
+    log = agent.stderr()
+    assert "bad MAC" in log and "(3 dropped in all)" in log
+    assert all(line.startswith("[dpagent n1]") for line in log.splitlines() if "dpagent" in line)
+
+
+def test_kill_worker_reports_exit_within_milliseconds(start_agent):
+    agent = start_agent(nproc=2)
+    agent.welcome()
+    agent.reconfigure()
+    agent.ctl.recv_all(Progress, 2)
+    pid1 = agent.reports(2)[1]["pid"]
+    t0 = time.monotonic()
+    agent.ctl.send(Inject("kill-worker", 1))
+    exited = agent.ctl.recv(WorkerExited, timeout=2.0)
+    latency = time.monotonic() - t0
+    print(f"WorkerExited {latency * 1000:.1f} ms after Inject(kill-worker)")
+    assert (exited.local_rank, exited.pid, exited.exitcode, exited.node_id) == (1, pid1, -9, "n1")
+    assert "SIGKILL" in exited.detail
+    assert latency < 0.2
+    agent.ctl.send(Inject("no-such-fault"))  # logged and ignored
+    agent.ctl.send(Ping(9))
+    assert agent.ctl.recv(Pong).seq == 9
+    agent.ctl.send(Stop("done", 4))
+    assert agent.ctl.recv(WorkerExited).local_rank == 0
+    assert agent.wait() == 4
+    assert "no-such-fault" in agent.stderr()
+
+
+def test_kill_node_kills_agent_and_workers(start_agent, run_dir):
+    agent = start_agent(nproc=2)
+    agent.welcome()
+    pids = [r["pid"] for r in agent.reports(2).values()]
+    agent.ctl.send(Inject("kill-node"))
+    assert agent.wait(5) == -signal.SIGKILL
+    assert wait_gone(pids)
+
+
+def wait_status(pids, status, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(psutil.Process(p).status() == status for p in pids):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_hang_worker_and_freeze_node(start_agent):
+    agent = start_agent(nproc=2)
+    agent.welcome()
+    pids = [r["pid"] for r in agent.reports(2).values()]
+    agent.ctl.send(Inject("hang-worker", 0))
+    agent.ctl.send(Ping(1))
+    assert agent.ctl.recv(Pong).seq == 1  # the agent is fine
+    assert wait_status(pids[:1], psutil.STATUS_STOPPED)
+    assert psutil.Process(pids[1]).status() != psutil.STATUS_STOPPED
+    agent.ctl.send(Inject("freeze-node"))
+    assert wait_status([agent.proc.pid, *pids], psutil.STATUS_STOPPED)
+    agent.ctl.send(Ping(2))
+    assert agent.ctl.quiet(Pong, 0.3)  # a frozen node does not answer
+
+
+def test_stop_exit_code_and_grandchildren_cleaned(start_agent):
+    agent = start_agent(nproc=2, worker_args=["--spawn-child"])
+    agent.welcome()
+    reports = agent.reports(2)
+    pids = [r["pid"] for r in reports.values()] + [r["child"] for r in reports.values()]
+    agent.ctl.send(Stop("job done", 7))
+    exits = agent.ctl.recv_all(WorkerExited, 2)
+    assert {e.exitcode for e in exits} == {0}
+    assert agent.wait() == 7
+    assert wait_gone(pids)  # the workers' own children too
+
+
+def test_stop_escalates_to_sigterm_then_sigkill(start_agent):
+    agent = start_agent(
+        nproc=2, agent_args=["--stop-grace", "0.3", "--term-grace", "0.3"], worker_args=["--ignore-stop", "--ignore-term"]
+    )
+    agent.welcome()
+    pids = [r["pid"] for r in agent.reports(2).values()]
+    agent.reconfigure()
+    agent.ctl.recv_all(Progress, 2)  # both said Hello, so both got Stop
+    t0 = time.monotonic()
+    agent.ctl.send(Stop("fenced", 5))
+    exits = agent.ctl.recv_all(WorkerExited, 2)
+    assert {e.exitcode for e in exits} == {-9}
+    assert agent.wait() == 5
+    assert 0.5 < time.monotonic() - t0 < 5
+    assert wait_gone(pids)
+    assert "SIGTERM" in agent.stderr() and "SIGKILL" in agent.stderr()
+
+
+def test_controller_silence_exits_3_and_kills_workers(start_agent):
+    agent = start_agent(nproc=2, use_run_dir=False)
+    t0 = time.monotonic()
+    agent.welcome(interval=0.1, timeout=1.0)
+    reports = agent.reports(2)
+    pids = [r["pid"] for r in reports.values()]
+    assert agent.wait(10) == 3
+    assert 1.0 <= time.monotonic() - t0 < 4.0
+    assert wait_gone(pids)
+    own_run_dir = Path(reports[0]["env"]["DP_AGENT_ENDPOINT"][len("ipc://"):]).parent
+    assert not own_run_dir.exists()  # the default temp run dir is removed
+    assert "controller lost" in agent.stderr()
+
+
+def test_replica_put_fetch_round_trip(start_agent):
+    agent = start_agent(nproc=1)
+    agent.welcome()
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.connect(agent.register.replica_endpoint)
+        codec = Codec(TOKEN)
+
+        def request(msg, payload=(), codec=codec, timeout=5.0):
+            dealer.send_multipart(codec.encode(msg, payload), copy=False)
+            if not dealer.poll(int(timeout * 1000)):
+                return None, []
+            return Codec(TOKEN).decode(dealer.recv_multipart())
+
+        def put(rank, step, meta, data, generation=0, checksum=None):
+            crc = zlib.crc32(data, zlib.crc32(meta)) if checksum is None else checksum
+            return request(PutSnapshot(rank, step, generation, crc, len(meta) + len(data)), [meta, data])
+
+        meta, data = b'{"step": 1}', os.urandom(4 << 20)
+        ack, _ = put(3, 1, meta, data)
+        assert ack == SnapshotAck(3, 1, ok=True)
+        assert agent.ctl.recv(SnapshotStored) == SnapshotStored("n1", 3, 1, 0)
+        reply, payload = request(FetchSnapshot(3, 1))
+        assert reply == SnapshotData(3, 1, True, zlib.crc32(data, zlib.crc32(meta)), len(meta) + len(data))
+        assert payload == [meta, data]
+        reply, payload = request(FetchSnapshot(3, 2))
+        assert (reply.found, payload) == (False, [])
+
+        ack, _ = put(3, 2, meta, data, checksum=1)
+        assert not ack.ok and "checksum" in ack.error
+        reply, _ = request(FetchSnapshot(3, 1), codec=Codec("wrong"), timeout=0.3)
+        assert reply is None  # dropped, no answer
+        for step in (2, 3, 4):
+            assert put(3, step, b"m", b"d%d" % step)[0].ok
+        assert request(FetchSnapshot(3, 1))[0].found is False  # only the newest 3 are kept
+        reply, payload = request(FetchSnapshot(3, -1))
+        assert (reply.step, payload) == (4, [b"m", b"d4"])
+
+        # a big snapshot does not stall the loop: a Ping sent behind it is answered promptly
+        big = os.urandom(64 << 20)
+        dealer.send_multipart(Codec(TOKEN).encode(
+            PutSnapshot(5, 1, 0, zlib.crc32(big, zlib.crc32(b"")), len(big)), [b"", big]), copy=False)
+        t0 = time.monotonic()
+        agent.ctl.send(Ping(77))
+        assert agent.ctl.recv(Pong, skip=(Heartbeat, SnapshotStored)).seq == 77
+        print(f"Pong {1000 * (time.monotonic() - t0):.1f} ms while a 64 MB snapshot arrives")
+        assert dealer.poll(5000)
+        assert Codec(TOKEN).decode(dealer.recv_multipart())[0] == SnapshotAck(5, 1, ok=True)
+    finally:
+        ctx.destroy(linger=0)
+    agent.ctl.send(Stop("done", 0))
+    assert agent.wait() == 0
+
+
+def test_missing_token_is_a_clear_error(procs):
+    env = {k: v for k, v in os.environ.items() if k != "DP_JOB_TOKEN"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpagent", "--controller", "tcp://127.0.0.1:1", "--", "x.py"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=20,
+    )
+    assert proc.returncode == 2
+    assert "DP_JOB_TOKEN" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_agent_dies_with_its_launcher_when_asked(procs, controller, run_dir, tmp_path):
+    """DP_PDEATHSIG=1: the agent gets SIGKILL when its launcher dies, and its workers die with it."""
+    report_dir = tmp_path / "reports"
+    report_dir.mkdir()
+    agent_cmd = [sys.executable, "-m", "dpagent", "--controller", controller.endpoint, "--node-id", "n1",
+                 "--run-dir", str(run_dir), "--", str(FAKE_WORKER), "--report-dir", str(report_dir)]
+    launcher = (
+        "import subprocess, sys, time; p = subprocess.Popen(sys.argv[1:], start_new_session=True); "
+        "print(p.pid, flush=True); time.sleep(600)"
+    )
+    proc = procs.popen([sys.executable, "-c", launcher, *agent_cmd], cwd=REPO, stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL, env={"DP_JOB_TOKEN": TOKEN, "DP_PDEATHSIG": "1"})
+    agent_pid = int(proc.stdout.readline())
+    controller.recv(Register, timeout=10)
+    controller.send(Welcome("n1", "active", JOB, 0.2, 30.0))
+    deadline = time.monotonic() + 10
+    while not (report_dir / "0.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    worker_pid = json.loads((report_dir / "0.json").read_text())["pid"]
+    proc.kill()
+    proc.wait()
+    assert wait_gone([agent_pid, worker_pid])
+
+
+def test_sigterm_stops_workers_gracefully(start_agent):
+    agent = start_agent(nproc=2)
+    agent.welcome()
+    agent.reconfigure()
+    agent.ctl.recv_all(Progress, 2)
+    pids = [r["pid"] for r in agent.reports(2).values()]
+    agent.proc.send_signal(signal.SIGTERM)
+    exits = agent.ctl.recv_all(WorkerExited, 2)
+    assert {e.exitcode for e in exits} == {0}  # they got Stop and left on their own
+    assert agent.wait() == 128 + signal.SIGTERM
+    assert wait_gone(pids)
+
+
+def test_a_worker_that_cannot_start_is_reported(procs, controller, run_dir, monkeypatch):
+    monkeypatch.delenv("DP_PDEATHSIG", raising=False)
+    cmd = [sys.executable, "-m", "dpagent", "--controller", controller.endpoint, "--node-id", "n1",
+           "--run-dir", str(run_dir), "--no-python", "--", str(run_dir / "no-such-program")]
+    proc = procs.popen(cmd, cwd=REPO, env={"DP_JOB_TOKEN": TOKEN}, stderr=subprocess.DEVNULL)
+    controller.recv(Register, timeout=10)
+    controller.send(Welcome("n1", "active", JOB, 0.2, 30.0))
+    exited = controller.recv(WorkerExited)
+    assert (exited.local_rank, exited.exitcode) == (0, 127) and "no-such-program" in exited.detail
+    controller.send(Stop("done", 0))
+    assert proc.wait(timeout=10) == 0

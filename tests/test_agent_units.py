@@ -1,0 +1,129 @@
+"""Unit tests of the agent's pure parts: worker env and command, heartbeat timers, channel drops, event pipe."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from dpagent.channel import Channel
+from dpagent.events import EventPipe
+from dpagent.liveness import Liveness
+from dpagent.protocol import Codec, Ping, Pong
+from dpagent.workers import describe_exit, is_loopback, worker_command, worker_env
+
+
+def env(base=None, nproc=2, local_addr="127.0.0.1", local_rank=1):
+    return worker_env(
+        base or {"PATH": "/bin"}, node_id="n1", endpoint="ipc:///tmp/x/agent-n1.sock", token="tok",
+        job_id="job7", role="spare", nproc=nproc, local_rank=local_rank, local_addr=local_addr,
+    )
+
+
+def test_worker_env_has_the_contract_variables():
+    e = env()
+    assert e["PATH"] == "/bin"
+    assert {k: e[k] for k in ("DP_NODE_ID", "DP_AGENT_ENDPOINT", "DP_JOB_TOKEN", "DP_JOB_ID", "DP_ROLE")} == {
+        "DP_NODE_ID": "n1", "DP_AGENT_ENDPOINT": "ipc:///tmp/x/agent-n1.sock", "DP_JOB_TOKEN": "tok",
+        "DP_JOB_ID": "job7", "DP_ROLE": "spare",
+    }
+    assert (e["DP_NPROC_PER_NODE"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) == ("2", "1", "2")
+    assert e["TORCHELASTIC_RUN_ID"] == "job7"
+    assert e["OMP_NUM_THREADS"] == "1"
+    assert e["GLOO_SOCKET_IFNAME"] == "lo"
+    assert "RANK" not in e and "WORLD_SIZE" not in e  # dpstate.init() sets them once the rank is known
+
+
+def test_worker_env_omp_and_gloo_rules():
+    assert "OMP_NUM_THREADS" not in env(nproc=1)
+    assert env({"DP_TOTAL_LOCAL_WORKERS": "4"}, nproc=1)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in env({"DP_TOTAL_LOCAL_WORKERS": "1"}, nproc=1)
+    assert env({"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "8"  # the user's setting wins
+    assert env({"GLOO_SOCKET_IFNAME": "eth0"})["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert "GLOO_SOCKET_IFNAME" not in env(local_addr="10.1.2.3")
+    assert is_loopback("127.0.0.2") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("192.168.1.1")
+
+
+def test_worker_command_and_exit_description():
+    assert worker_command("train.py", ["--lr", "1"], "/usr/bin/python3") == ["/usr/bin/python3", "-u", "train.py", "--lr", "1"]
+    assert worker_command("./run.sh", ["a"], None) == ["./run.sh", "a"]
+    assert describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(3) == "exit code 3"
+
+
+def test_liveness_beats_and_loss():
+    live = Liveness(interval=1.0, timeout=3.0, now=100.0)
+    assert live.beat_due(100.0)
+    live.beat_sent(100.0)
+    assert not live.beat_due(100.5) and live.beat_due(101.0)
+    assert live.next_deadline() == 101.0
+    assert not live.lost(102.9)
+    live.heard(102.0)
+    assert not live.lost(104.9) and live.lost(105.0)
+    assert live.silent_for(104.0) == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        Liveness(0, 1, 0)
+
+
+def test_channel_drops_and_counts_bad_messages():
+    ctx = zmq.Context()
+    try:
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        router.bind("inproc://ch")
+        dealer.setsockopt(zmq.IDENTITY, b"peer")
+        dealer.connect("inproc://ch")
+        drops = []
+        server = Channel(router, Codec("good"), "server", on_drop=lambda ch, why: drops.append(why))
+        client = Channel(dealer, Codec("good"), "client")
+        dealer.send_multipart(Codec("evil").encode(Ping(1)))  # wrong token
+        dealer.send_multipart([b"garbage"])
+        dealer.send_multipart([b"DP\x09", b"Ping", b"{}", b"x" * 32])  # another version
+        client.send(Ping(2))
+        got = server.recv(timeout=2.0)
+        assert got.msg == Ping(2) and got.sender == b"peer"
+        assert server.dropped == 3 and len(drops) == 3
+        assert "MAC" in drops[0] and "version" in drops[2]
+        server.reply(got, Pong("n", 2))
+        assert client.recv(timeout=2.0).msg == Pong("n", 2)
+        with pytest.raises(ValueError):
+            server.send(Pong("n", 3))  # a ROUTER needs to know whom to send to
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_event_pipe_wakes_the_loop_from_a_thread():
+    ctx = zmq.Context()
+    try:
+        pipe = EventPipe(ctx)
+        poller = zmq.Poller()
+        poller.register(pipe.wake, zmq.POLLIN)
+
+        def post():
+            time.sleep(0.05)
+            with pipe.sender() as sender:
+                sender.post("a")
+                sender.post("b")
+
+        threading.Thread(target=post).start()
+        t0 = time.monotonic()
+        assert poller.poll(2000)
+        assert time.monotonic() - t0 < 1.0
+        events = []
+        deadline = time.monotonic() + 2
+        while len(events) < 2 and time.monotonic() < deadline:
+            events += pipe.drain()
+        assert events == ["a", "b"]
+        pipe.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_agent_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, dpagent.__main__, dpagent.agent; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0

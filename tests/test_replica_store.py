@@ -1,0 +1,109 @@
+"""Unit tests of the replica store: retention, verification, fetch, generations (no sockets, no processes)."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import zmq
+
+from dpagent.protocol import PutSnapshot
+from dpagent.replica_store import ReplicaStore, verify
+
+
+def put(rank=0, step=0, generation=0, meta=b"meta", data=b"data", checksum=None, nbytes=None):
+    msg = PutSnapshot(
+        rank=rank,
+        step=step,
+        generation=generation,
+        checksum=zlib.crc32(data, zlib.crc32(meta)) if checksum is None else checksum,
+        nbytes=len(meta) + len(data) if nbytes is None else nbytes,
+    )
+    return msg, meta, data
+
+
+def test_keeps_newest_three_steps_per_rank():
+    store = ReplicaStore()
+    for step in range(6):
+        for rank in (0, 1):
+            assert store.add(*put(rank, step, data=f"r{rank}s{step}".encode())) == ""
+    assert store.steps(0) == [3, 4, 5]
+    assert store.steps(1) == [3, 4, 5]
+    assert store.ranks() == [0, 1]
+    assert len(store) == 6
+    assert store.get(0, 2) is None
+    assert bytes(store.get(1, 4).data) == b"r1s4"
+
+
+def test_out_of_order_put_older_than_kept_is_refused_but_a_gap_is_filled():
+    store = ReplicaStore()
+    for step in (2, 4, 6):
+        assert store.add(*put(0, step)) == ""
+    assert "older than" in store.add(*put(0, 1))
+    assert store.add(*put(0, 5)) == ""  # newer than the oldest kept: the oldest goes
+    assert store.steps(0) == [4, 5, 6]
+
+
+def test_checksum_and_size_mismatch_are_refused():
+    store = ReplicaStore()
+    msg, meta, data = put(0, 1, checksum=12345)
+    assert "checksum" in store.add(msg, meta, data)
+    msg, meta, data = put(0, 1, nbytes=3)
+    assert "size" in store.add(msg, meta, data)
+    msg, meta, _ = put(0, 1)
+    assert "checksum" in store.add(msg, meta, b"dat!")  # same size, other bytes
+    assert store.get(0, 1) is None
+    assert verify(*put(0, 1)) == ""
+
+
+def test_fetch_found_missing_and_newest():
+    store = ReplicaStore()
+    assert store.get(0, 0) is None
+    assert store.get(0, -1) is None
+    store.add(*put(0, 7, meta=b"m7", data=b"d7"))
+    store.add(*put(0, 8, meta=b"m8", data=b"d8"))
+    snap = store.get(0, 7)
+    assert (snap.rank, snap.step, bytes(snap.meta), bytes(snap.data)) == (0, 7, b"m7", b"d7")
+    assert snap.checksum == zlib.crc32(b"d7", zlib.crc32(b"m7"))
+    assert snap.nbytes == 4
+    assert store.get(0, -1).step == 8  # a negative step asks for the newest
+    assert store.get(0, 9) is None
+    assert store.get(1, 7) is None
+
+
+def test_generations_fence_stale_puts_and_replace_abandoned_steps():
+    store = ReplicaStore()
+    for step in (8, 9, 10):
+        store.add(*put(0, step, generation=0, data=b"old"))
+    # generation 1 rolled back to step 8 and recomputes 9: old 9 and 10 belong to an abandoned timeline
+    assert store.add(*put(0, 9, generation=1, data=b"new")) == ""
+    assert store.steps(0) == [8, 9]
+    assert store.get(0, 9).generation == 1 and bytes(store.get(0, 9).data) == b"new"
+    assert store.get(0, 8).generation == 0
+    # a late put from the fenced generation is refused
+    assert "stale generation" in store.add(*put(0, 10, generation=0))
+    assert store.steps(0) == [8, 9]
+
+
+def test_same_step_is_replaced_and_bad_rank_refused():
+    store = ReplicaStore()
+    store.add(*put(0, 1, data=b"one"))
+    store.add(*put(0, 1, data=b"two"))
+    assert store.steps(0) == [1] and bytes(store.get(0, 1).data) == b"two"
+    assert "bad rank" in store.add(*put(-1, 1))
+    with pytest.raises(ValueError):
+        ReplicaStore(keep=0)
+
+
+def test_zero_copy_frames_are_kept_as_given():
+    data = os.urandom(1 << 20)
+    msg, meta, _ = put(2, 3, meta=b"{}", data=data)
+    frame_meta, frame_data = zmq.Frame(b"{}"), zmq.Frame(data)
+    store = ReplicaStore(keep=1)
+    assert store.add(msg, frame_meta, frame_data) == ""
+    snap = store.get(2, 3)
+    assert snap.data is frame_data  # no copy
+    assert store.total_bytes == len(data) + 2
+    store.drop_rank(2)
+    assert store.ranks() == []
