@@ -167,11 +167,16 @@ class Welcome:
     job_id: str
     heartbeat_interval: float
     heartbeat_timeout: float
+    prespawn: bool = True  # start workers now (dpstate scripts wait in init()); False: only on Reconfigure
 
 
 @_message
 class Reconfigure:
     """Join generation `generation` as node `node_rank`. One per recipient node, O(1) in size.
+
+    restart_workers: for scripts that do not use dpstate (restart mode), the agent kills its workers
+    (without reporting those exits), starts new ones with RANK/WORLD_SIZE/MASTER_ADDR... in their
+    environment, and reports WorkerReady(restored_from="restart") for each once started.
 
     restore_step: NO_RANK for a fresh start, else every rank loads its state at that step.
     restore_from: for each global rank of this node, the replica endpoint that holds its snapshot at
@@ -189,6 +194,7 @@ class Reconfigure:
     replica_to: str
     restore_from: dict = field(default_factory=dict)  # str(rank) -> endpoint
     reason: str = ""
+    restart_workers: bool = False  # restart mode: kill this node's workers and start fresh ones, ranks in env
 
 
 @_message

@@ -15,7 +15,7 @@ from typing import Any
 from dpagent import protocol as p
 
 from .faults import FaultPlan, FaultSpec
-from .ledger import INIT, ReplicaLedger
+from .ledger import INIT, ReplicaLedger, RestorePlan
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 
 
@@ -36,6 +36,8 @@ class JobSpec:
     probe_timeout: float = 1.0
     rdzv_timeout: float = 300.0
     faults: tuple[FaultSpec, ...] = ()
+    restart_mode: bool = False  # the script does not use dpstate: recover by restarting every worker
+    max_restarts: int = 3  # restart mode: restart recoveries allowed (torchrun's --max-restarts)
 
     @property
     def world_size(self) -> int:
@@ -157,6 +159,7 @@ class Controller:
         self.max_step = 0
         self.last_progress_event = float("-inf")
         self.recoveries: list[Recovery] = []
+        self.restarts = 0
         self._out: list = []
 
     # -- entry point -----------------------------------------------------------------------------
@@ -274,6 +277,7 @@ class Controller:
         self._send(node.node_id, p.Welcome(
             node_id=node.node_id, role=node.role, job_id=self.spec.job_id,
             heartbeat_interval=self.spec.heartbeat_interval, heartbeat_timeout=self.spec.heartbeat_timeout,
+            prespawn=not self.spec.restart_mode,
         ))
 
     def _on_Heartbeat(self, node: Node, msg: p.Heartbeat, now: float) -> None:
@@ -301,8 +305,11 @@ class Controller:
 
     def _on_WorkerReady(self, node: Node, msg: p.WorkerReady, now: float) -> None:
         self.unrestored.discard(msg.rank)
-        if self.recovery is not None:
-            self.recovery.ready[msg.rank] = (msg.rebuild_s, msg.restore_s)
+        rec = self.recovery
+        if rec is not None:
+            rec.ready[msg.rank] = (msg.rebuild_s, msg.restore_s)
+            if self.spec.restart_mode and len(rec.ready) == self.spec.world_size:
+                self._recovery_complete(rec, now)  # restarted scripts report no steps to us
 
     def _on_PeerError(self, node: Node, msg: p.PeerError, now: float) -> None:
         self._publish("peer_error", node=node.node_id, rank=msg.rank, detail=msg.detail[:200])
@@ -367,7 +374,7 @@ class Controller:
                 nproc_per_node=self.spec.nproc_per_node, world_size=self.spec.world_size,
                 restore_step=restore_step, store_endpoint=self.spec.store_endpoint,
                 replica_to=self.table.nodes[self.holders[node_rank]].replica_endpoint, restore_from=restore_from,
-                reason=reason,
+                reason=reason, restart_workers=self.spec.restart_mode,
             ))
 
     # -- failures --------------------------------------------------------------------------------
@@ -434,9 +441,17 @@ class Controller:
                               for i in failed_slots)
             self._finish(1, f"node failure with no spare left: {names}; rerun with more --spares")
             return
-        # a rank whose new node has not restored it yet has its state only on replicas, like a failed one
-        failed_ranks = {r for i in failed_slots for r in self.ranks_of(i)} | self.unrestored
-        plan = self.ledger.plan(self.spec.world_size, failed_ranks)
+        if self.spec.restart_mode:
+            if self.restarts >= self.spec.max_restarts:
+                self._finish(1, f"node {', '.join(rec.failed)} failed and --max-restarts {self.spec.max_restarts} "
+                                "restarts are used up: " + "; ".join(self.table.nodes[n].cause for n in rec.failed))
+                return
+            self.restarts += 1
+            plan = RestorePlan(step=p.NO_RANK)  # the script restarts from scratch (or its own checkpoint)
+        else:
+            # a rank whose new node has not restored it yet has its state only on replicas, like a failed one
+            failed_ranks = {r for i in failed_slots for r in self.ranks_of(i)} | self.unrestored
+            plan = self.ledger.plan(self.spec.world_size, failed_ranks)
         if plan.lost:
             holders = sorted({self.table.nodes[n].node_id for n in rec.failed})
             self._finish(1, f"state lost: ranks {plan.lost} had every copy on failed nodes {holders}; "
@@ -474,7 +489,8 @@ class Controller:
             "restore_s": round(restore, 4),
             "total_s": round(now - rec.t_fail, 4),
         }
-        self._publish("recovery_complete", generation=rec.generation, restore_step=rec.restore_step,
+        self._publish("recovery_complete", mode="restart" if self.spec.restart_mode else "hot-swap",
+                      generation=rec.generation, restore_step=rec.restore_step,
                       lost_steps=rec.lost_steps, failed=rec.failed, promoted=rec.promoted, phases=phases)
         self.recoveries.append(rec)
         self.recovery = None

@@ -225,3 +225,21 @@ def test_wrong_worker_count_is_refused():
     h.register("a", nproc=1)
     assert h.sent_to("a", p.Stop)[0].exit_code == 2
     assert len(h.c.table) == 0
+
+
+def test_restart_mode_restarts_every_worker_up_to_max_restarts():
+    h = formed(spec(restart_mode=True, max_restarts=1, spares=2))
+    h.register("t", spare=True)
+    assert h.sent_to("a", p.Welcome)[0].prespawn is False, "plain scripts cannot wait in dpstate.init()"
+    assert h.sent_to("a", p.Reconfigure)[0].restart_workers
+    h.feed(NodeGone("b", "killed"))
+    h.pong_all()
+    ra = h.sent_to("a", p.Reconfigure)[-1]
+    assert ra.generation == 1 and ra.restart_workers and ra.restore_step == -1
+    h.msg("a", p.WorkerReady("a", 1, 0, 0.5, 0.0, "restart"))
+    h.msg("s", p.WorkerReady("s", 1, 1, 0.6, 0.0, "restart"))
+    (done,) = h.named("recovery_complete")
+    assert done["mode"] == "restart"
+    h.feed(NodeGone("s", "killed again"))
+    h.pong_all()
+    assert h.finish and h.finish.exit_code == 1 and "--max-restarts 1" in h.finish.message
