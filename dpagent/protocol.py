@@ -13,10 +13,12 @@ raising `ProtocolError`; callers drop and count such messages and carry on.
 Who sends what (the reconstruction protocol of docs/DESIGN.md):
 
 agent -> controller : Register, Heartbeat, Pong, WorkerExited, and relayed from workers:
-                      Progress, WorkerReady, PeerError, RankFinished; from its replica store: SnapshotStored
+                      Progress, WorkerReady, PeerError, RestoreFailed, RankFinished; from its replica
+                      store: SnapshotStored
 controller -> agent : Welcome, Reconfigure, Stop, Ping, Inject
 agent -> worker     : Reconfigure, Stop (relayed)
-worker -> agent     : Hello, Progress, WorkerReady, PeerError, RankFinished
+worker -> agent     : Hello, WorkerStatus (kept by the agent, summarised in its Heartbeat), Progress,
+                      WorkerReady, PeerError, RestoreFailed, RankFinished
 worker -> replica   : PutSnapshot (+ 2 payload frames: meta, data)  ->  SnapshotAck
 worker -> replica   : FetchSnapshot  ->  SnapshotData (+ 2 payload frames when found)
 """
@@ -68,8 +70,12 @@ class Register:
 
 @_message
 class Heartbeat:
+    """`workers`: str(local_rank) -> {"rank", "step", "activity", "age"} from each worker's latest
+    WorkerStatus (age in seconds; a stopped or wedged worker's age grows): the controller's hang evidence."""
+
     node_id: str
     generation: int
+    workers: dict = field(default_factory=dict)
 
 
 @_message
@@ -146,6 +152,35 @@ class PeerError:
 
 
 @_message
+class WorkerStatus:
+    """Worker -> its agent only, every heartbeat interval from the worker's control thread.
+
+    activity: "compute" (in the step body), "collective" (waiting on peers), "snapshot" (waiting for a
+    replica ack), "recovering", "idle" (spare, or between steps).
+    """
+
+    node_id: str
+    local_rank: int
+    rank: int
+    generation: int
+    step: int
+    activity: str
+
+
+@_message
+class RestoreFailed:
+    """A rank could not restore `step` from `source` (missing, corrupt): the controller drops that copy
+    and plans again; the worker waits for the next Reconfigure."""
+
+    node_id: str
+    generation: int
+    rank: int
+    step: int
+    source: str
+    reason: str
+
+
+@_message
 class RankFinished:
     """A rank passed the final barrier after its last step: its work is done and kept."""
 
@@ -194,6 +229,8 @@ class Reconfigure:
     replica_to: str
     restore_from: dict = field(default_factory=dict)  # str(rank) -> endpoint
     reason: str = ""
+    replica_also: list = field(default_factory=list)  # --replicas > 1: further endpoints to send snapshots to
+    restore_also: dict = field(default_factory=dict)  # str(rank) -> further endpoints holding restore_step
     restart_workers: bool = False  # restart mode: kill this node's workers and start fresh ones, ranks in env
 
 

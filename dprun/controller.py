@@ -36,6 +36,10 @@ class JobSpec:
     probe_timeout: float = 1.0
     rdzv_timeout: float = 300.0
     faults: tuple[FaultSpec, ...] = ()
+    replicas: int = 1  # replica stores holding each node's snapshots (ring: node ranks r+1 .. r+replicas)
+    hang_timeout: float = 0.0  # no step anywhere for this long: find the rank that is not waiting on peers
+    on_spare_exhausted: str = "fail"  # or "wait": keep the survivors and wait for a node to join as a spare
+    spare_wait_timeout: float = 1800.0
     restart_mode: bool = False  # the script does not use dpstate: recover by restarting every worker
     max_restarts: int = 3  # restart mode: restart recoveries allowed (torchrun's --max-restarts)
 
@@ -108,7 +112,8 @@ class Recovery:
     restore_step: int = -1
     lost_steps: int = 0
     promoted: dict = field(default_factory=dict)  # node rank -> spare node id
-    holder_lost: bool = False  # a replica holder outside the layout (a spare) died: re-point replication
+    replan: bool = False  # no node to replace, but the plan must change (holder lost, a copy bad)
+    waiting_since: float | None = None  # on_spare_exhausted=wait: when waiting for a spare began
     ready: dict = field(default_factory=dict)  # rank -> (rebuild_s, restore_s)
     stepped: set = field(default_factory=set)  # ranks that completed a step after the restore step
 
@@ -153,7 +158,8 @@ class Controller:
         self.seq = 0
         self.next_ping = now
         self.injected_at: dict[str, float] = {}
-        self.holders: dict[int, str] = {}  # node rank -> node holding its replicas, this generation
+        self.holders: dict[int, list[str]] = {}  # node rank -> nodes holding its replicas, this generation
+        self.last_progress_at = now  # when the newest step last grew (hang detection)
         self.unrestored: set[int] = set()  # ranks handed to a new node that has not yet restored their state
         self.dropped: dict[str, int] = {}
         self.max_step = 0
@@ -207,12 +213,14 @@ class Controller:
     def node_of_rank(self, rank: int) -> str:
         return self.layout[rank // self.spec.nproc_per_node]
 
-    def replica_holder(self, node_rank: int) -> Node:
-        """Node rank r's snapshots live on node rank r+1 (a ring); a single active node uses a spare."""
-        if self.spec.nnodes > 1:
-            return self.table.nodes[self.layout[(node_rank + 1) % self.spec.nnodes]]
-        spares = self.table.with_role(SPARE)
-        return spares[0] if spares else self.table.nodes[self.layout[node_rank]]
+    def replica_holders(self, node_rank: int) -> list[str]:
+        """Node rank r's snapshots live on node ranks r+1 .. r+replicas (a ring); a single node uses spares."""
+        n = self.spec.nnodes
+        if n > 1:
+            count = min(self.spec.replicas, n - 1)
+            return [self.layout[(node_rank + k) % n] for k in range(1, count + 1)]
+        spares = [node.node_id for node in self.table.with_role(SPARE)][: self.spec.replicas]
+        return spares or [self.layout[node_rank]]
 
     # -- messages --------------------------------------------------------------------------------
 
@@ -272,6 +280,8 @@ class Controller:
         self._publish("node_joined", node=sender, host=msg.host, role=role, pid=msg.pid)
         if forming:
             self._maybe_form(now)
+        elif self.pending is not None and self.pending.waiting_since is not None and self.flush is None:
+            self._start_flush(now)  # a spare arrived for the recovery that waits for one
 
     def _welcome(self, node: Node) -> None:
         self._send(node.node_id, p.Welcome(
@@ -281,7 +291,7 @@ class Controller:
         ))
 
     def _on_Heartbeat(self, node: Node, msg: p.Heartbeat, now: float) -> None:
-        pass  # last_heard is already updated
+        node.workers = msg.workers  # last_heard is already updated
 
     def _on_Pong(self, node: Node, msg: p.Pong, now: float) -> None:
         if self.flush is not None and msg.seq >= self.flush.seq:
@@ -289,7 +299,9 @@ class Controller:
 
     def _on_Progress(self, node: Node, msg: p.Progress, now: float) -> None:
         node.last_step = max(node.last_step, msg.step)
-        self.max_step = max(self.max_step, msg.step)
+        if msg.step > self.max_step:
+            self.max_step = msg.step
+            self.last_progress_at = now
         if now - self.last_progress_event >= PROGRESS_EVERY_S:
             self.last_progress_event = now
             self._publish("progress", generation=self.generation, step=self.max_step, **msg.metrics)
@@ -316,11 +328,26 @@ class Controller:
         if self.flush is None:
             self._start_flush(now)
 
+    def _on_RestoreFailed(self, node: Node, msg: p.RestoreFailed, now: float) -> None:
+        holder = next((n.node_id for n in self.table.nodes.values() if n.replica_endpoint == msg.source), None)
+        if holder is not None:
+            self.ledger.discard(msg.rank, msg.step, holder)
+        self._publish("restore_failed", node=node.node_id, rank=msg.rank, step=msg.step, source=msg.source,
+                      reason=msg.reason[:200])
+        if self.pending is None:
+            self.pending = Recovery(failed=[], t_fail=now, t_detect=now)
+            if self.recovery is not None:
+                self.pending.t_fail, self.pending.t_detect = self.recovery.t_fail, self.recovery.t_detect
+                self.pending.failed = list(self.recovery.failed)
+                self.recovery = None
+        self.pending.replan = True
+        self._start_flush(now)
+
     def _on_RankFinished(self, node: Node, msg: p.RankFinished, now: float) -> None:
         pass  # the job ends when every active worker has exited 0 (as with torchrun)
 
     def _on_WorkerExited(self, node: Node, msg: p.WorkerExited, now: float) -> None:
-        if node.role == ACTIVE and msg.exitcode == 0 and msg.generation == self.generation:
+        if node.role == ACTIVE and msg.exitcode == 0:  # finished (its final barrier passed, in any generation)
             node.exited_ok.add(msg.local_rank)
             if all(len(self.table.nodes[n].exited_ok) == self.spec.nproc_per_node for n in self.layout):
                 self._finish(0, f"all {self.spec.world_size} ranks finished")
@@ -354,6 +381,7 @@ class Controller:
         self.layout = [n for n in layout if n is not None]
         self.generation = 0
         self.training_since = now
+        self.last_progress_at = now
         for rank, node_id in enumerate(self.layout):
             self.table.nodes[node_id].node_rank = rank
         self._reconfigure_all(restore_step=p.NO_RANK, sources={}, reason="start")
@@ -361,20 +389,23 @@ class Controller:
                       spares=len(self.table.with_role(SPARE)), layout=list(self.layout))
 
     def _reconfigure_all(self, restore_step: int, sources: dict[int, str], reason: str) -> None:
-        self.holders = {r: self.replica_holder(r).node_id for r in range(len(self.layout))}
+        self.holders = {r: self.replica_holders(r) for r in range(len(self.layout))}
+        endpoint = lambda node_id: self.table.nodes[node_id].replica_endpoint  # noqa: E731
         for node_rank, node_id in enumerate(self.layout):
-            restore_from = {}
+            restore_from, restore_also = {}, {}
             for rank in self.ranks_of(node_rank):
                 source = sources.get(rank, "")
-                if source not in ("", INIT):
-                    source = self.table.nodes[source].replica_endpoint
-                restore_from[str(rank)] = source
+                others = [h for h in self.ledger.holders_of(rank, restore_step) if h != source]
+                restore_from[str(rank)] = endpoint(source) if source not in ("", INIT) else source
+                if others and source != INIT:
+                    restore_also[str(rank)] = [endpoint(h) for h in others]
             self._send(node_id, p.Reconfigure(
                 generation=self.generation, node_rank=node_rank, nnodes=self.spec.nnodes,
                 nproc_per_node=self.spec.nproc_per_node, world_size=self.spec.world_size,
                 restore_step=restore_step, store_endpoint=self.spec.store_endpoint,
-                replica_to=self.table.nodes[self.holders[node_rank]].replica_endpoint, restore_from=restore_from,
-                reason=reason, restart_workers=self.spec.restart_mode,
+                replica_to=endpoint(self.holders[node_rank][0]), restore_from=restore_from, reason=reason,
+                replica_also=[endpoint(h) for h in self.holders[node_rank][1:]], restore_also=restore_also,
+                restart_workers=self.spec.restart_mode,
             ))
 
     # -- failures --------------------------------------------------------------------------------
@@ -394,7 +425,8 @@ class Controller:
             self.flush.waiting.discard(node_id)
         if was == SPARE:
             self._publish("spare_lost", node=node_id, spares_left=len(self.table.with_role(SPARE)))
-            if self.generation < 0 or node_id not in self.holders.values():
+            finishing = any(self.table.nodes[n].exited_ok for n in self.layout)
+            if self.generation < 0 or finishing or not any(node_id in held for held in self.holders.values()):
                 return
         elif self.generation < 0:  # still forming: the slot opens for the next node to register
             return
@@ -410,7 +442,7 @@ class Controller:
             else:
                 self.pending = Recovery(failed=[], t_fail=now, t_detect=now)
         self.pending.failed.append(node_id)
-        self.pending.holder_lost |= was == SPARE
+        self.pending.replan |= was == SPARE
         if node_id in self.injected_at:
             self.pending.t_fail = min(self.pending.t_fail, self.injected_at[node_id])
         self._start_flush(now)
@@ -433,13 +465,20 @@ class Controller:
 
     def _reconstruct(self, rec: Recovery, now: float) -> None:
         failed_slots = [i for i, n in enumerate(self.layout) if self.table.nodes[n].role == FAILED]
-        if not failed_slots and not rec.holder_lost:
+        if not failed_slots and not rec.replan:
             return
         spares = self.table.with_role(SPARE)
         if len(spares) < len(failed_slots):
             names = ", ".join(f"{self.layout[i]} (node rank {i}: {self.table.nodes[self.layout[i]].cause})"
                               for i in failed_slots)
-            self._finish(1, f"node failure with no spare left: {names}; rerun with more --spares")
+            if self.spec.on_spare_exhausted != "wait":
+                self._finish(1, f"node failure with no spare left: {names}; rerun with more --spares")
+                return
+            if rec.waiting_since is None:
+                rec.waiting_since = now
+                self._publish("waiting_for_spare", needed=len(failed_slots) - len(spares), failed=names,
+                              timeout_s=self.spec.spare_wait_timeout)
+            self.pending = rec  # decided again when a node registers as a spare
             return
         if self.spec.restart_mode:
             if self.restarts >= self.spec.max_restarts:
@@ -468,6 +507,7 @@ class Controller:
         self.generation += 1
         rec.generation = self.generation
         rec.t_decide = now
+        self.last_progress_at = now
         rec.restore_step = plan.step
         rec.lost_steps = max(0, self.max_step - plan.step)
         self.ledger.rollback(plan.step)
@@ -516,12 +556,47 @@ class Controller:
                 self._node_failed(node_id, f"no answer to a probe within {self.spec.probe_timeout:g} s", now)
             if self.flush is not None:
                 self.flush.waiting.clear()
+        self._check_waits(now)
         if now >= self.next_ping:
             self.next_ping = now + self.spec.heartbeat_interval
             self.seq += 1
             for node in self.table.live():
                 self._send(node.node_id, p.Ping(seq=self.seq))
         self._fire_faults(now)
+
+    def _check_waits(self, now: float) -> None:
+        rec = self.pending
+        if rec is not None and rec.waiting_since is not None and self.flush is None:
+            if now - rec.waiting_since > self.spec.spare_wait_timeout:
+                self._finish(1, f"no node joined as a spare within {self.spec.spare_wait_timeout:g} s after "
+                                f"{', '.join(rec.failed)} failed; start nodes with --rdzv-endpoint to rejoin")
+            return
+        if (self.spec.hang_timeout > 0 and self.generation >= 0 and rec is None and self.flush is None
+                and not self.spec.restart_mode and now - self.last_progress_at > self.spec.hang_timeout):
+            self._hung(now)
+
+    def _hung(self, now: float) -> None:
+        """No rank stepped for hang_timeout: blame the ranks that are not waiting on their peers."""
+        stalled = now - self.last_progress_at
+        self.last_progress_at = now
+        stale_after = max(3 * self.spec.heartbeat_interval, 2.0)
+        culprits: dict[str, str] = {}
+        for node_rank, node_id in enumerate(self.layout):
+            node = self.table.nodes[node_id]
+            for local in range(self.spec.nproc_per_node):
+                status = node.workers.get(str(local))
+                rank = node_rank * self.spec.nproc_per_node + local
+                if status is None or status.get("age", 0) > stale_after:
+                    culprits.setdefault(node_id, f"rank {rank} stopped responding")
+                elif status.get("activity") not in ("collective", "snapshot"):
+                    culprits.setdefault(node_id, f"rank {rank} stuck in {status.get('activity')} at step "
+                                                 f"{status.get('step')}")
+        if not culprits:
+            self._finish(1, f"job hung: no step for {stalled:.0f} s and every rank waits on its peers; "
+                            "check the network, or raise --hang-timeout")
+            return
+        for node_id, why in culprits.items():
+            self._node_failed(node_id, f"{why}: no progress for {stalled:.0f} s (--hang-timeout)", now)
 
     def _fire_faults(self, now: float) -> None:
         if self.generation < 0 or not self.faults.pending:

@@ -48,11 +48,18 @@ class ReplicaLedger:
         steps = [s for held in self.held.get(rank, {}).values() for s in held]
         return max(steps) if steps else None
 
+    def holders_of(self, rank: int, step: int) -> list[str]:
+        return [holder for holder, steps in sorted(self.held.get(rank, {}).items()) if step in steps]
+
     def holder_of(self, rank: int, step: int) -> str | None:
-        for holder, steps in sorted(self.held.get(rank, {}).items()):
-            if step in steps:
-                return holder
-        return None
+        holders = self.holders_of(rank, step)
+        return holders[0] if holders else None
+
+    def discard(self, rank: int, step: int, holder: str) -> None:
+        """That copy turned out missing or corrupt."""
+        steps = self.held.get(rank, {}).get(holder)
+        if steps and step in steps:
+            steps.remove(step)
 
     def plan(self, world_size: int, failed_ranks: set[int]) -> RestorePlan:
         """The newest step every rank can come back to; failed nodes must already be `holder_lost`.

@@ -25,6 +25,7 @@ class Node:
     cause: str = ""  # why it failed
     exited_ok: set = field(default_factory=set)  # local ranks whose worker exited 0
     last_step: int = -1  # newest step any of its ranks reported (any generation)
+    workers: dict = field(default_factory=dict)  # str(local rank) -> status from its latest Heartbeat
 
 
 class NodeTable:

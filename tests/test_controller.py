@@ -52,6 +52,13 @@ class Harness:
         for node in self.c.table.live():
             self.msg(node.node_id, p.Pong(node.node_id, seq))
 
+    def alive(self, statuses: dict[str, dict], dt: float = 0.5):
+        """One heartbeat interval: these nodes heartbeat (with worker statuses) and answer probes."""
+        for node, workers in statuses.items():
+            self.msg(node, p.Heartbeat(node, self.c.generation, workers))
+            self.msg(node, p.Pong(node, self.c.seq))
+        self.feed(Tick(), dt=dt)
+
     def named(self, name: str) -> list[dict]:
         return [e for e in self.events if e["event"] == name]
 
@@ -243,3 +250,90 @@ def test_restart_mode_restarts_every_worker_up_to_max_restarts():
     h.feed(NodeGone("s", "killed again"))
     h.pong_all()
     assert h.finish and h.finish.exit_code == 1 and "--max-restarts 1" in h.finish.message
+
+
+def test_two_replicas_survive_a_node_and_its_first_holder_dying_together():
+    h = Harness(spec(nnodes=3, spares=2, replicas=2))
+    for node, rank in (("a", 0), ("b", 1), ("c", 2)):
+        h.register(node, rank=rank)
+    h.register("s", spare=True)
+    h.register("t", spare=True)
+    ra = h.sent_to("a", p.Reconfigure)[0]
+    assert (ra.replica_to, ra.replica_also) == ("tcp://b:1", ["tcp://c:1"])
+    for rank, holders in ((0, "bc"), (1, "ca"), (2, "ab")):
+        for holder in holders:
+            h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
+    h.feed(NodeGone("b", "killed"))
+    h.feed(NodeGone("c", "killed"))
+    h.pong_all()
+    assert h.finish is None and h.c.generation == 1
+    restore = {k: v for node in ("s", "t") for k, v in h.sent_to(node, p.Reconfigure)[-1].restore_from.items()}
+    assert restore == {"1": "tcp://a:1", "2": "tcp://a:1"}, "both dead ranks come back from a, their second copy"
+
+
+def test_a_corrupt_copy_is_dropped_and_the_next_one_used():
+    h = Harness(spec(nnodes=3, spares=1, replicas=2))
+    for node, rank in (("a", 0), ("b", 1), ("c", 2)):
+        h.register(node, rank=rank)
+    h.register("s", spare=True)
+    for holder in "ca":
+        h.msg(holder, p.SnapshotStored(holder, 1, 4, 0))
+    for rank, holders in ((0, "bc"), (2, "ab")):
+        for holder in holders:
+            h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
+    h.feed(NodeGone("b", "killed"))
+    h.pong_all()
+    rs = h.sent_to("s", p.Reconfigure)[-1]
+    assert rs.restore_from == {"1": "tcp://a:1"} and rs.restore_also == {"1": ["tcp://c:1"]}
+    h.msg("s", p.RestoreFailed("s", 1, 1, 4, "tcp://a:1", "checksum mismatch"))
+    h.pong_all()
+    again = h.sent_to("s", p.Reconfigure)[-1]
+    assert again.generation == 2 and again.restore_from == {"1": "tcp://c:1"}
+    assert h.named("restore_failed")[0]["reason"] == "checksum mismatch"
+
+
+def test_hang_timeout_blames_the_rank_that_is_not_waiting_on_peers():
+    h = formed(spec(hang_timeout=10.0))
+    h.msg("a", p.Progress("a", 0, 0, 3))
+    for _ in range(25):
+        h.alive({"a": {"0": {"rank": 0, "step": 3, "activity": "collective", "age": 0.2}},
+                 "b": {"0": {"rank": 1, "step": 3, "activity": "compute", "age": 0.3}}, "s": {}})
+    (failed,) = h.named("node_failed")
+    assert failed["node"] == "b" and "rank 1 stuck in compute" in failed["cause"]
+
+
+def test_hang_with_every_rank_waiting_on_peers_stops_with_a_message():
+    h = formed(spec(hang_timeout=5.0))
+    for _ in range(12):
+        h.alive({node: {"0": {"rank": rank, "step": 0, "activity": "collective", "age": 0.1}}
+                 for node, rank in (("a", 0), ("b", 1))} | {"s": {}})
+    assert h.finish and h.finish.exit_code == 1 and "every rank waits on its peers" in h.finish.message
+
+
+def two_nodes_no_spare(**kw) -> Harness:
+    h = Harness(spec(spares=0, **kw))
+    h.register("a", rank=0)
+    h.register("b", rank=1)
+    return h
+
+
+def test_out_of_spares_with_wait_policy_resumes_when_a_node_joins():
+    h = two_nodes_no_spare(on_spare_exhausted="wait", spare_wait_timeout=60)
+    h.feed(NodeGone("b", "killed"))
+    h.pong_all()
+    assert h.finish is None and h.named("waiting_for_spare")
+    for _ in range(20):
+        h.alive({"a": {}})
+    h.register("late")
+    assert h.sent_to("late", p.Welcome)[0].role == "spare"
+    h.pong_all()
+    assert h.c.generation == 1 and h.c.layout == ["a", "late"]
+
+
+def test_out_of_spares_with_wait_policy_gives_up_after_its_timeout():
+    h = two_nodes_no_spare(on_spare_exhausted="wait", spare_wait_timeout=5)
+    h.feed(NodeGone("b", "killed"))
+    h.pong_all()
+    for _ in range(12):
+        h.alive({"a": {}})
+    assert h.finish and h.finish.exit_code == 1 and "no node joined as a spare" in h.finish.message

@@ -126,6 +126,11 @@ def judge_outcome(world) -> str:
         if world.controller.max_step < world.steps:
             raise InvariantViolation(f"ended as finished before the last step: {finish.message}")
         return "failed-at-exit"
+    if "no node joined as a spare" in finish.message:
+        if world.failures <= world.spec.spares:
+            raise InvariantViolation(f"waited for a spare after {world.failures} failures with "
+                                     f"{world.spec.spares} spares: {finish.message}")
+        return "spare-wait-timeout"
     if "no spare left" in finish.message:
         if world.failures <= world.spec.spares:
             raise InvariantViolation(f"no spare left after {world.failures} failures with "

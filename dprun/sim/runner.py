@@ -27,6 +27,9 @@ class FaultDriver:
         if fault.kind == "kill-during-recovery":
             self.armed.append(fault)
             return
+        if fault.kind == "join-spare":
+            w.join_node()
+            return
         if fault.kind == "kill-spare":
             candidates = [n for n in w.nodes.values() if n.running and n.node_id not in c.layout]
         else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from dprun.controller import JobSpec
 
 KINDS = ["kill-node", "kill-node-silent", "kill-worker", "freeze-node", "freeze-wake", "kill-spare",
-         "kill-during-recovery"]
+         "kill-during-recovery", "join-spare"]
 
 
 @dataclass
@@ -31,14 +31,19 @@ class Schedule:
     nproc: int
     steps: int
     faults: list = field(default_factory=list)
+    replicas: int = 1
+    wait_for_spares: bool = False
 
     def spec(self) -> JobSpec:
         return JobSpec(nnodes=self.nnodes, spares=self.spares, nproc_per_node=self.nproc, store_endpoint="sim:0",
-                       heartbeat_interval=0.5, heartbeat_timeout=2.0, probe_timeout=0.5, rdzv_timeout=5.0)
+                       heartbeat_interval=0.5, heartbeat_timeout=2.0, probe_timeout=0.5, rdzv_timeout=5.0,
+                       replicas=self.replicas, on_spare_exhausted="wait" if self.wait_for_spares else "fail",
+                       spare_wait_timeout=8.0)
 
     def describe(self) -> str:
         faults = ", ".join(f"{f.kind}@{f.at:.2f}" for f in self.faults) or "no faults"
         return (f"seed {self.seed}: {self.nnodes} nodes x {self.nproc} + {self.spares} spares, "
+                f"{self.replicas} replica(s), {'wait' if self.wait_for_spares else 'fail'} when out of spares, "
                 f"{self.steps} steps; {faults}")
 
 
@@ -51,4 +56,6 @@ def random_schedule(seed: int, max_nodes: int = 4) -> Schedule:
     faults = [Fault(at=rng.uniform(0.2, 3.0), kind=rng.choice(KINDS), pick=rng.random(),
                     wake_after=rng.uniform(0.5, 6.0))
               for _ in range(rng.choice([0, 1, 1, 2, 2, 3, 4]))]
-    return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at))
+    replicas = rng.choice([1, 1, 2])
+    wait = rng.random() < 0.3
+    return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait)

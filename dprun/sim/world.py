@@ -27,7 +27,8 @@ class SimWorker:
     state: int = 0  # optimizer steps applied
     phase: str = "waiting"  # waiting (for a Reconfigure), running, blocked, recovering, done, dead
     local: list = field(default_factory=list)  # snapshot steps held locally
-    acked: int = -1  # newest snapshot acked by the replica store
+    acked: int = -1  # newest snapshot acked by every replica store it was sent to
+    awaiting: dict = field(default_factory=dict)  # step -> acks still missing
     restore: Any = None  # the Reconfigure being applied
 
 
@@ -41,7 +42,7 @@ class SimNode:
     welcomed: bool = False
     generation: int = -1
     node_rank: int = -1
-    replica_to: str = ""
+    replica_to: list = field(default_factory=list)
     store: dict = field(default_factory=dict)  # rank -> sorted steps held
     workers: list = field(default_factory=list)
     inbox_while_frozen: list = field(default_factory=list)
@@ -159,7 +160,8 @@ class World:
         elif isinstance(msg, p.Stop):
             self._stop_node(node)
         elif isinstance(msg, p.Reconfigure):
-            node.generation, node.node_rank, node.replica_to = msg.generation, msg.node_rank, msg.replica_to
+            node.generation, node.node_rank = msg.generation, msg.node_rank
+            node.replica_to = [msg.replica_to, *msg.replica_also]
             for local, worker in enumerate(node.workers):
                 self.at(self._link_delay(node_id, f"{node_id}/{local}"), self._worker_reconfigure, node, local, msg)
 
@@ -236,11 +238,11 @@ class World:
     def _take_snapshot(self, node: SimNode, local: int) -> None:
         worker = node.workers[local]
         worker.local = (worker.local + [worker.state])[-KEEP_LOCAL:]
-        holder = self.node_of(node.replica_to)
-        if holder is None:
-            return
+        holders = [h for h in map(self.node_of, node.replica_to) if h is not None]
+        worker.awaiting[worker.state] = len(holders)
         put = (worker.rank, worker.state, worker.generation)
-        self.at(self._link_delay(node.node_id, holder.node_id), self._store_put, holder, node, local, put)
+        for holder in holders:
+            self.at(self._link_delay(node.node_id, holder.node_id), self._store_put, holder, node, local, put)
 
     def _store_put(self, holder: SimNode, sender: SimNode, local: int, put) -> None:
         if self._frozen(holder, self._store_put, holder, sender, local, put):
@@ -262,6 +264,10 @@ class World:
             return
         worker = node.workers[local]
         if node.running and worker.generation == generation:
+            missing = worker.awaiting.get(step, 1) - 1
+            worker.awaiting[step] = missing
+            if missing > 0:
+                return  # every replica must hold it before the optimizer may move on
             worker.acked = max(worker.acked, step)
             if worker.phase == "blocked":  # waiting in the optimizer pre-step hook
                 worker.phase = "running"
@@ -315,6 +321,17 @@ class World:
         self._agent_send(node.node_id, p.WorkerExited(node.node_id, node.generation, local, 1000 + local, code, detail))
 
     # -- faults ----------------------------------------------------------------------------------
+
+    def join_node(self) -> str:
+        """A fresh node registers mid-job (it becomes a spare)."""
+        node_id = f"n{len(self.nodes)}"
+        node = self.nodes[node_id] = SimNode(node_id, self.spec.nproc_per_node)
+        node.workers = [SimWorker() for _ in range(node.nproc)]
+        self.log.append(f"{self.now:.3f} join {node_id}")
+        self._agent_send(node_id, p.Register(node_id, "sim", 100 + len(self.nodes), node.nproc, True, -1,
+                                             node.endpoint))
+        self.at(self.hb_interval, self._heartbeat, node_id)
+        return node_id
 
     def kill_node(self, node_id: str, observed_by_parent: bool = True) -> None:
         node = self.nodes[node_id]
