@@ -40,6 +40,17 @@ def run(
         5.0, "--heartbeat-timeout", help="A node silent this long is failed (frozen, partitioned)."),
     probe_timeout: float = typer.Option(
         1.0, "--probe-timeout", help="After a peer error, a node that does not answer a probe this fast is failed."),
+    hang_timeout: float = typer.Option(
+        600.0, "--hang-timeout",
+        help="No training step anywhere for this long: the rank that is not waiting on its peers is failed "
+             "(a hung worker); 0 turns it off."),
+    replicas: int = typer.Option(1, "--replicas", help="Peer nodes holding each node's snapshots (ring)."),
+    on_spare_exhausted: str = typer.Option(
+        "fail", "--on-spare-exhausted",
+        help="A failure with no spare left: 'fail' (stop with a message) or 'wait' (keep the survivors and "
+             "wait for a node to join as a spare: dprun --rdzv-endpoint ... on another machine)."),
+    spare_wait_timeout: float = typer.Option(
+        1800.0, "--spare-wait-timeout", help="With --on-spare-exhausted wait: give up after this many seconds."),
     rdzv_endpoint: Optional[str] = typer.Option(
         None, "--rdzv-endpoint", "--rdzv_endpoint",
         help="HOST:PORT of the controller (multi-node). Without it, every node runs on this machine."),
@@ -68,7 +79,17 @@ def run(
         fault_specs = [faults.parse_fault(text) for text in inject or []]
     except faults.FaultSpecError as exc:
         _fail(str(exc))
+    if replicas < 1:
+        _fail(f"--replicas must be at least 1, got {replicas}")
+    if on_spare_exhausted not in ("fail", "wait"):
+        _fail(f"--on-spare-exhausted must be 'fail' or 'wait', got {on_spare_exhausted!r}")
+    if hang_timeout < 0:
+        _fail(f"--hang-timeout must be 0 (off) or positive, got {hang_timeout:g}")
     for spec in fault_specs:
+        if spec.on_spare:
+            if spec.node_rank >= spares:
+                _fail(f"--inject {spec}: spare {spec.node_rank} does not exist with --spares {spares}")
+            continue
         if spec.node_rank >= nnodes:
             _fail(f"--inject {spec}: node rank {spec.node_rank} does not exist with --nnodes {nnodes}")
         if spec.local_rank >= nproc_per_node:
@@ -90,6 +111,8 @@ def run(
         nnodes=nnodes, spares=spares, nproc_per_node=nproc_per_node, script=[script, *(script_args or [])],
         events_file=str(events_file) if events_file else None, faults=fault_specs,
         heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, probe_timeout=probe_timeout,
+        hang_timeout=hang_timeout, replicas=replicas, on_spare_exhausted=on_spare_exhausted,
+        spare_wait_timeout=spare_wait_timeout,
         rdzv_timeout=rdzv_timeout, rdzv_endpoint=None if standalone else rdzv_endpoint, node_rank=node_rank,
         rdzv_id=rdzv_id, token=token, local_addr=local_addr, no_python=no_python,
     )

@@ -158,6 +158,7 @@ class Controller:
         self.seq = 0
         self.next_ping = now
         self.injected_at: dict[str, float] = {}
+        self.frozen_at: dict[int, str] = {}  # node rank -> node frozen there by fault injection
         self.holders: dict[int, list[str]] = {}  # node rank -> nodes holding its replicas, this generation
         self.last_progress_at = now  # when the newest step last grew (hang detection)
         self.unrestored: set[int] = set()  # ranks handed to a new node that has not yet restored their state
@@ -518,6 +519,7 @@ class Controller:
         self._publish("reconfigure", generation=self.generation, restore_step=plan.step,
                       layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))
         self.recovery = rec
+        self._fire_faults(now, recovering=True)
 
     def _recovery_complete(self, rec: Recovery, now: float) -> None:
         rebuild = max((r[0] for r in rec.ready.values()), default=0.0)
@@ -598,18 +600,30 @@ class Controller:
         for node_id, why in culprits.items():
             self._node_failed(node_id, f"{why}: no progress for {stalled:.0f} s (--hang-timeout)", now)
 
-    def _fire_faults(self, now: float) -> None:
+    def _fire_faults(self, now: float, recovering: bool = False) -> None:
         if self.generation < 0 or not self.faults.pending:
             return
         steps = {node.node_rank: node.last_step for node in self.table.with_role(ACTIVE)}
-        for spec in self.faults.due(steps, now - (self.training_since or now)):
-            if spec.node_rank >= len(self.layout):
-                self._publish("fault_skipped", spec=str(spec), reason="no such node rank")
+        for spec in self.faults.due(steps, now - (self.training_since or now), recovering):
+            node_id = self._fault_target(spec)
+            if node_id is None:
+                self._publish("fault_skipped", spec=str(spec), reason="no such node")
                 continue
-            node_id = self.layout[spec.node_rank]
-            self.injected_at[node_id] = now
+            if spec.kind == "freeze-node":
+                self.frozen_at[spec.node_rank] = node_id
+            if spec.kind != "wake-node":
+                self.injected_at[node_id] = now
+            # wake-node goes to the launcher of a frozen node (its agent cannot act); see dprun/server.py
             self._send(node_id, p.Inject(kind=spec.kind, local_rank=spec.local_rank))
             self._publish("fault_injected", node=node_id, node_rank=spec.node_rank, kind=spec.kind, spec=str(spec))
+
+    def _fault_target(self, spec) -> str | None:
+        if spec.on_spare:
+            spares = self.table.with_role(SPARE)
+            return spares[spec.node_rank].node_id if spec.node_rank < len(spares) else None
+        if spec.kind == "wake-node":
+            return self.frozen_at.get(spec.node_rank)
+        return self.layout[spec.node_rank] if spec.node_rank < len(self.layout) else None
 
     # -- views -----------------------------------------------------------------------------------
 

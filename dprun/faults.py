@@ -1,6 +1,6 @@
 """Fault injection specs (`--inject KIND:NODE@TRIGGER`): parsing and when each one fires.
 
-Pure logic: the controller asks `due()` with what it knows (steps per node rank, time since start).
+Pure logic: the controller asks `due()` with what it knows (steps per node rank, time, recoveries).
 """
 
 from __future__ import annotations
@@ -11,15 +11,28 @@ from dataclasses import dataclass
 KINDS = {
     "kill-node": "SIGKILL the node's agent and workers together",
     "kill-worker": "SIGKILL one worker of the node (local rank 0, or NODE.LOCAL)",
+    "freeze-node": "SIGSTOP the node's agent and workers (a hung kernel or a partition); never woken by itself",
+    "wake-node": "SIGCONT the node that was frozen at that node rank (standalone mode: the head sends it)",
+    "hang-worker": "SIGSTOP one worker: alive, no progress (caught by --hang-timeout)",
+    "kill-spare": "SIGKILL a spare (NODE counts the spares in order of registration)",
+}
+TRIGGERS = {
+    "step=N": "when that node rank reports step N",
+    "t=SECONDS": "SECONDS after training starts",
+    "during-recovery": "as the next recovery begins (the controller has just sent the new generation)",
 }
 
-_SPEC = re.compile(r"^(?P<kind>[a-z-]+):(?P<node>\d+)(?:\.(?P<local>\d+))?@(?P<trigger>step|t)=(?P<value>\d+(?:\.\d+)?)$")
+_SPEC = re.compile(
+    r"^(?P<kind>[a-z-]+):(?P<node>\d+)(?:\.(?P<local>\d+))?"
+    r"@(?:(?P<trigger>step|t)=(?P<value>\d+(?:\.\d+)?)|(?P<recovery>during-recovery))$"
+)
 
 HELP = (
     "Inject a fault, KIND:NODE@TRIGGER (repeatable). KIND: "
-    + ", ".join(f"{k} ({v})" for k, v in KINDS.items())
-    + ". NODE: the active node rank. TRIGGER: step=N (when that node reports step N) or t=SECONDS after"
-    " training starts. Example: kill-node:1@step=20"
+    + "; ".join(f"{k} ({v})" for k, v in KINDS.items())
+    + ". NODE: the active node rank (for kill-spare: the spare's index). TRIGGER: "
+    + "; ".join(f"{k} ({v})" for k, v in TRIGGERS.items())
+    + ". Example: kill-node:1@step=20"
 )
 
 
@@ -30,26 +43,34 @@ class FaultSpecError(ValueError):
 @dataclass(frozen=True)
 class FaultSpec:
     kind: str
-    node_rank: int
-    trigger: str  # "step" or "t"
-    value: float
+    node_rank: int  # for kill-spare: index among the spares
+    trigger: str  # "step", "t" or "during-recovery"
+    value: float = 0.0
     local_rank: int = 0
 
     def __str__(self) -> str:
         local = f".{self.local_rank}" if self.local_rank else ""
+        if self.trigger == "during-recovery":
+            return f"{self.kind}:{self.node_rank}{local}@during-recovery"
         value = int(self.value) if self.trigger == "step" else self.value
         return f"{self.kind}:{self.node_rank}{local}@{self.trigger}={value}"
+
+    @property
+    def on_spare(self) -> bool:
+        return self.kind == "kill-spare"
 
 
 def parse_fault(text: str) -> FaultSpec:
     match = _SPEC.match(text.strip())
     if not match:
-        raise FaultSpecError(f"bad --inject {text!r}: expected KIND:NODE@step=N or KIND:NODE@t=SECONDS, e.g. kill-node:1@step=20")
+        raise FaultSpecError(f"bad --inject {text!r}: expected KIND:NODE@step=N, KIND:NODE@t=SECONDS or "
+                             "KIND:NODE@during-recovery, e.g. kill-node:1@step=20")
     kind = match["kind"]
     if kind not in KINDS:
         raise FaultSpecError(f"bad --inject {text!r}: unknown kind {kind!r}; known: {', '.join(KINDS)}")
-    trigger = match["trigger"]
-    value = float(match["value"])
+    if match["recovery"]:
+        return FaultSpec(kind, int(match["node"]), "during-recovery", 0.0, int(match["local"] or 0))
+    trigger, value = match["trigger"], float(match["value"])
     if trigger == "step" and not value.is_integer():
         raise FaultSpecError(f"bad --inject {text!r}: step must be a whole number")
     return FaultSpec(kind, int(match["node"]), trigger, value, int(match["local"] or 0))
@@ -61,13 +82,16 @@ class FaultPlan:
     def __init__(self, specs: list[FaultSpec]):
         self.pending = list(specs)
 
-    def due(self, step_of_node_rank: dict[int, int], seconds_since_start: float | None) -> list[FaultSpec]:
+    def due(self, step_of_node_rank: dict[int, int], seconds_since_start: float | None,
+            recovering: bool = False) -> list[FaultSpec]:
         fired = []
         for spec in self.pending:
             if spec.trigger == "step":
                 ready = step_of_node_rank.get(spec.node_rank, -1) >= spec.value
-            else:
+            elif spec.trigger == "t":
                 ready = seconds_since_start is not None and seconds_since_start >= spec.value
+            else:
+                ready = recovering
             if ready:
                 fired.append(spec)
         for spec in fired:

@@ -32,6 +32,10 @@ class JobOptions:
     script: list[str]  # the worker command after the interpreter: SCRIPT ARGS...
     events_file: str | None = None
     faults: list[FaultSpec] = field(default_factory=list)
+    replicas: int = 1
+    hang_timeout: float = 600.0
+    on_spare_exhausted: str = "fail"
+    spare_wait_timeout: float = 1800.0
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 5.0
     probe_timeout: float = 1.0
@@ -71,6 +75,7 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
         env={"DP_JOB_TOKEN": token, "DP_TOTAL_LOCAL_WORKERS": str(len(local_nodes) * opts.nproc_per_node)},
         on_exit=lambda node_id, code: server.post(NodeGone(node_id, f"agent process exited ({_exit_words(code)})")),
     )
+    server.wake_node = lambda node_id: agents.signal_node(node_id, signal.SIGCONT)
     try:
         for cmd in local_nodes:
             cmd.controller = endpoint
@@ -80,7 +85,9 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
             nnodes=opts.nnodes, spares=opts.spares, nproc_per_node=opts.nproc_per_node,
             store_endpoint=store_endpoint, job_id=job_id, heartbeat_interval=opts.heartbeat_interval,
             heartbeat_timeout=opts.heartbeat_timeout, probe_timeout=opts.probe_timeout,
-            rdzv_timeout=opts.rdzv_timeout, faults=tuple(opts.faults),
+            rdzv_timeout=opts.rdzv_timeout, faults=tuple(opts.faults), replicas=opts.replicas,
+            hang_timeout=opts.hang_timeout, on_spare_exhausted=opts.on_spare_exhausted,
+            spare_wait_timeout=opts.spare_wait_timeout,
         )
         _install_signal_handlers(server)
         finish = server.run(spec)
