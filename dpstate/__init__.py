@@ -1,0 +1,25 @@
+"""dpstate: the worker library of DeadPool (torch lives here).
+
+    job = dpstate.init(); ddp = job.data_parallel(model); job.track(model=model, optimizer=opt, data=sampler)
+    for step in job.steps(total):
+        with step: ...   # failures caused by a reconfiguration are swallowed and the loop recovers
+"""
+
+from .abort import ABORT_MARKER, Aborted, AbortSignal, classify
+from .ddp import DataParallel
+from .replication import ReplicationError
+from .session import Job, Step, init
+from .snapshot import SnapshotError
+
+__all__ = [
+    "ABORT_MARKER",
+    "AbortSignal",
+    "Aborted",
+    "DataParallel",
+    "Job",
+    "ReplicationError",
+    "SnapshotError",
+    "Step",
+    "classify",
+    "init",
+]

@@ -1,0 +1,98 @@
+"""Builds and destroys the default process group of each generation over one TCPStore client.
+
+Generation G lives under PrefixStore(f"dp/gen{G}/"); ranks first meet at an abortable arrival count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+
+import torch.distributed as dist
+
+from .abort import AbortSignal
+
+
+def default_backend() -> str:
+    import torch
+
+    return os.environ.get("DP_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def collective_timeout() -> float:
+    """Seconds a collective may take before the backend gives up (our abort normally comes first)."""
+    return float(os.environ.get("DP_COLLECTIVE_TIMEOUT", "600"))
+
+
+class GroupManager:
+    """Owns the TCPStore client (made once) and the default group of the current generation."""
+
+    def __init__(self, backend: str | None = None, timeout_s: float | None = None):
+        self.backend = backend or default_backend()
+        self.timeout = datetime.timedelta(seconds=timeout_s or collective_timeout())
+        self.generation: int | None = None
+        self.leaked = 0  # old groups kept alive on purpose (see destroy)
+        self._store: dist.Store | None = None
+        self._endpoint: str | None = None
+
+    def _store_for(self, endpoint: str) -> dist.Store:
+        if self._store is None or endpoint != self._endpoint:
+            host, _, port = endpoint.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"bad store endpoint {endpoint!r}, expected host:port")
+            self._store = dist.TCPStore(
+                host.strip("[]"), int(port), is_master=False, wait_for_workers=False, timeout=self.timeout
+            )
+            self._endpoint = endpoint
+        return self._store
+
+    def build(self, generation: int, store_endpoint: str, rank: int, world_size: int, abort: AbortSignal) -> None:
+        """Destroy the old group, wait (abortably) until every rank of `generation` arrived, build the new one."""
+        self.destroy()
+        store = dist.PrefixStore(f"dp/gen{generation}/", self._store_for(store_endpoint))
+        # Every rank checks in; init_process_group only starts once all are there, so a rank that died
+        # before arriving leaves us in this abortable loop rather than in Gloo's blocking rendezvous.
+        if store.add(f"arrived/{rank}", 1) != 1:
+            raise RuntimeError(f"rank {rank} arrived twice for generation {generation}")
+        arrived = store.add("arrived", 1)
+        delay = 0.001
+        while arrived < world_size:
+            abort.sleep(delay)
+            delay = min(delay * 2, 0.02)
+            arrived = store.add("arrived", 0)
+        if arrived > world_size:
+            raise RuntimeError(f"{arrived} ranks arrived for generation {generation} of world size {world_size}")
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
+        self.generation = generation
+
+    def build_local(self) -> None:
+        """A one-process group (no agent): lets DDP and torch.distributed calls work unchanged."""
+        self.destroy()
+        dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
+        self.generation = 0
+
+    def destroy(self) -> None:
+        """Drop the default group; returns at once even when its Gloo thread is stuck on a frozen peer.
+
+        The old group is deliberately leaked (its Python handle made immortal): measured with torch 2.13,
+        ProcessGroupGloo's destructor joins its worker threads, so destroying a group with an op stuck on a
+        frozen peer blocks until that peer exits or the op times out, and a destructor that runs after the
+        peer closed its sockets (e.g. at interpreter exit) aborts the process ("terminate called after
+        throwing an instance of 'gloo::IoException'", exit -6). A leaked group costs its threads and sockets.
+        NCCL (untested here, no GPU): its communicators are aborted first, as a stuck kernel would block.
+        """
+        if dist.is_initialized():
+            pg = dist.group.WORLD
+            if self.backend == "nccl":
+                try:
+                    dist.distributed_c10d._abort_process_group()
+                except Exception:
+                    pass
+            if pg is not None:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+                self.leaked += 1
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        self.generation = None
+

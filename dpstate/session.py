@@ -1,0 +1,353 @@
+"""Job: a worker's place in the job. init() joins the first generation, steps() runs the step loop,
+and every reconfiguration goes through one recovery sequence (group, restore, barrier, WorkerReady).
+
+Without DP_AGENT_ENDPOINT the job is a single process (world 1) that takes no snapshots.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import sys
+import threading
+import time
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from dpagent import protocol as P
+
+from . import snapshot as S
+from .abort import AbortSignal, classify
+from .control import Control
+from .ddp import DataParallel
+from .pgroup import GroupManager, default_backend
+from .replication import Replicator, ReplicationError, Slot
+from .state import Tracked
+
+
+class Step:
+    """One training step. `with step:` swallows failures caused by a reconfiguration or a lost peer
+    (the loop then recovers and repeats from the restore step); any other exception propagates."""
+
+    def __init__(self, job: "Job", number: int):
+        self.number = number
+        self.metrics: dict[str, Any] = {}
+        self.failure: BaseException | None = None
+        self._job = job
+
+    def log(self, **metrics: Any) -> None:
+        """Metrics sent with this step's Progress (numbers; tensors are turned into floats)."""
+        self.metrics.update(metrics)
+
+    def __enter__(self) -> "Step":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or self._job._standalone or not isinstance(exc, Exception):
+            return False
+        if classify(exc, self._job._abort) is None and not self._job._abort.stopped:
+            return False
+        self.failure = exc
+        return True
+
+    def __repr__(self) -> str:
+        return f"Step({self.number})"
+
+
+class Job:
+    """What dpstate.init() returns: identity of this rank in the current generation and the training helpers."""
+
+    def __init__(self, control: Control | None, abort: AbortSignal, ctx: zmq.Context | None):
+        self._control, self._abort, self._ctx = control, abort, ctx
+        self._standalone = control is None
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("DP_NPROC_PER_NODE", "1")))
+        self.node_id = os.environ.get("DP_NODE_ID", "local")
+        self.rank, self.world_size, self.node_rank = 0, 1, 0
+        self.generation, self.restore_step = -1, -1
+        self.restored_from = ""
+        self.backend = default_backend()
+        if torch.cuda.is_available() and self.backend == "nccl":
+            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.reconfigure_timeout = float(os.environ.get("DP_RECONFIGURE_TIMEOUT", "120"))
+        self._groups = GroupManager(self.backend)
+        self._tracked = Tracked()
+        self._proxies: list[DataParallel] = []
+        self._started = False  # steps() restored or snapshotted a state: the in-memory one is no longer fresh
+        self._rebuild_s = 0.0
+        self._last_step = 0  # the newest step completed in this generation's timeline
+        self._replicator = None if control is None else Replicator(control.codec, 0, abort, ctx)
+
+    def __repr__(self) -> str:
+        return (f"Job(rank={self.rank}, world_size={self.world_size}, node_rank={self.node_rank}, "
+                f"local_rank={self.local_rank}, generation={self.generation}, restore_step={self.restore_step})")
+
+    # ------------------------------------------------------------------ user API
+
+    def data_parallel(self, module: torch.nn.Module, deterministic: bool = True, **ddp_kwargs: Any) -> DataParallel:
+        """A DDP proxy over the current generation's group, rebuilt after every reconfiguration."""
+        proxy = DataParallel(module, self._abort, deterministic=deterministic, **ddp_kwargs)
+        self._proxies.append(proxy)
+        return proxy
+
+    def track(self, **objects: Any) -> None:
+        """Objects (with state_dict/load_state_dict) that every snapshot holds; optimizers get a pre-step hook
+        that waits until the previous snapshot is captured and acked by the replica holder."""
+        new = {k: v for k, v in objects.items() if self._tracked.objects.get(k) is not v}
+        self._tracked.add(**new)
+        for obj in new.values():
+            if isinstance(obj, torch.optim.Optimizer) and not self._standalone:
+                obj.register_step_pre_hook(self._pre_step)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """In-place all-reduce over the current generation; raises Aborted when a reconfiguration comes."""
+        work = dist.all_reduce(tensor, op=op, async_op=True)
+        self._abort.wait_future(work.get_future())
+        return tensor
+
+    def barrier(self) -> None:
+        """Barrier of the current generation; raises Aborted when a reconfiguration comes."""
+        self._abort.wait_future(dist.barrier(async_op=True).get_future())
+
+    @property
+    def last_capture_s(self) -> float:
+        """Seconds the newest snapshot took to capture (copy + checksum), in the background thread."""
+        return self._replicator.last_capture_s if self._replicator else 0.0
+
+    def steps(self, total_steps: int) -> Iterator[Step]:
+        """Yields Step(restore_step + 1) .. Step(total_steps); returns after the final barrier of the job."""
+        if self._standalone:
+            for number in range(1, total_steps + 1):
+                yield Step(self, number)
+            return
+        if not any(isinstance(o, torch.optim.Optimizer) for o in self._tracked.objects.values()):
+            warnings.warn("dpstate: no optimizer is tracked; snapshots are taken while the next step runs and "
+                          "only a tracked optimizer's step waits for them", stacklevel=2)
+        latest = self._control.latest
+        if self._started and latest is not None and latest.generation == self.generation:
+            number = self._last_step + 1  # steps() again in the same generation: go on from where we are
+            self._control.finished = False
+        else:
+            self._recover(None, newer_than=self.generation - 1)
+            number = self._last_step + 1
+        while True:
+            try:
+                if number > total_steps:
+                    self._finish(total_steps)
+                    return
+                step = Step(self, number)
+                yield step
+                if step.failure is not None:
+                    raise step.failure
+                self._abort.check()  # a reconfiguration arrived during the step: its result is abandoned
+                self._after_step(step)
+                self._last_step = number
+                number += 1
+            except Exception as exc:
+                if classify(exc, self._abort) is None and not self._abort.stopped:
+                    raise
+                self._recover(exc, newer_than=self.generation)
+                number = self._last_step + 1
+
+    # ------------------------------------------------------------------ per step
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._replicator.wait_acked()
+
+    def _after_step(self, step: Step) -> None:
+        self._replicator.submit(step.number, self._tracked.capture(step.number))
+        metrics = {k: _jsonable(v) for k, v in step.metrics.items()}
+        self._send(P.Progress(node_id=self.node_id, generation=self.generation, rank=self.rank,
+                              step=step.number, metrics=metrics))
+
+    def _finish(self, last: int) -> None:
+        self._replicator.wait_acked()
+        self.barrier()
+        self._control.finished = True
+        self._send(P.RankFinished(node_id=self.node_id, generation=self.generation, rank=self.rank, step=last))
+
+    def _send(self, msg: Any) -> None:
+        self._control.send(msg)
+
+    # ------------------------------------------------------------------ generations
+
+    def _recover(self, error: BaseException | None, newer_than: int, restore: bool = True) -> None:
+        """Enter the newest generation > newer_than; after a failure, report it and wait for one (bounded)."""
+        while True:
+            if self._abort.stopped:
+                raise SystemExit(self._control.stop_message.exit_code if self._control.stop_message else 0)
+            timeout = None
+            if error is not None:
+                timeout = self.reconfigure_timeout
+                if not self._abort.is_set():
+                    detail = f"{type(error).__name__}: {error}"[:1000]
+                    print(f"dpstate: rank {self.rank} generation {self.generation}: {detail}", file=sys.stderr, flush=True)
+                    self._send(P.PeerError(node_id=self.node_id, generation=self.generation, rank=self.rank,
+                                           detail=detail))
+            reconf = self._control.wait_reconfigure(newer_than, timeout)
+            if reconf is None:
+                raise SystemExit(
+                    f"dpstate: rank {self.rank}: no Reconfigure within {timeout:g} s (DP_RECONFIGURE_TIMEOUT) "
+                    f"after a failure in generation {self.generation}: {type(error).__name__}: {error}"
+                )
+            try:
+                self._enter(reconf, restore)
+                return
+            except Exception as exc:
+                if not (classify(exc, self._abort) or self._abort.stopped or isinstance(exc, ReplicationError)):
+                    raise
+                error, newer_than = exc, reconf.generation
+
+    def _enter(self, reconf: P.Reconfigure, restore: bool) -> None:
+        self._abort.enter(reconf.generation)
+        old_rank = self.rank
+        self._apply(reconf)
+        if self._groups.generation != reconf.generation:
+            t0 = time.perf_counter()
+            for proxy in self._proxies:
+                proxy.drop()
+            self._groups.destroy()  # first: an NCCL abort is what frees a copy stream waiting on a stuck kernel
+            self._replicator.quiesce()
+            if old_rank != self.rank:
+                self._replicator.forget_after(-1)
+            self._groups.build(reconf.generation, reconf.store_endpoint, self.rank, self.world_size, self._abort)
+            self._rebuild_s = time.perf_counter() - t0
+        if not restore:
+            return
+        t0 = time.perf_counter()
+        self._replicator.quiesce()
+        self._replicator.configure(reconf.generation, reconf.replica_to, self.rank)
+        self.restored_from = self._restore(reconf)
+        self._started, self._last_step = True, max(reconf.restore_step, 0)
+        restore_s = time.perf_counter() - t0
+        self.barrier()
+        self._send(P.WorkerReady(node_id=self.node_id, generation=self.generation, rank=self.rank,
+                                 rebuild_s=self._rebuild_s, restore_s=restore_s, restored_from=self.restored_from))
+
+    def _apply(self, reconf: P.Reconfigure) -> None:
+        self.generation, self.restore_step = reconf.generation, reconf.restore_step
+        self.node_rank, self.world_size = reconf.node_rank, reconf.world_size
+        self.local_world_size = reconf.nproc_per_node
+        self.rank = reconf.node_rank * reconf.nproc_per_node + self.local_rank
+        host, _, port = reconf.store_endpoint.rpartition(":")
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), GROUP_RANK=str(self.node_rank),
+                          NODE_RANK=str(self.node_rank), LOCAL_RANK=str(self.local_rank),
+                          LOCAL_WORLD_SIZE=str(self.local_world_size), MASTER_ADDR=host, MASTER_PORT=port)
+
+    def _restore(self, reconf: P.Reconfigure) -> str:
+        """Bring the tracked state to reconf.restore_step; returns where it came from."""
+        step, rep = reconf.restore_step, self._replicator
+        source = reconf.restore_from.get(str(self.rank), "")
+        if step < 0:  # fresh start: the state before training, the same on every rank
+            slot = rep.local(0)
+            if slot is not None:
+                self._load(slot, 0)
+            elif self._started:
+                raise RuntimeError("dpstate: fresh start asked, but this worker trained and no longer holds step 0")
+            self._sync_from_rank0()
+            rep.forget_after(-1)
+            rep.submit(0, self._tracked.capture(0))
+            return ""
+        slot, where = rep.local(step), "local"
+        if slot is None and (source == "init" or (step == 0 and not source)):
+            # keep the state before training: this process never started (a spare, or a failure came first)
+            if self._started or step != 0:
+                raise RuntimeError(f"dpstate: rank {self.rank} cannot keep its initial state as step {step} "
+                                   f"(started: {self._started}, holds {rep.local_steps()})")
+            rep.forget_after(-1)
+            rep.submit(0, self._tracked.capture(0))
+            return "init"
+        if slot is None:
+            if not source:
+                raise ReplicationError(f"rank {self.rank} holds no snapshot of step {step} "
+                                       f"(holds {rep.local_steps()}) and no replica was named")
+            slot, where = rep.fetch(source, self.rank, step), "replica"
+        self._load(slot, step)
+        rep.forget_after(step)
+        rep.submit_packed(slot)
+        return where
+
+    def _load(self, slot: Slot, step: int) -> None:
+        tree = S.unpack(slot.meta, slot.data, clone=True)  # fresh tensors: optimizers may keep them
+        if tree.get("step") != step:
+            raise S.SnapshotError(f"the snapshot held for step {step} is of step {tree.get('step')}")
+        self._tracked.restore(tree)
+
+    def _sync_from_rank0(self) -> None:
+        """Fresh start: every data-parallel module takes rank 0's parameters and buffers (abortably)."""
+        if self.world_size == 1:
+            return
+        tensors = [t for p in self._proxies for t in itertools.chain(p.module.parameters(), p.module.buffers())]
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        with torch.no_grad():
+            for group in by_kind.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                self._abort.wait_future(dist.broadcast(flat, 0, async_op=True).get_future())
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _warm_imports() -> None:
+    try:
+        import torch._dynamo  # noqa: F401
+        import torch.nn.parallel  # noqa: F401
+    except Exception:
+        pass
+
+
+_job: Job | None = None
+
+
+def init() -> Job:
+    """Join the job: connect to the agent, wait (spares: until promoted) for a generation and build its group.
+    Without DP_AGENT_ENDPOINT: a single process (world 1) without snapshots."""
+    global _job
+    if _job is not None:
+        return _job
+    endpoint = os.environ.get("DP_AGENT_ENDPOINT", "")
+    abort = AbortSignal()
+    if not endpoint:
+        job = Job(None, abort, None)
+        job.generation = 0
+        job._groups.build_local()
+        _job = job
+        return job
+    token = os.environ.get("DP_JOB_TOKEN", "")
+    if not token:
+        raise RuntimeError("dpstate: DP_AGENT_ENDPOINT is set but DP_JOB_TOKEN is not")
+    if os.environ.get("DP_ROLE") == "spare":
+        # Building DDP or an optimizer imports torch._dynamo (about 2 s here): a spare does it while idle so
+        # that it is not on the recovery path (an active worker would only slow its first rendezvous with it).
+        threading.Thread(target=_warm_imports, name="dpstate-warm-imports", daemon=True).start()
+    ctx = zmq.Context()
+    control = Control(endpoint, token, os.environ.get("DP_NODE_ID", "local"),
+                      int(os.environ.get("LOCAL_RANK", "0")), abort, ctx)
+    control.start()
+    atexit.register(control.close)
+    job = Job(control, abort, ctx)
+    _job = job
+    job._recover(None, newer_than=-1, restore=False)
+    return job

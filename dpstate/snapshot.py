@@ -1,0 +1,282 @@
+"""Pure snapshot format: a state tree packs into one flat uint8 buffer plus small meta bytes, and back.
+
+Meta is written with torch.save and read with torch.load(weights_only=True), so a replica cannot carry code.
+
+Format: meta = {"format": 1, "skeleton": node, "tensors": [(dtype, shape, offset, nbytes)], "nbytes": int,
+"extra": dict}; a node is a tagged tuple: "T" tensor index | "v" plain value (None, bool, int, float, str) |
+"d" / "o" dict / OrderedDict (plain keys, value nodes [, _metadata]) | "D" dict with key nodes | "l" / "t"
+list / tuple of nodes | "L" / "P" list / tuple of plain values | "b" bytes (latin-1 text) | "n" numpy array |
+"dt" dtype | "dev" device | "c" complex.
+Tensors lie at 64-byte aligned offsets in the data buffer. The checksum is zlib.crc32 over meta then data.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FORMAT = 1
+ALIGN = 64
+_PLAIN = (type(None), bool, int, float, str)
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _DTYPES[_name] = getattr(torch, _name)
+_DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be packed or must not be loaded (corrupt, truncated, unsafe)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: str
+    shape: tuple
+    offset: int
+    nbytes: int
+
+
+# ----------------------------------------------------------------------------- tree <-> skeleton + tensors
+
+
+def _is_plain(obj: Any) -> bool:
+    return type(obj) in _PLAIN
+
+
+def flatten(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Split a state tree into a tensor-free skeleton and the list of its tensors (in order)."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(obj: Any) -> Any:
+        kind = type(obj)
+        if kind in _PLAIN:
+            return ("v", obj)
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided or obj.is_quantized:
+                raise SnapshotError(f"only dense tensors can be snapshotted, got {obj.layout}")
+            if obj.dtype not in _DTYPE_NAMES:
+                raise SnapshotError(f"unsupported tensor dtype {obj.dtype}")
+            tensors.append(obj)
+            return ("T", len(tensors) - 1)
+        if isinstance(obj, dict):
+            keys = list(obj)
+            values = [walk(v) for v in obj.values()]
+            if not all(type(k) in _PLAIN for k in keys):
+                return ("D", [walk(k) for k in keys], values)
+            if isinstance(obj, OrderedDict):
+                meta = getattr(obj, "_metadata", None)
+                return ("o", keys, values, walk(dict(meta)) if meta is not None else None)
+            return ("d", keys, values)
+        if isinstance(obj, (list, tuple)):  # torch.Size and namedtuples come back as plain tuples
+            if all(type(v) in _PLAIN for v in obj):  # e.g. Python's random state: 625 ints
+                return ("L" if kind is list else "P", list(obj))
+            return ("l" if kind is list else "t", [walk(v) for v in obj])
+        if isinstance(obj, (bytes, bytearray)):  # pickled bytes (protocol 2) are refused by weights_only loads
+            return ("b", bytes(obj).decode("latin1"))
+        if isinstance(obj, torch.dtype):
+            return ("dt", str(obj).removeprefix("torch."))
+        if isinstance(obj, torch.device):
+            return ("dev", str(obj))
+        if isinstance(obj, complex):
+            return ("c", obj.real, obj.imag)
+        if kind.__module__ == "numpy":
+            import numpy as np
+
+            if isinstance(obj, np.ndarray):
+                return ("n", obj.dtype.str, list(obj.shape), obj.tobytes().decode("latin1"))
+            if isinstance(obj, np.generic):
+                return ("v", obj.item())
+        raise SnapshotError(
+            f"cannot snapshot a {kind.__qualname__}: state_dict() values must be tensors, numbers, "
+            "strings, bytes, None, dtypes, numpy arrays, or dicts / lists / tuples of them"
+        )
+
+    return walk(tree), tensors
+
+
+def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    def build(node: Any) -> Any:
+        if not isinstance(node, tuple) or not node or not isinstance(node[0], str):
+            raise SnapshotError(f"malformed skeleton node {str(node)[:80]}")
+        tag = node[0]
+        if tag == "T":
+            return tensors[node[1]]
+        if tag == "v":
+            return node[1]
+        if tag == "d":
+            return dict(zip(node[1], map(build, node[2]), strict=True))
+        if tag == "o":
+            out = OrderedDict(zip(node[1], map(build, node[2]), strict=True))
+            if node[3] is not None:
+                out._metadata = build(node[3])  # type: ignore[attr-defined]
+            return out
+        if tag == "D":
+            return dict(zip(map(build, node[1]), map(build, node[2]), strict=True))
+        if tag == "L":
+            return list(node[1])
+        if tag == "P":
+            return tuple(node[1])
+        if tag == "l":
+            return [build(v) for v in node[1]]
+        if tag == "t":
+            return tuple(build(v) for v in node[1])
+        if tag == "b":
+            return node[1].encode("latin1")
+        if tag == "dt":
+            return _dtype(node[1])
+        if tag == "dev":
+            return torch.device(node[1])
+        if tag == "c":
+            return complex(node[1], node[2])
+        if tag == "n":
+            import numpy as np
+
+            return np.frombuffer(node[3].encode("latin1"), dtype=np.dtype(node[1])).reshape(node[2]).copy()
+        raise SnapshotError(f"unknown skeleton tag {tag!r}")
+
+    try:
+        return build(skeleton)
+    except (IndexError, TypeError, ValueError) as exc:
+        raise SnapshotError(f"malformed skeleton: {exc}") from None
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise SnapshotError(f"unknown dtype {name!r}") from None
+
+
+# ----------------------------------------------------------------------------- layout, copy, meta
+
+
+def layout(tensors: list[torch.Tensor]) -> tuple[list[TensorSpec], int]:
+    """Byte offsets (64-aligned) of each tensor in the flat buffer, and its total size."""
+    specs, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        specs.append(TensorSpec(_DTYPE_NAMES[t.dtype], tuple(t.shape), offset, nbytes))
+        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    return specs, offset
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor as a flat uint8 tensor (a copy only when t is not contiguous)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+
+
+def copy_into(tensors: list[torch.Tensor], specs: list[TensorSpec], buffer: torch.Tensor, non_blocking=False) -> None:
+    """Copy every tensor's bytes into its place in `buffer` (a uint8 tensor, host or pinned)."""
+    for t, spec in zip(tensors, specs):
+        if spec.nbytes:
+            buffer[spec.offset : spec.offset + spec.nbytes].copy_(byte_view(t), non_blocking=non_blocking)
+
+
+def encode_meta(skeleton: Any, specs: list[TensorSpec], nbytes: int, extra: dict | None = None) -> bytes:
+    out = io.BytesIO()
+    torch.save(
+        {
+            "format": FORMAT,
+            "skeleton": skeleton,
+            "tensors": [(s.dtype, list(s.shape), s.offset, s.nbytes) for s in specs],
+            "nbytes": nbytes,
+            "extra": dict(extra or {}),
+        },
+        out,
+    )
+    return out.getvalue()
+
+
+def decode_meta(meta: bytes | memoryview) -> dict:
+    try:
+        parsed = torch.load(io.BytesIO(bytes(meta)), weights_only=True)
+    except Exception as exc:  # an unpickling error is a refusal, not a crash
+        raise SnapshotError(f"snapshot meta refused: {type(exc).__name__}: {str(exc)[:200]}") from None
+    if not isinstance(parsed, dict) or parsed.get("format") != FORMAT:
+        raise SnapshotError("snapshot meta has an unknown format")
+    return parsed
+
+
+def checksum(meta: Any, data: Any) -> int:
+    """zlib.crc32 over meta then data (both bytes-like or uint8 CPU tensors)."""
+    return zlib.crc32(_mv(data), zlib.crc32(_mv(meta)))
+
+
+def verify(meta: Any, data: Any, expected: int) -> None:
+    got = checksum(meta, data)
+    if got != expected:
+        raise SnapshotError(f"snapshot checksum mismatch: got {got:#010x}, expected {expected:#010x}")
+
+
+def _mv(buf: Any) -> memoryview:
+    if isinstance(buf, torch.Tensor):
+        return memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
+    return memoryview(buf)
+
+
+# ----------------------------------------------------------------------------- whole pack / unpack
+
+
+def pack(tree: Any, extra: dict | None = None) -> tuple[bytes, torch.Tensor]:
+    """(meta bytes, data uint8 tensor) of a state tree."""
+    skeleton, tensors = flatten(tree)
+    specs, nbytes = layout(tensors)
+    data = torch.empty(nbytes, dtype=torch.uint8)
+    copy_into(tensors, specs, data)
+    return encode_meta(skeleton, specs, nbytes, extra), data
+
+
+def unpack(meta: Any, data: Any, *, clone: bool = True) -> Any:
+    """The state tree of (meta, data); every tensor is a fresh copy unless clone=False (views of data)."""
+    parsed = decode_meta(meta)
+    buf = _as_uint8(data)
+    tensors = []
+    try:
+        for dtype_name, shape, offset, nbytes in parsed["tensors"]:
+            dtype, shape = _dtype(dtype_name), tuple(int(s) for s in shape)
+            count = 1
+            for s in shape:
+                count *= s
+            if count * torch.empty((), dtype=dtype).element_size() != nbytes or offset < 0 or offset + nbytes > buf.numel():
+                raise SnapshotError(f"tensor of {nbytes} bytes at {offset} does not fit the snapshot data")
+            if nbytes == 0:
+                tensors.append(torch.empty(shape, dtype=dtype))
+                continue
+            raw = buf[offset : offset + nbytes]
+            t = raw.view(torch.uint8 if dtype == torch.bool else dtype)
+            t = (t.view(torch.bool) if dtype == torch.bool else t).reshape(shape)
+            tensors.append(t.clone() if clone else t)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, SnapshotError):
+            raise
+        raise SnapshotError(f"malformed snapshot meta: {exc}") from None
+    return unflatten(parsed["skeleton"], tensors)
+
+
+def _as_uint8(data: Any) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):
+        return data.reshape(-1).view(torch.uint8)
+    mv = memoryview(data)
+    if mv.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # read-only buffers warn; we only read (and clone) from them
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(mv, dtype=torch.uint8)

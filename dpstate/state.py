@@ -1,0 +1,103 @@
+"""What a snapshot holds: every tracked object's state_dict, the RNG states and the step; capture and restore.
+
+Capture runs in the main thread between steps and only references tensors that the next forward/backward
+cannot change (parameters, optimizer state); anything else (buffers, other objects' tensors) is cloned.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _clone_tensors(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) is not dict else {}
+        for k, v in obj.items():
+            out[k] = _clone_tensors(v)
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, list):
+        return [_clone_tensors(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_clone_tensors(v) for v in obj)
+    return obj
+
+
+def rng_state() -> dict:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        state["numpy"] = sys.modules["numpy"].random.get_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+
+
+class Tracked:
+    """The named objects whose state is snapshotted and restored (models, optimizers, data, schedulers...)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, Any] = {}
+
+    def add(self, **objects: Any) -> None:
+        for name, obj in objects.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"track({name}=...): {type(obj).__qualname__} has no state_dict()/load_state_dict()")
+            if name in self.objects and self.objects[name] is not obj:
+                raise ValueError(f"track(): the name {name!r} is already tracked")
+            self.objects[name] = obj
+
+    def modules(self) -> list[nn.Module]:
+        return [o for o in self.objects.values() if isinstance(o, nn.Module)]
+
+    def capture(self, step: int) -> dict:
+        """The state tree of `step` (cheap: parameters and optimizer state are referenced, not copied)."""
+        states: dict[str, Any] = {}
+        for name, obj in self.objects.items():
+            sd = obj.state_dict()
+            if isinstance(obj, nn.Module):
+                params = {n for n, _ in obj.named_parameters(remove_duplicate=False)}
+                for key in list(sd):
+                    if key not in params:  # buffers and extra state may change in the next forward
+                        sd[key] = _clone_tensors(sd[key])
+            elif isinstance(obj, torch.optim.Optimizer):
+                sd = {k: (v if k == "state" else _clone_tensors(v)) for k, v in sd.items()}
+            else:
+                sd = _clone_tensors(sd)
+            states[name] = sd
+        return {"step": step, "state": states, "rng": rng_state(), "threads": torch.get_num_threads()}
+
+    def restore(self, tree: dict) -> None:
+        """Load a state tree (its tensors must be fresh copies: optimizers may keep them as their state)."""
+        missing = set(self.objects) - set(tree["state"])
+        if missing:
+            raise KeyError(f"the snapshot of step {tree['step']} has no state for {sorted(missing)}")
+        for name, obj in self.objects.items():
+            obj.load_state_dict(tree["state"][name])
+        for module in self.modules():
+            for p in module.parameters():
+                p.grad = None
+        set_rng_state(tree["rng"])
+        if tree.get("threads", torch.get_num_threads()) != torch.get_num_threads():
+            warnings.warn(f"dpstate: the snapshot of step {tree['step']} was taken with {tree['threads']} intra-op "
+                          f"threads and this process uses {torch.get_num_threads()}: CPU results will not be "
+                          "bitwise identical to a failure-free run", stacklevel=2)

@@ -1,0 +1,196 @@
+"""A small character-level GPT trained data-parallel with dpstate (about a million parameters by default).
+
+Runs under `dprun ... examples/train_gpt.py` or alone (`python examples/train_gpt.py --steps 5`, world 1).
+The text is the source of Python's standard library unless --data names a file; a run is deterministic for
+a given --seed: the same final parameters (params_sha256 in --summary) with or without failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import dpstate  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def load_text(path: str | None, max_bytes: int) -> bytes:
+    """The training text: a file, or the first .py files of the stdlib (sorted by name) up to max_bytes."""
+    if path:
+        return Path(path).read_bytes()[:max_bytes]
+    parts, total = [], 0
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        data = f.read_bytes()
+        parts.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return b"".join(parts)[:max_bytes]
+
+
+class Batches:
+    """Random windows of the token stream; the generator's state is the data position (state_dict)."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int, seed: int, rank: int):
+        self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
+        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self._window = torch.arange(block_size + 1)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(len(self.tokens) - self.block_size - 1, (self.batch_size,), generator=self.generator)
+        chunk = self.tokens[starts[:, None] + self._window].long()
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float):
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.qkv, self.proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, block_size: int, n_layer: int, n_embd: int, n_head: int, dropout: float = 0.0):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False)
+        self.drop = nn.Dropout(dropout)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], device=x.device)
+        h = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(self.ln_f(h))
+        if y is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def params_sha256(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", default=None, help="a text file (default: the stdlib's source)")
+    ap.add_argument("--max-bytes", type=int, default=2_000_000, help="cap on the training text")
+    ap.add_argument("--n-layer", type=int, default=5)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op CPU threads; results are bitwise reproducible only for the same count")
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--summary", default=None, help="rank 0 writes {final_step, loss, params_sha256} here")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    job = dpstate.init()
+    text = load_text(args.data, args.max_bytes)
+    raw = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    vocab, tokens = torch.unique(raw, return_inverse=True)
+    tokens = tokens.to(torch.uint8 if len(vocab) <= 256 else torch.int64)
+
+    torch.manual_seed(args.seed)
+    model = GPT(len(vocab), args.block_size, args.n_layer, args.n_embd, args.n_head, args.dropout).to(job.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps)))))
+    )
+    batches = Batches(tokens, args.block_size, args.batch_size, args.seed, job.rank)
+    ddp_model = job.data_parallel(model)
+    job.track(model=model, optimizer=opt, scheduler=sched, data=batches)
+    if job.rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"train_gpt: {n_params / 1e6:.2f}M params, {len(text) / 1e6:.2f} MB text, vocab {len(vocab)}, "
+              f"world {job.world_size}, generation {job.generation}", flush=True)
+
+    loss_value, last, t_last = float("nan"), 0, time.perf_counter()
+    for step in job.steps(args.steps):
+        with step:
+            x, y = batches.next()
+            loss = ddp_model(x.to(job.device), y.to(job.device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            loss_value = loss.item()
+            step.log(loss=loss_value, tokens=x.numel() * job.world_size)
+        last = step.number
+        if job.rank == 0 and args.log_every and step.number % args.log_every == 0:
+            now = time.perf_counter()
+            print(f"step {step.number:5d}  loss {loss_value:.4f}  {(now - t_last) * 1000 / args.log_every:6.1f} ms/step  "
+                  f"gen {job.generation}", flush=True)
+            t_last = now
+
+    if job.rank == 0 and args.summary:
+        summary = {"final_step": last, "loss": loss_value, "params_sha256": params_sha256(model)}
+        tmp = f"{args.summary}.tmp{os.getpid()}"
+        Path(tmp).write_text(json.dumps(summary) + "\n")
+        os.replace(tmp, args.summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

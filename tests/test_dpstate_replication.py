@@ -1,0 +1,155 @@
+"""Replication: PutSnapshot / SnapshotAck and FetchSnapshot / SnapshotData between dpstate's Replicator and a
+real ROUTER (dpagent's ReplicaServer), the local ring of buffers, corrupt and missing snapshots, aborts."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from dpagent import protocol as P
+from dpstate import snapshot as S
+from dpstate.abort import Aborted, AbortSignal
+from dpstate.replication import Replicator, ReplicationError
+from dpstate.state import Tracked
+from test_dpstate_harness import TOKEN, FakeAgents
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def replica(tmp_path):
+    agents = FakeAgents(tmp_path, [])
+    yield agents
+    agents.close()
+
+
+def state(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 32)).sum().backward()
+    opt.step()
+    tracked = Tracked()
+    tracked.add(model=model, optimizer=opt)
+    return model, opt, tracked
+
+
+def replicator(rank: int = 1, abort: AbortSignal | None = None) -> Replicator:
+    return Replicator(P.Codec(TOKEN), rank, abort or AbortSignal())
+
+
+def test_put_is_acked_and_fetch_returns_the_same_bytes(replica):
+    model, opt, tracked = state()
+    rep = replicator()
+    rep.configure(0, replica.replica_endpoint, 1)
+    rep.submit(5, tracked.capture(5))
+    rep.wait_acked(timeout=10)
+    assert replica.store.steps(1) == [5]
+    assert replica.newest_stored(1) == 5
+    held = rep.local(5)
+    assert held is not None and rep.last_capture_s > 0
+
+    other = replicator(rank=0)
+    fetched = other.fetch(replica.replica_endpoint, 1, 5, timeout=10)
+    assert fetched.meta == held.meta and torch.equal(fetched.data, held.data)
+    assert fetched.checksum == held.checksum == S.checksum(held.meta, held.data)
+    tree = S.unpack(fetched.meta, fetched.data)
+    assert tree["step"] == 5
+    for key, value in model.state_dict().items():
+        assert torch.equal(tree["state"]["model"][key], value)
+
+    with pytest.raises(ReplicationError, match="has no snapshot"):
+        other.fetch(replica.replica_endpoint, 1, 4, timeout=10)
+
+
+def test_ring_keeps_the_newest_three_and_rollback_forgets_newer(replica):
+    _, _, tracked = state()
+    rep = replicator()
+    rep.configure(0, replica.replica_endpoint, 1)
+    for step in range(6):
+        rep.submit(step, tracked.capture(step))
+        rep.wait_acked(timeout=10)  # what the optimizer pre-step hook does
+    assert rep.local_steps() == [3, 4, 5]
+    assert replica.store.steps(1) == [3, 4, 5]
+    rep.forget_after(3)
+    assert rep.local_steps() == [3]
+    slot = rep.local(3)
+    rep.configure(1, replica.replica_endpoint, 1)
+    rep.submit_packed(slot)  # re-replicate the restored state in the new generation
+    rep.wait_acked(timeout=10)
+    assert replica.store.steps(1)[-1] == 3
+
+
+def test_without_replica_snapshots_stay_local():
+    _, _, tracked = state()
+    rep = replicator()
+    rep.configure(0, "", 1)
+    rep.submit(1, tracked.capture(1))
+    rep.wait_acked(timeout=10)
+    assert rep.local_steps() == [1]
+
+
+class BadStore:
+    """A ROUTER that never acks puts and answers every fetch with data that fails its checksum."""
+
+    def __init__(self):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.codec = P.Codec(TOKEN)
+        self.puts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            ident, *frames = self.sock.recv_multipart()
+            msg, _ = self.codec.decode(frames)
+            if isinstance(msg, P.PutSnapshot):
+                self.puts += 1
+            elif isinstance(msg, P.FetchSnapshot):
+                meta, data = b"meta", b"data"
+                reply = P.SnapshotData(msg.rank, msg.step, True, checksum=12345, nbytes=8)
+                self.sock.send_multipart([ident] + self.codec.encode(reply, [meta, data]))
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_corrupt_fetch_is_refused_and_a_missing_ack_is_abortable():
+    bad = BadStore()
+    try:
+        abort = AbortSignal()
+        rep = replicator(abort=abort)
+        with pytest.raises(ReplicationError, match="checksum"):
+            rep.fetch(bad.endpoint, 1, 3, timeout=10)
+        assert rep.local_steps() == []
+
+        _, _, tracked = state()
+        rep.configure(0, bad.endpoint, 1)
+        rep.submit(1, tracked.capture(1))
+        with pytest.raises(TimeoutError):
+            rep.wait_acked(timeout=0.3)
+        threading.Timer(0.2, abort.trigger, args=("test",)).start()
+        t0 = time.monotonic()
+        with pytest.raises(Aborted):
+            rep.wait_acked()
+        assert time.monotonic() - t0 < 1.0
+        assert bad.puts == 1
+        t0 = time.monotonic()
+        rep.quiesce()  # the thread gives up waiting for the ack
+        assert time.monotonic() - t0 < 1.0
+        assert rep.local_steps() == [1]  # captured, just not acked
+    finally:
+        bad.close()

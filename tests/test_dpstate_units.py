@@ -1,0 +1,323 @@
+"""In-process units of dpstate: the abort signal and its waits, failure classification, Step semantics,
+the control thread against a ROUTER playing the agent, and the bounded wait for a Reconfigure."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import zmq
+
+import dpstate
+from dpagent import protocol as P
+from dpstate.abort import ABORT_MARKER, Aborted, AbortSignal, classify
+from dpstate.control import Control
+from dpstate.session import Job, Step
+from test_dpstate_harness import TOKEN
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def later(seconds: float, fn, *args) -> None:
+    t = threading.Timer(seconds, fn, args=args)
+    t.daemon = True
+    t.start()
+
+
+# ----------------------------------------------------------------------------- abort signal
+
+
+def test_signal_follows_generations():
+    sig = AbortSignal()
+    sig.enter(0)
+    assert not sig.is_set()
+    sig.request(1, "node n1 lost")
+    assert sig.is_set() and "generation 1" in sig.reason
+    with pytest.raises(Aborted, match=ABORT_MARKER):
+        sig.check()
+    sig.enter(1)
+    assert not sig.is_set()
+    sig.request(1)  # the same generation again: nothing new
+    sig.request(0)
+    assert not sig.is_set()
+    sig.request(3)
+    sig.enter(2)  # entering 2 while 3 is already asked for: still aborted
+    assert sig.is_set()
+    sig.enter(3)
+    sig.stop("end of job")
+    assert sig.is_set() and sig.stopped
+
+
+def test_callbacks_fire_on_every_abort_until_removed():
+    sig = AbortSignal()
+    fired = []
+    token = sig.add_callback(lambda: fired.append(1))
+    sig.request(1)
+    sig.enter(1)
+    sig.request(2)
+    sig.remove_callback(token)
+    sig.enter(2)
+    sig.request(3)
+    assert fired == [1, 1]
+
+
+def test_waits_are_released_by_the_signal_and_time_out():
+    sig = AbortSignal()
+    fut = torch.futures.Future()
+    later(0.1, sig.trigger, "test")
+    t0 = time.monotonic()
+    with pytest.raises(Aborted):
+        sig.wait_future(fut)
+    assert time.monotonic() - t0 < 0.5
+    sig.enter(sig.target)
+
+    done = torch.futures.Future()
+    later(0.05, done.set_result, 42)
+    assert sig.wait_future(done) == 42
+    failed = torch.futures.Future()
+    failed.set_exception(RuntimeError("Connection reset by peer"))
+    with pytest.raises(RuntimeError, match="reset"):
+        sig.wait_future(failed)
+    with pytest.raises(TimeoutError):
+        sig.wait_future(torch.futures.Future(), timeout=0.1)
+
+    cond, state = threading.Condition(), {"ok": False}
+    later(0.1, sig.trigger, "again")
+    with pytest.raises(Aborted):
+        sig.wait_for(cond, lambda: state["ok"])
+    with pytest.raises(Aborted):
+        sig.sleep(10)
+
+
+def test_classify_tells_aborts_and_peer_errors_from_bugs():
+    sig = AbortSignal()
+    assert classify(Aborted("x"), sig) == "abort"
+    assert classify(RuntimeError(f"Unable to cast {ABORT_MARKER}: generation 2 to Tensor"), sig) == "abort"
+    gloo = "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5000"
+    assert classify(RuntimeError(gloo), sig) == "peer"
+    assert classify(RuntimeError("Connection reset by peer"), sig) == "peer"
+    assert classify(dist.DistStoreError("store gone"), sig) == "peer"
+    assert classify(ValueError("bad shape"), sig) is None
+    assert classify(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), sig) is None
+    assert classify(KeyboardInterrupt(), sig) is None
+    sig.trigger("reconfigure")
+    assert classify(RuntimeError("anything torch raises while aborted"), sig) == "abort"
+    assert classify(ValueError("a user bug stays a bug"), sig) is None
+
+
+# ----------------------------------------------------------------------------- Step and standalone jobs
+
+
+class _Stub:
+    _standalone = False
+
+    def __init__(self):
+        self._abort = AbortSignal()
+
+
+def test_step_swallows_only_reconfiguration_and_peer_failures():
+    job = _Stub()
+    with Step(job, 1) as step:
+        raise RuntimeError("Connection closed by peer")
+    assert isinstance(step.failure, RuntimeError)
+    with pytest.raises(ValueError):
+        with Step(job, 2):
+            raise ValueError("user bug")
+    with pytest.raises(KeyboardInterrupt):
+        with Step(job, 3):
+            raise KeyboardInterrupt
+    job._abort.trigger("x")
+    with Step(job, 4) as step:
+        raise Aborted("x")
+    assert step.failure is not None
+    step.log(loss=torch.tensor(1.5), tokens=10)
+    assert step.metrics == {"loss": torch.tensor(1.5), "tokens": 10}
+
+
+def test_standalone_job_is_world_one_and_lets_errors_through(monkeypatch):
+    monkeypatch.delenv("DP_AGENT_ENDPOINT", raising=False)
+    monkeypatch.setattr(dpstate.session, "_job", None)
+    job = dpstate.init()
+    try:
+        assert (job.rank, job.world_size, job.generation, job.backend) == (0, 1, 0, "gloo")
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ddp = job.data_parallel(model)
+        job.track(model=model, optimizer=opt)
+        seen = []
+        for step in job.steps(3):
+            with step:
+                ddp(torch.ones(2, 3)).sum().backward()
+                opt.step()
+            seen.append(step.number)
+        assert seen == [1, 2, 3]
+        assert job.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]
+        job.barrier()
+        with pytest.raises(RuntimeError, match="Connection"):
+            for step in job.steps(2):
+                with step:
+                    raise RuntimeError("Connection reset by peer")  # nothing to recover with: propagates
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- control thread
+
+
+@pytest.fixture
+def agent(tmp_path):
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    endpoint = f"ipc://{tmp_path}/agent.sock"
+    router.bind(endpoint)
+    yield endpoint, router
+    router.close(0)
+    ctx.term()
+
+
+def _recv(router, codec):
+    assert router.poll(5000), "nothing from the worker"
+    ident, *frames = router.recv_multipart()
+    return ident, codec.decode(frames)[0]
+
+
+def test_control_hello_reconfigure_outbox_and_stop(agent):
+    endpoint, router = agent
+    codec = P.Codec(TOKEN)
+    sig = AbortSignal()
+    control = Control(endpoint, TOKEN, "n7", 2, sig).start()
+    try:
+        ident, hello = _recv(router, codec)
+        assert ident == b"2" and hello == P.Hello(node_id="n7", local_rank=2, pid=hello.pid)
+        assert control.wait_reconfigure(-1, timeout=0.05) is None
+
+        router.send_multipart([ident, b"garbage", b"x", b"y", b"z"])
+        reconf = P.Reconfigure(0, 1, 2, 1, 2, -1, "127.0.0.1:1", "")
+        router.send_multipart([ident] + codec.encode(reconf))
+        assert control.wait_reconfigure(-1, timeout=5) == reconf
+        sig.enter(0)
+        newer = P.Reconfigure(1, 1, 2, 1, 2, 7, "127.0.0.1:1", "", {"3": "tcp://x:1"})
+        router.send_multipart([ident] + P.Codec("another job").encode(newer))  # refused: wrong token
+        router.send_multipart([ident] + codec.encode(newer))
+        assert control.wait_reconfigure(0, timeout=5) == newer
+        assert sig.is_set() and control.dropped == 2
+
+        threads = [threading.Thread(target=control.send, args=(P.Progress("n7", 1, 3, s),)) for s in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        steps = sorted(_recv(router, codec)[1].step for _ in range(5))
+        assert steps == [0, 1, 2, 3, 4]
+
+        control.stop_grace = 60  # the watchdog would end the process; close() cancels it
+        router.send_multipart([ident] + codec.encode(P.Stop("fenced", exit_code=3)))
+        with pytest.raises(SystemExit) as exc:
+            control.wait_reconfigure(1, timeout=5)
+        assert exc.value.code == 3 and sig.stopped
+    finally:
+        control.close(linger_s=0.5)
+
+
+def test_a_spare_waits_in_init_and_a_stop_ends_it_with_its_code(agent, monkeypatch):
+    endpoint, router = agent
+    codec = P.Codec(TOKEN)
+    for key, value in {"DP_AGENT_ENDPOINT": endpoint, "DP_JOB_TOKEN": TOKEN, "DP_NODE_ID": "spare1",
+                       "DP_ROLE": "spare", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(dpstate.session, "_job", None)
+
+    def agent_side():
+        ident, hello = _recv(router, codec)
+        assert isinstance(hello, P.Hello) and hello.node_id == "spare1"
+        time.sleep(0.2)  # the spare is waiting in init()
+        router.send_multipart([ident] + codec.encode(P.Stop("job finished", exit_code=0)))
+
+    thread = threading.Thread(target=agent_side)
+    thread.start()
+    try:
+        with pytest.raises(SystemExit) as exc:
+            dpstate.init()
+        assert exc.value.code == 0
+    finally:
+        thread.join(10)
+        job = dpstate.session._job
+        if job is not None:
+            job._control.close(linger_s=0.2)
+
+
+def test_no_reconfigure_after_a_peer_error_exits_with_a_clear_message(agent, monkeypatch):
+    endpoint, router = agent
+    codec = P.Codec(TOKEN)
+    monkeypatch.setenv("DP_RECONFIGURE_TIMEOUT", "0.3")
+    monkeypatch.setenv("DP_NODE_ID", "n1")
+    sig = AbortSignal()
+    control = Control(endpoint, TOKEN, "n1", 0, sig).start()
+    try:
+        job = Job(control, sig, None)
+        ident, _ = _recv(router, codec)
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit, match=r"no Reconfigure within 0.3 s \(DP_RECONFIGURE_TIMEOUT\)") as exc:
+            job._recover(RuntimeError("Connection closed by peer"), newer_than=job.generation)
+        assert 0.3 <= time.monotonic() - t0 < 2
+        assert "Connection closed by peer" in str(exc.value.code)
+        _, peer_error = _recv(router, codec)
+        assert isinstance(peer_error, P.PeerError) and "Connection closed" in peer_error.detail
+    finally:
+        control.close(linger_s=0.5)
+
+
+class _Control:
+    """Just enough of Control for a Job that is driven by hand."""
+
+    def __init__(self):
+        self.codec = P.Codec(TOKEN)
+        self.sent = []
+        self.finished = False
+        self.stop_message = None
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+
+def _reconf(step: int, source: str | None = None) -> P.Reconfigure:
+    return P.Reconfigure(4, 0, 1, 1, 1, step, "127.0.0.1:1", "", {} if source is None else {"0": source})
+
+
+def test_restore_sources_local_init_fresh_and_missing():
+    job = Job(_Control(), AbortSignal(), None)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    job.track(model=model, optimizer=opt)
+    job._apply(_reconf(0, "init"))
+    initial = model.weight.detach().clone()
+    assert job._restore(_reconf(0, "init")) == "init"  # a spare keeps its fresh state as step 0
+    job._replicator.wait_acked(timeout=5)
+    assert job._replicator.local_steps() == [0]
+    job._started = True
+    weights = {}
+    for step in (1, 2, 3):
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        job._replicator.submit(step, job._tracked.capture(step))
+        job._replicator.wait_acked(timeout=5)
+        weights[step] = model.weight.detach().clone()
+    assert job._replicator.local_steps() == [1, 2, 3]
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()  # live state at step 4, partly through step 5's backward
+    model(torch.ones(1, 3)).sum().backward()
+
+    assert job._restore(_reconf(1, "")) == "local"
+    assert torch.equal(model.weight, weights[1]) and model.weight.grad is None
+    assert opt.state_dict()["state"][0]["step"].item() == 1
+    assert job._replicator.local_steps() == [1]  # the abandoned later steps are forgotten
+    with pytest.raises(dpstate.ReplicationError, match="holds no snapshot of step 3"):
+        job._restore(_reconf(3, ""))
+    with pytest.raises(RuntimeError, match="cannot keep its initial state"):
+        job._restore(_reconf(0, "init"))
+    assert not torch.equal(model.weight, initial)
