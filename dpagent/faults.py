@@ -14,7 +14,7 @@ from .workers import WorkerGroup
 
 log = logging.getLogger("dpagent")
 
-KINDS = ("kill-node", "freeze-node", "kill-worker", "hang-worker", "resume-worker")
+KINDS = ("kill-node", "kill-spare", "freeze-node", "kill-worker", "hang-worker", "resume-worker", "corrupt-replicas")
 
 
 def _flush_logs() -> None:
@@ -35,8 +35,8 @@ def _signal_node(workers: WorkerGroup, sig: int) -> None:
 
 def inject(kind: str, local_rank: int, workers: WorkerGroup) -> bool:
     """Carries out one fault; returns False (and logs) when the kind or the worker is unknown."""
-    if kind == "kill-node":
-        log.warning("injected fault: kill-node (SIGKILL to agent and workers)")
+    if kind in ("kill-node", "kill-spare"):
+        log.warning("injected fault: %s (SIGKILL to agent and workers)", kind)
         _signal_node(workers, signal.SIGKILL)
         return True
     if kind == "freeze-node":

@@ -5,6 +5,7 @@ Pure logic, no sockets: frames are kept as given (zero-copy zmq.Frames or bytes)
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,19 @@ class ReplicaStore:
 
     def drop_rank(self, rank: int) -> None:
         self._ranks.pop(rank, None)
+
+    def corrupt_all(self) -> int:
+        """Fault injection (`corrupt-replicas`): flip one byte in every snapshot held, as bit rot would.
+        The checksum no longer matches; a worker that fetches one must detect it. Returns how many."""
+        count = 0
+        for snapshots in self._ranks.values():
+            for step, snap in list(snapshots.items()):
+                data = bytearray(_view(snap.data))
+                if data:
+                    data[len(data) // 2] ^= 0xFF
+                    snapshots[step] = dataclasses.replace(snap, data=bytes(data))
+                    count += 1
+        return count
 
     @property
     def total_bytes(self) -> int:

@@ -107,3 +107,18 @@ def test_zero_copy_frames_are_kept_as_given():
     assert store.total_bytes == len(data) + 2
     store.drop_rank(2)
     assert store.ranks() == []
+
+
+def test_corrupt_all_breaks_every_checksum_so_a_fetch_can_tell():
+    import zlib
+
+    from dpagent.protocol import PutSnapshot
+    from dpagent.replica_store import ReplicaStore
+
+    store = ReplicaStore()
+    meta, data = b"meta", bytes(range(256)) * 4
+    put = PutSnapshot(rank=1, step=3, generation=0, checksum=zlib.crc32(data, zlib.crc32(meta)), nbytes=len(meta) + len(data))
+    assert store.add(put, meta, data) == ""
+    assert store.corrupt_all() == 1
+    held = store.get(1, 3)
+    assert zlib.crc32(bytes(held.data), zlib.crc32(bytes(held.meta))) != held.checksum
