@@ -111,6 +111,7 @@ class Recovery:
     t_decide: float = 0.0
     restore_step: int = -1
     lost_steps: int = 0
+    peak_step: int = 0  # the newest step any rank had reached when this recovery's first failure came
     promoted: dict = field(default_factory=dict)  # node rank -> spare node id
     replan: bool = False  # no node to replace, but the plan must change (holder lost, a copy bad)
     waiting_since: float | None = None  # on_spare_exhausted=wait: when waiting for a spare began
@@ -161,6 +162,7 @@ class Controller:
         self.frozen_at: dict[int, str] = {}  # node rank -> node frozen there by fault injection
         self.holders: dict[int, list[str]] = {}  # node rank -> nodes holding its replicas, this generation
         self.last_progress_at = now  # when the newest step last grew (hang detection)
+        self.stepped = False  # a step was made in this generation: start-up and restores are not hangs
         self.unrestored: set[int] = set()  # ranks handed to a new node that has not yet restored their state
         self.dropped: dict[str, int] = {}
         self.max_step = 0
@@ -300,9 +302,10 @@ class Controller:
 
     def _on_Progress(self, node: Node, msg: p.Progress, now: float) -> None:
         node.last_step = max(node.last_step, msg.step)
-        if msg.step > self.max_step:
-            self.max_step = msg.step
+        if msg.step > self.max_step or not self.stepped:
+            self.max_step = max(self.max_step, msg.step)
             self.last_progress_at = now
+            self.stepped = True
         if now - self.last_progress_event >= PROGRESS_EVERY_S:
             self.last_progress_event = now
             self._publish("progress", generation=self.generation, step=self.max_step, **msg.metrics)
@@ -340,6 +343,7 @@ class Controller:
             if self.recovery is not None:
                 self.pending.t_fail, self.pending.t_detect = self.recovery.t_fail, self.recovery.t_detect
                 self.pending.failed = list(self.recovery.failed)
+                self.pending.peak_step = self.recovery.peak_step
                 self.recovery = None
         self.pending.replan = True
         self._start_flush(now)
@@ -439,9 +443,10 @@ class Controller:
         if self.pending is None:
             if self.recovery is not None:  # a failure during recovery: one recovery covers both
                 prior, self.recovery = self.recovery, None
-                self.pending = Recovery(failed=list(prior.failed), t_fail=prior.t_fail, t_detect=prior.t_detect)
+                self.pending = Recovery(failed=list(prior.failed), t_fail=prior.t_fail, t_detect=prior.t_detect,
+                                        peak_step=prior.peak_step)
             else:
-                self.pending = Recovery(failed=[], t_fail=now, t_detect=now)
+                self.pending = Recovery(failed=[], t_fail=now, t_detect=now, peak_step=self.max_step)
         self.pending.failed.append(node_id)
         self.pending.replan |= was == SPARE
         if node_id in self.injected_at:
@@ -508,9 +513,10 @@ class Controller:
         self.generation += 1
         rec.generation = self.generation
         rec.t_decide = now
-        self.last_progress_at = now
+        self.last_progress_at, self.stepped = now, False
         rec.restore_step = plan.step
-        rec.lost_steps = max(0, self.max_step - plan.step)
+        rec.peak_step = max(rec.peak_step, self.max_step)
+        rec.lost_steps = max(0, rec.peak_step - plan.step)
         self.ledger.rollback(plan.step)
         self.max_step = plan.step
         for node_id in self.layout:
@@ -573,7 +579,7 @@ class Controller:
                 self._finish(1, f"no node joined as a spare within {self.spec.spare_wait_timeout:g} s after "
                                 f"{', '.join(rec.failed)} failed; start nodes with --rdzv-endpoint to rejoin")
             return
-        if (self.spec.hang_timeout > 0 and self.generation >= 0 and rec is None and self.flush is None
+        if (self.spec.hang_timeout > 0 and self.stepped and rec is None and self.flush is None
                 and not self.spec.restart_mode and now - self.last_progress_at > self.spec.hang_timeout):
             self._hung(now)
 

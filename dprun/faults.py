@@ -15,6 +15,7 @@ KINDS = {
     "wake-node": "SIGCONT the node that was frozen at that node rank (standalone mode: the head sends it)",
     "hang-worker": "SIGSTOP one worker: alive, no progress (caught by --hang-timeout)",
     "kill-spare": "SIGKILL a spare (NODE counts the spares in order of registration)",
+    "corrupt-replicas": "flip a byte in every snapshot the node's replica store holds (a restore must notice)",
 }
 TRIGGERS = {
     "step=N": "when that node rank reports step N",

@@ -207,6 +207,8 @@ def classify(exc: BaseException, signal: AbortSignal | None = None) -> str | Non
             return "peer"
     except ImportError:  # pragma: no cover
         pass
+    if type(exc).__name__ == "PeerConnectError":  # dpstate.pgroup: a rank died while the group connected
+        return "peer"
     if isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)) and any(p in text for p in _PEER_PATTERNS):
         return "peer"
     return None

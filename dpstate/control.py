@@ -34,6 +34,9 @@ class Control:
         self.finished = False  # the rank passed its final barrier: a Stop then lets the script end by itself
         self.stop_grace = float(os.environ.get("DP_STOP_GRACE", "2"))
         self.dropped = 0  # messages refused by the codec
+        # what this worker is doing, sent to the agent every status_interval: the controller's hang evidence
+        self.status: Any = None  # callable returning a WorkerStatus, or None
+        self.status_interval = float(os.environ.get("DP_STATUS_INTERVAL", "0.5"))
         self._cond = threading.Condition()
         self._latest: P.Reconfigure | None = None
         self._stop: P.Stop | None = None
@@ -104,8 +107,14 @@ class Control:
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
+        next_status = time.monotonic()
         try:
             while not self._closing.is_set():
+                if self.status is not None and time.monotonic() >= next_status:
+                    next_status = time.monotonic() + self.status_interval
+                    status = self.status()
+                    if status is not None:
+                        dealer.send_multipart(self.codec.encode(status))
                 for sock, _ in poller.poll(50):
                     if sock is self._pull:
                         dealer.send_multipart(self._pull.recv_multipart())

@@ -25,12 +25,17 @@ def collective_timeout() -> float:
     return float(os.environ.get("DP_COLLECTIVE_TIMEOUT", "600"))
 
 
+class PeerConnectError(ConnectionError):
+    """Building a generation's group failed: some rank died while everyone connected."""
+
+
 class GroupManager:
     """Owns the TCPStore client (made once) and the default group of the current generation."""
 
     def __init__(self, backend: str | None = None, timeout_s: float | None = None):
         self.backend = backend or default_backend()
         self.timeout = datetime.timedelta(seconds=timeout_s or collective_timeout())
+        self.connect_timeout = datetime.timedelta(seconds=float(os.environ.get("DP_CONNECT_TIMEOUT", "10")))
         self.generation: int | None = None
         self.leaked = 0  # old groups kept alive on purpose (see destroy)
         self._store: dist.Store | None = None
@@ -63,7 +68,18 @@ class GroupManager:
             arrived = store.add("arrived", 0)
         if arrived > world_size:
             raise RuntimeError(f"{arrived} ranks arrived for generation {generation} of world size {world_size}")
-        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
+        # Connecting cannot be aborted, and a rank that arrived then died (a failure during recovery) would
+        # hold everyone here for the whole collective timeout: connect under a short timeout, then set the
+        # long one. A failed connect is a peer failure: the caller reports it and waits for the next plan.
+        try:
+            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=min(self.connect_timeout, self.timeout))
+        except Exception as exc:
+            if abort.is_set():
+                raise abort.error() from exc
+            raise PeerConnectError(f"generation {generation}: could not connect to every rank within "
+                                   f"{self.connect_timeout.total_seconds():g} s (DP_CONNECT_TIMEOUT): {exc}") from exc
+        dist.distributed_c10d._set_pg_timeout(self.timeout)
         self.generation = generation
 
     def build_local(self) -> None:

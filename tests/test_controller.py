@@ -302,8 +302,16 @@ def test_hang_timeout_blames_the_rank_that_is_not_waiting_on_peers():
     assert failed["node"] == "b" and "rank 1 stuck in compute" in failed["cause"]
 
 
+def test_hang_timeout_is_not_armed_before_the_first_step_of_a_generation():
+    h = formed(spec(hang_timeout=2.0))
+    for _ in range(12):  # importing torch, building the model: no step yet, and that is no hang
+        h.alive({"a": {}, "b": {}, "s": {}})
+    assert not h.named("node_failed") and h.finish is None
+
+
 def test_hang_with_every_rank_waiting_on_peers_stops_with_a_message():
     h = formed(spec(hang_timeout=5.0))
+    h.msg("a", p.Progress("a", 0, 0, 1))
     for _ in range(12):
         h.alive({node: {"0": {"rank": rank, "step": 0, "activity": "collective", "age": 0.1}}
                  for node, rank in (("a", 0), ("b", 1))} | {"s": {}})

@@ -1,0 +1,194 @@
+"""Every fault, every time: real dprun jobs on loopback meeting freezes, hangs, cascades and bad input.
+
+Each recovered run must end bitwise identical to the failure-free run of the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+import zmq
+
+from conftest import Processes, free_port
+from dpagent import protocol as p
+from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
+
+pytestmark = pytest.mark.slow
+STEPS = 30
+FAST = ["--heartbeat-interval", "0.25", "--heartbeat-timeout", "2"]
+
+
+def _reference(tmp_path_factory, nnodes: int) -> str:
+    procs = Processes()
+    try:
+        run = dprun(procs, tmp_path_factory.mktemp(f"ref{nnodes}"), "ref", "--nnodes", nnodes, "--spares", "0",
+                    steps=STEPS)
+    finally:
+        procs.kill_all()
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.summary["params_sha256"]
+
+
+@pytest.fixture(scope="module")
+def sha2(tmp_path_factory):
+    return _reference(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def sha3(tmp_path_factory):
+    return _reference(tmp_path_factory, 3)
+
+
+def _recovered(run, sha: str, recoveries: int = 1):
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert len(run.named("recovery_complete")) == recoveries, [e["event"] for e in run.events]
+    assert run.summary["final_step"] == STEPS
+    assert run.summary["params_sha256"] == sha, "the recovered run diverged from the failure-free one"
+
+
+def test_frozen_node_is_failed_at_the_heartbeat_deadline_and_survivors_are_released(procs, tmp_path, sha2):
+    run = dprun(procs, tmp_path, "freeze", "--nnodes", "2", "--spares", "1", *FAST,
+                "--inject", "freeze-node:1@step=8", steps=STEPS)
+    _recovered(run, sha2)
+    (failed,) = run.named("node_failed")
+    assert failed["node"] == "node1" and "heartbeat" in failed["cause"]
+    (done,) = run.named("recovery_complete")
+    assert 1.5 < done["phases"]["detect_s"] < 4.5, done  # the 2 s heartbeat deadline, not a Gloo timeout
+
+
+def test_frozen_node_that_wakes_after_the_swap_is_fenced(procs, tmp_path, sha2):
+    run = dprun(procs, tmp_path, "wake", "--nnodes", "2", "--spares", "1", *FAST,
+                "--inject", "freeze-node:1@step=6", "--inject", "wake-node:1@step=16", steps=STEPS)
+    _recovered(run, sha2)
+    assert [e["kind"] for e in run.named("fault_injected")] == ["freeze-node", "wake-node"]
+    # it cannot disturb the new generation: its agent leaves (told it is fenced, or finding the controller
+    # silent for longer than the heartbeat timeout), taking its workers with it
+    assert re.search(r"\[dpagent node1\] exit [13]\b", run.stderr), run.stderr[-3000:]
+
+
+def test_hung_worker_is_found_by_the_hang_timeout(procs, tmp_path, sha2):
+    run = dprun(procs, tmp_path, "hang", "--nnodes", "2", "--spares", "1", "--hang-timeout", "3",
+                "--inject", "hang-worker:1@step=8", steps=STEPS)
+    _recovered(run, sha2)
+    (failed,) = run.named("node_failed")
+    assert failed["node"] == "node1" and "--hang-timeout" in failed["cause"] and "rank 1" in failed["cause"]
+
+
+def test_idle_spare_dying_shrinks_the_pool_and_nothing_else(procs, tmp_path, sha2):
+    run = dprun(procs, tmp_path, "spare", "--nnodes", "2", "--spares", "2",
+                "--inject", "kill-spare:0@step=5", steps=STEPS)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.named("spare_lost")[0]["spares_left"] == 1
+    assert not run.named("recovery_complete")
+    assert run.summary["params_sha256"] == sha2
+
+
+def test_spare_dying_during_its_promotion_makes_the_next_spare_take_over(procs, tmp_path, sha2):
+    run = dprun(procs, tmp_path, "promote", "--nnodes", "2", "--spares", "2",
+                "--inject", "kill-node:1@step=8", "--inject", "kill-node:1@during-recovery", steps=STEPS)
+    _recovered(run, sha2)
+    promoted = [e["spare"] for e in run.named("spare_promoted")]
+    assert promoted == ["node2", "node3"]
+    assert run.named("recovery_complete")[0]["generation"] == 2
+
+
+def test_second_failure_during_recovery_restarts_from_the_newer_view(procs, tmp_path, sha3):
+    run = dprun(procs, tmp_path, "cascade", "--nnodes", "3", "--spares", "2", "--replicas", "2",
+                "--inject", "kill-node:1@step=8", "--inject", "kill-node:2@during-recovery", steps=STEPS)
+    _recovered(run, sha3)
+    assert {e["node"] for e in run.named("node_failed")} == {"node1", "node2"}
+
+
+def test_a_node_and_its_replica_holder_dying_together_survive_with_two_replicas(procs, tmp_path, sha3):
+    run = dprun(procs, tmp_path, "pair2", "--nnodes", "3", "--spares", "2", "--replicas", "2",
+                "--inject", "kill-node:1@step=8", "--inject", "kill-node:2@step=8", steps=STEPS)
+    _recovered(run, sha3)
+
+
+def test_a_node_and_its_only_replica_holder_dying_together_stop_naming_the_lost_state(procs, tmp_path):
+    run = dprun(procs, tmp_path, "pair1", "--nnodes", "3", "--spares", "2",
+                "--inject", "kill-node:1@step=8", "--inject", "kill-node:2@step=8", steps=STEPS, timeout=90)
+    assert run.returncode == 1
+    assert "state lost" in run.stderr and "ranks [1]" in run.stderr
+    assert not run.named("recovery_complete"), "never resumes from inconsistent state"
+
+
+def test_a_corrupt_replica_is_detected_and_another_copy_used(procs, tmp_path, sha3):
+    run = dprun(procs, tmp_path, "corrupt", "--nnodes", "3", "--spares", "1", "--replicas", "2",
+                "--inject", "kill-node:1@step=10", "--inject", "corrupt-replicas:0@during-recovery", steps=STEPS)
+    assert run.returncode == 0, run.stderr[-4000:]
+    (bad,) = run.named("restore_failed")
+    assert bad["rank"] == 1 and "checksum" in bad["reason"]
+    assert run.summary["params_sha256"] == sha3
+
+
+def test_a_corrupt_only_copy_stops_the_job_instead_of_loading_it(procs, tmp_path):
+    run = dprun(procs, tmp_path, "corrupt1", "--nnodes", "2", "--spares", "1",
+                "--inject", "kill-node:1@step=10", "--inject", "corrupt-replicas:0@during-recovery", steps=STEPS, timeout=90)
+    assert run.returncode == 1
+    assert run.named("restore_failed") and "state lost" in run.stderr
+
+
+def _multi_node(procs, tmp_path, *extra: str):
+    token = tmp_path / "token"
+    token.write_text("fault-tests-secret")
+    endpoint = f"127.0.0.1:{free_port()}"
+    events = tmp_path / "events.jsonl"
+    common = ["--rdzv-endpoint", endpoint, "--token-file", token, *extra]
+    script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--summary", tmp_path / "summary.json"]
+    quiet = dict(cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    start = lambda *args: procs.dprun(*common, *args, *script, **quiet)  # noqa: E731
+    head = procs.dprun(*common, "--node-rank", "0", "--events-file", events, *script, cwd=tmp_path,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return endpoint, events, head, start
+
+
+def test_out_of_spares_waits_for_a_node_to_join_the_running_job(procs, tmp_path, sha2):
+    endpoint, events, head, start = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "0",
+                                                "--on-spare-exhausted", "wait")
+    victim = start("--node-rank", "1")
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 5 for e in read_events(events)),
+             timeout=90, what="training to pass step 5")
+    victim.kill()
+    wait_for(lambda: any(e["event"] == "waiting_for_spare" for e in read_events(events)), timeout=30,
+             what="the controller to wait for a spare")
+    start()  # a node joins the running job: it becomes the spare and is promoted
+    out, err = head.communicate(timeout=120)
+    assert head.returncode == 0, err[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["params_sha256"] == sha2
+
+
+def test_bad_messages_to_a_running_job_are_dropped_and_it_finishes_unharmed(procs, tmp_path, sha2):
+    endpoint, events, head, start = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "0")
+    start("--node-rank", "1")
+    wait_for(lambda: any(e["event"] == "progress" for e in read_events(events)), timeout=90, what="training")
+    ctx = zmq.Context()
+    intruder = ctx.socket(zmq.DEALER)
+    intruder.setsockopt(zmq.LINGER, 0)
+    intruder.setsockopt(zmq.IDENTITY, b"node-intruder")
+    intruder.connect(f"tcp://{endpoint}")
+    wrong = p.Codec(b"not-the-job-token")
+    right = p.Codec(b"fault-tests-secret")
+    bad = [
+        wrong.encode(p.Register("node-intruder", "evil", 1, 1, False, 0, "tcp://127.0.0.1:9")),  # wrong token
+        [b"garbage"],  # malformed
+        [b"DP\x07", b"Ping", b"{}", b"x" * 32],  # another protocol version
+        [p.MAGIC, b"Ping", b"{" * (p.MAX_BODY_BYTES + 10), b"x" * 32],  # oversized
+        [p.MAGIC, b"NoSuchType", b"{}", b"x" * 32],  # unknown type (and a bad MAC)
+        right.encode(p.Progress("node-intruder", 0, 0, 10**6)),  # authenticated but never registered
+        right.encode(p.Progress("node0", 0, 0, 10**6)),  # claims another node's identity
+    ]
+    try:
+        for frames in bad * 3:
+            intruder.send_multipart(frames)
+    finally:
+        intruder.close(0)
+        ctx.term()
+    out, err = head.communicate(timeout=120)
+    assert head.returncode == 0, err[-3000:]
+    dropped = [e for e in read_events(events) if e["event"] == "message_dropped"]
+    assert len(dropped) >= 10, "every bad message is dropped and counted"
+    assert json.loads((tmp_path / "summary.json").read_text())["params_sha256"] == sha2
