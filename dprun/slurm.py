@@ -1,0 +1,50 @@
+"""Inside a Slurm allocation (`srun dprun ...`): the rendezvous settings that Slurm's environment implies.
+
+The first node of the step hosts the controller; SLURM_NODEID is the node rank; nodes past --nnodes are
+spares. Pure functions over the environment, so they are tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+BASE_PORT = 20000  # the controller's port: BASE_PORT + job id mod 20000, the same on every node of the job
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    rdzv_endpoint: str
+    node_rank: int
+    nodes: int
+    job_id: str
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's compressed host list, e.g. "n[1-3,7],gpu01" -> ["n1", "n2", "n3", "n7", "gpu01"]."""
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", text):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if not match:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            if not hi:
+                hosts.append(f"{prefix}{lo}{suffix}")
+                continue
+            for n in range(int(lo), int(hi) + 1):
+                hosts.append(f"{prefix}{str(n).zfill(len(lo))}{suffix}")
+    return hosts
+
+
+def from_environment(env: dict[str, str]) -> SlurmJob | None:
+    """The job's rendezvous under `srun`, or None outside a Slurm step."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if not (env.get("SLURM_JOB_ID") and env.get("SLURM_NODEID") and nodelist):
+        return None
+    hosts = expand_hostlist(nodelist)
+    port = BASE_PORT + int(env["SLURM_JOB_ID"]) % 20000
+    return SlurmJob(rdzv_endpoint=f"{hosts[0]}:{port}", node_rank=int(env["SLURM_NODEID"]), nodes=len(hosts),
+                    job_id=f"slurm-{env['SLURM_JOB_ID']}")
