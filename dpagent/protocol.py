@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import signal
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -86,7 +87,11 @@ class Pong:
 
 @_message
 class WorkerExited:
-    """A local worker process ended; exitcode < 0 is -signal, as in subprocess."""
+    """A local worker process ended; exitcode < 0 is -signal, as in subprocess.
+
+    detail: its last line of stderr (or how it ended); stderr_tail: its last lines of stderr when it failed;
+    log_path: its stderr log file under --log-dir, if any (for the job's failure summary).
+    """
 
     node_id: str
     generation: int
@@ -94,6 +99,18 @@ class WorkerExited:
     pid: int
     exitcode: int
     detail: str = ""
+    stderr_tail: str = ""
+    log_path: str = ""
+
+
+def describe_exit(exitcode: int) -> str:
+    """A WorkerExited.exitcode (or any subprocess return code) in words: "exit code 1", "killed by SIGKILL"."""
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 @_message

@@ -8,7 +8,6 @@ the simulator drive it.
 from __future__ import annotations
 
 import dataclasses
-import signal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,13 +127,7 @@ class Flush:
     waiting: set
 
 
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+describe_exit = p.describe_exit
 
 
 # ----------------------------------------------------------------------------- the state machine
