@@ -428,11 +428,6 @@ class Controller:
                 return
         elif self.generation < 0:  # still forming: the slot opens for the next node to register
             return
-        elif any(self.table.nodes[n].exited_ok for n in self.layout):
-            # some ranks already finished and exited: nobody is left to rebuild a generation with
-            self._finish(1, f"node {node_id} (node rank {node.node_rank}) failed after other ranks had finished "
-                            f"and exited (step {self.max_step}): {cause}")
-            return
         if self.pending is None:
             if self.recovery is not None:  # a failure during recovery: one recovery covers both
                 prior, self.recovery = self.recovery, None
@@ -465,6 +460,13 @@ class Controller:
     def _reconstruct(self, rec: Recovery, now: float) -> None:
         failed_slots = [i for i, n in enumerate(self.layout) if self.table.nodes[n].role == FAILED]
         if not failed_slots and not rec.replan:
+            return
+        if any(self.table.nodes[n].exited_ok for n in self.layout):
+            # a worker exits 0 only after the job's final barrier: training is complete, and the ranks that
+            # exited cannot join a new generation. Say so rather than wait for them.
+            failed = ", ".join(f"{n} ({self.table.nodes[n].cause})" for n in rec.failed)
+            self._finish(1, f"training completed (step {self.max_step}), but {failed} failed after other ranks "
+                            "had finished and exited; the final state is complete on the surviving ranks")
             return
         spares = self.table.with_role(SPARE)
         if len(spares) < len(failed_slots):
@@ -512,8 +514,6 @@ class Controller:
         rec.lost_steps = max(0, rec.peak_step - plan.step)
         self.ledger.rollback(plan.step)
         self.max_step = plan.step
-        for node_id in self.layout:
-            self.table.nodes[node_id].exited_ok.clear()
         self._reconfigure_all(plan.step, plan.sources, reason="recovery")
         self._publish("reconfigure", generation=self.generation, restore_step=plan.step,
                       layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))

@@ -24,6 +24,7 @@ REGRESSIONS = {
     253: "a frozen holder of an unrestored rank: state lost is reported truthfully",
     906: "the spare holding a single node's replicas dies: replication is re-pointed",
     1456: "a node fails after the others finished: the job ends with a message",
+    100233: "a worker exits 0 (finished) during the probe round after a failure: no generation it cannot join",
 }
 
 
