@@ -157,6 +157,7 @@ class Controller:
         self.last_progress_at = now  # when the newest step last grew (hang detection)
         self.stepped = False  # a step was made in this generation: start-up and restores are not hangs
         self.unrestored: set[int] = set()  # ranks handed to a new node that has not yet restored their state
+        self.rank_step: dict[int, int] = {}  # newest step each rank reported in this generation's timeline
         self.dropped: dict[str, int] = {}
         self.max_step = 0
         self.last_progress_event = float("-inf")
@@ -295,6 +296,7 @@ class Controller:
 
     def _on_Progress(self, node: Node, msg: p.Progress, now: float) -> None:
         node.last_step = max(node.last_step, msg.step)
+        self.rank_step[msg.rank] = max(self.rank_step.get(msg.rank, 0), msg.step)
         if msg.step > self.max_step or not self.stepped:
             self.max_step = max(self.max_step, msg.step)
             self.last_progress_at = now
@@ -491,7 +493,7 @@ class Controller:
         else:
             # a rank whose new node has not restored it yet has its state only on replicas, like a failed one
             failed_ranks = {r for i in failed_slots for r in self.ranks_of(i)} | self.unrestored
-            plan = self.ledger.plan(self.spec.world_size, failed_ranks)
+            plan = self.ledger.plan(self.spec.world_size, failed_ranks, self._survivor_floors())
         if plan.lost:
             holders = sorted({self.table.nodes[n].node_id for n in rec.failed})
             self._finish(1, f"state lost: ranks {plan.lost} had every copy on failed nodes {holders}; "
@@ -513,12 +515,24 @@ class Controller:
         rec.peak_step = max(rec.peak_step, self.max_step)
         rec.lost_steps = max(0, rec.peak_step - plan.step)
         self.ledger.rollback(plan.step)
+        self.rank_step = {rank: max(plan.step, 0) for rank in range(self.spec.world_size)}
         self.max_step = plan.step
         self._reconfigure_all(plan.step, plan.sources, reason="recovery")
         self._publish("reconfigure", generation=self.generation, restore_step=plan.step,
                       layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))
         self.recovery = rec
         self._fire_faults(now, recovering=True)
+
+    def _survivor_floors(self) -> dict[int, int]:
+        """A replicated step that every surviving rank still holds locally, from what ranks reported.
+
+        Progress(P) from any rank means every rank passed the all-reduce of step P, so every rank had its
+        snapshot of P-2 acked (the optimizer's pre-step wait); no rank is past P_max+1, and a worker keeps
+        its newest 4 snapshots. So P_max-2 is replicated and held, whatever the replica reports say (those
+        from a holder that died with them can be lost in flight).
+        """
+        top = max(self.rank_step.values(), default=0)
+        return {rank: max(top - 2, 0) for rank in range(self.spec.world_size)}
 
     def _recovery_complete(self, rec: Recovery, now: float) -> None:
         rebuild = max((r[0] for r in rec.ready.values()), default=0.0)

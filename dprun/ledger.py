@@ -61,13 +61,15 @@ class ReplicaLedger:
         if steps and step in steps:
             steps.remove(step)
 
-    def plan(self, world_size: int, failed_ranks: set[int]) -> RestorePlan:
+    def plan(self, world_size: int, failed_ranks: set[int], floors: dict[int, int] | None = None) -> RestorePlan:
         """The newest step every rank can come back to; failed nodes must already be `holder_lost`.
 
         A failed rank comes back from a live replica; one that never had a snapshot comes back from its
         fresh initial state at step 0; one whose every copy is gone is lost. A surviving rank is bounded
-        by its newest replicated step (it never lags its live state by more than the local copies hold).
+        by its newest replicated step, or by `floors` (a step it is known to hold locally) where higher:
+        replica reports from a holder that died with them can be lost.
         """
+        floors = floors or {}
         bounds: dict[int, int] = {}
         lost = []
         for rank in range(world_size):
@@ -80,7 +82,7 @@ class ReplicaLedger:
                 else:
                     bounds[rank] = 0
             else:
-                bounds[rank] = max(self.newest_ever.get(rank, 0), 0)
+                bounds[rank] = max(self.newest_ever.get(rank, 0), floors.get(rank, 0), 0)
         if lost:
             return RestorePlan(step=-1, lost=lost)
         step = min(bounds.values()) if bounds else 0
