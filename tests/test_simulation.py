@@ -26,6 +26,7 @@ REGRESSIONS = {
     1456: "a node fails after the others finished: the job ends with a message",
     100233: "a worker exits 0 (finished) during the probe round after a failure: no generation it cannot join",
     114370: "the replica holder dies with its reports in flight: survivors' restore step from their progress",
+    122618: "a frozen node and a holder fenced for a crashed worker: state lost is the truth",
 }
 
 
