@@ -13,6 +13,7 @@ import socket
 import sys
 
 from .agent import Agent, AgentConfig, AgentError
+from .output import OutputSpec, parse_ranks, parse_std
 from .process import set_pdeathsig
 from .protocol import NO_RANK
 from .workers import worker_command
@@ -34,7 +35,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, default=NO_RANK, help="preferred node rank (a hint; default -1)")
     p.add_argument("--local-addr", default="127.0.0.1", help="address the replica store binds (default 127.0.0.1)")
     p.add_argument("--run-dir", help="directory for the ipc socket (default: a temp dir removed on exit)")
-    p.add_argument("--log-dir", help="write each worker's output to LOG_DIR/<node>-<local_rank>.log")
+    p.add_argument("--log-dir", help="write each worker's stdout and stderr to "
+                   "LOG_DIR/<job>/<node>/attempt_<k>/<local_rank>/{stdout,stderr}.log")
+    p.add_argument("-r", "--redirects", default="0", help="torchrun's: streams to the log files only "
+                   "(0 none, 1 stdout, 2 stderr, 3 both; or per local rank: 0:3,1:2)")
+    p.add_argument("-t", "--tee", default="0", help="torchrun's: streams to the log files and the console")
+    p.add_argument("--local-ranks-filter", default="", help="only these local ranks reach the console (e.g. 0,1)")
+    p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m)")
+    p.add_argument("--max-restarts", type=int, default=3, help="restart mode: TORCHELASTIC_MAX_RESTARTS")
     p.add_argument("--stop-grace", type=float, default=3.0, help="seconds workers get after Stop (default 3)")
     p.add_argument("--term-grace", type=float, default=2.0, help="seconds after SIGTERM before SIGKILL")
     p.add_argument("--register-timeout", type=float, default=300.0, help="exit 3 without a Welcome by then")
@@ -72,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--node-id {opts.node_id!r}: use letters, digits, '_', '.', '-' (at most 64)")
     if opts.nproc_per_node < 1:
         parser.error("--nproc-per-node must be at least 1")
+    try:
+        parse_std(opts.redirects, "--redirects")
+        parse_std(opts.tee, "--tee")
+        ranks = parse_ranks(opts.local_ranks_filter)
+    except ValueError as exc:
+        parser.error(str(exc))
+    output = OutputSpec(log_dir=opts.log_dir, redirects=opts.redirects, tee=opts.tee,
+                        local_ranks_filter=frozenset(ranks) if ranks is not None else None)
     token = os.environ.get("DP_JOB_TOKEN", "")
     if not token:
         print("dpagent: error: DP_JOB_TOKEN is not set; the launcher passes the job's secret token in it",
@@ -82,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         controller=opts.controller,
         node_id=opts.node_id,
         token=token,
-        command=worker_command(command[0], command[1:], None if opts.no_python else opts.python),
+        command=worker_command(command[0], command[1:], None if opts.no_python else opts.python, opts.module),
         nproc=opts.nproc_per_node,
         spare=opts.spare,
         node_rank=opts.node_rank,
@@ -91,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         stop_grace=opts.stop_grace,
         term_grace=opts.term_grace,
         register_timeout=opts.register_timeout,
-        log_dir=opts.log_dir,
+        output=output,
+        max_restarts=opts.max_restarts,
     )
     try:
         code = Agent(cfg).run()

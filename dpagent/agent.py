@@ -27,16 +27,18 @@ from .liveness import Liveness
 from .process import descendants, reap_orphans, set_child_subreaper, signal_procs
 from .protocol import (
     NO_RANK, Codec, Heartbeat, Hello, Inject, PeerError, Ping, Pong, Progress, RankFinished, Reconfigure,
-    Register, Stop, Welcome, WorkerExited, WorkerReady,
+    Register, RestoreFailed, Stop, Welcome, WorkerExited, WorkerReady, WorkerStatus,
 )
+from .output import OutputSpec
 from .replica_server import ReplicaServer, Verified
 from .replica_store import ReplicaStore
+from .restart import RestartMode
 from .workers import WorkerDone, WorkerGroup, describe_exit, worker_env
 
 log = logging.getLogger("dpagent")
 
 EXIT_CONTROLLER_LOST = 3
-FORWARDED = (Progress, WorkerReady, PeerError, RankFinished)
+FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished)
 IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux
 REAP_EVERY = 10.0
 
@@ -59,7 +61,8 @@ class AgentConfig:
     stop_grace: float = 3.0  # after Stop is relayed, before SIGTERM
     term_grace: float = 2.0  # after SIGTERM, before SIGKILL
     register_timeout: float = 300.0  # no Welcome by then: exit 3
-    log_dir: str | None = None
+    output: OutputSpec = field(default_factory=OutputSpec)  # log files, console filter (torchrun's -r/-t)
+    max_restarts: int = 3  # restart mode: for TORCHELASTIC_MAX_RESTARTS
     env: dict = field(default_factory=lambda: dict(os.environ))
 
 
@@ -71,7 +74,7 @@ class Shutdown:
     deadline: float
 
 
-class Agent:
+class Agent(RestartMode):
     def __init__(self, cfg: AgentConfig):
         self.cfg = cfg
         self.codec = Codec(cfg.token)
@@ -84,10 +87,12 @@ class Agent:
         self.shutdown: Shutdown | None = None
         self.exit_code: int | None = None
         self._peers: dict[bytes, int] = {}  # worker identity -> local rank, once it said Hello
+        self._statuses: dict[int, tuple] = {}  # local rank -> (latest WorkerStatus, when it came)
         self._signalled = 0
         self._old_handlers: dict = {}
         self._wakeup = None
         self._owns_run_dir = False
+        self._init_restart()
 
     # ------------------------------------------------------------------ setup / teardown
 
@@ -119,7 +124,7 @@ class Agent:
         host = cfg.local_addr if cfg.local_addr not in ("0.0.0.0", "*") else socket.gethostname()
         self.replica_endpoint = f"tcp://{host}:{port}"
 
-        self.workers = WorkerGroup(self.events, cfg.log_dir)
+        self.workers = WorkerGroup(self.events, cfg.output)
         self.replica = ReplicaServer(self.replica_ch, ReplicaStore(), self.events, cfg.node_id, self._to_controller)
         self.poller = zmq.Poller()
         for sock in (self.control.sock, self.events.wake, self.worker_ch.sock, self.replica_ch.sock):
@@ -163,6 +168,7 @@ class Agent:
         if leftovers:  # a worker's children, orphans inherited as subreaper
             signal_procs(leftovers, signal.SIGKILL)
             psutil.wait_procs(leftovers, timeout=2.0)
+        self.workers.drain_output(1.0)  # their last lines reach the console and the log files
         self.replica.close()
         lost = self.exit_code == EXIT_CONTROLLER_LOST
         self.control.sock.close(linger=0 if lost else 500)  # let the last reports out
@@ -222,7 +228,7 @@ class Agent:
 
     def _poll_timeout_ms(self) -> int:
         now = time.monotonic()
-        due = [self._next_reap]
+        due = [self._next_reap] + [deadline for deadline, _ in self._held[:1]]
         if self.shutdown is not None:
             due.append(self.shutdown.deadline)
         elif self.liveness is not None:
@@ -245,12 +251,14 @@ class Agent:
                     )
                     self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", "kill")
                 elif self.liveness.beat_due(now):
-                    self._to_controller(Heartbeat(self.cfg.node_id, self.generation))
+                    self._to_controller(Heartbeat(self.cfg.node_id, self.generation, self._worker_statuses(now)))
                     self.liveness.beat_sent(now)
             elif now - self.started >= self.cfg.register_timeout:
                 log.error("no Welcome from %s within %.0fs; exiting %d",
                           self.cfg.controller, self.cfg.register_timeout, EXIT_CONTROLLER_LOST)
                 self._begin_shutdown(EXIT_CONTROLLER_LOST, "no welcome", "kill")
+        if self._held and self.shutdown is None:
+            self._release_held(now)
         if self.shutdown is not None:
             self._advance_shutdown(now)
         if now >= self._next_reap:
@@ -282,12 +290,17 @@ class Agent:
             self.generation = msg.generation
             self.role = "active"
             self.latest_reconfigure = msg
+            if msg.restart_workers:
+                self._restart_workers(msg)
+                return
             log.info("reconfigure: generation %d, node rank %d, restore step %d%s; relaying to %d worker(s)",
                      msg.generation, msg.node_rank, msg.restore_step,
                      f" ({msg.reason})" if msg.reason else "", len(self._peers))
             self._to_workers(msg)
         elif isinstance(msg, Stop):
             self._begin_shutdown(msg.exit_code, f"stop from controller: {msg.reason}", "stop", msg)
+        elif isinstance(msg, Inject) and msg.kind == "corrupt-replicas":
+            log.warning("injected fault: corrupt-replicas (%d snapshots damaged)", self.replica.store.corrupt_all())
         elif isinstance(msg, Inject):
             faults.inject(msg.kind, msg.local_rank, self.workers)
         else:
@@ -300,25 +313,40 @@ class Agent:
             self.welcome = msg
             return
         self.welcome, self.role, self.job_id = msg, msg.role, msg.job_id
-        log.info("welcomed as %s in job %s (heartbeat %.2fs, timeout %.1fs); spawning %d worker(s)",
-                 msg.role, msg.job_id, msg.heartbeat_interval, msg.heartbeat_timeout, self.cfg.nproc)
-        if self.shutdown is not None:
+        self.restart_mode = not msg.prespawn
+        log.info("welcomed as %s in job %s (heartbeat %.2fs, timeout %.1fs); %s",
+                 msg.role, msg.job_id, msg.heartbeat_interval, msg.heartbeat_timeout,
+                 f"spawning {self.cfg.nproc} worker(s)" if msg.prespawn
+                 else "restart mode: workers start with their ranks on Reconfigure")
+        if self.shutdown is not None or not msg.prespawn:
             return
         for local_rank in range(self.cfg.nproc):
-            env = worker_env(
-                self.cfg.env, node_id=self.cfg.node_id, endpoint=self.worker_endpoint, token=self.cfg.token,
-                job_id=msg.job_id, role=msg.role, nproc=self.cfg.nproc, local_rank=local_rank,
-                local_addr=self.cfg.local_addr,
-            )
-            try:
-                worker = self.workers.spawn(local_rank, self.cfg.command, env, log_name=self.cfg.node_id)
-            except OSError as exc:
-                log.error("cannot start worker %d (%s): %s", local_rank, " ".join(self.cfg.command), exc)
-                self._to_controller(WorkerExited(self.cfg.node_id, self.generation, local_rank, 0, 127, str(exc)))
-                continue
-            log.info("worker %d started (pid %d)", local_rank, worker.pid)
+            self._spawn(local_rank, self._base_env(local_rank, msg.role), attempt=0)
+
+    def _base_env(self, local_rank: int, role: str) -> dict[str, str]:
+        return worker_env(
+            self.cfg.env, node_id=self.cfg.node_id, endpoint=self.worker_endpoint, token=self.cfg.token,
+            job_id=self.job_id, role=role, nproc=self.cfg.nproc, local_rank=local_rank,
+            local_addr=self.cfg.local_addr,
+        )
+
+    def _spawn(self, local_rank: int, env: dict[str, str], attempt: int):
+        folder = self.workers.log_folder(self.job_id, self.cfg.node_id, attempt, local_rank)
+        try:
+            worker = self.workers.spawn(local_rank, self.cfg.command, env, folder)
+        except OSError as exc:
+            log.error("cannot start worker %d (%s): %s", local_rank, " ".join(self.cfg.command), exc)
+            self._to_controller(WorkerExited(self.cfg.node_id, self.generation, local_rank, 0, 127, str(exc)))
+            return None
+        log.info("worker %d started (pid %d)%s", local_rank, worker.pid, f"; logs in {folder}" if folder else "")
+        return worker
 
     # ------------------------------------------------------------------ workers
+
+    def _worker_statuses(self, now: float) -> dict:
+        """Each worker's latest status and its age: a stopped or wedged worker's age keeps growing."""
+        return {str(local): {"rank": st.rank, "step": st.step, "activity": st.activity, "age": round(now - t, 3)}
+                for local, (st, t) in self._statuses.items()}
 
     def _to_workers(self, msg) -> None:
         for identity in self._peers:
@@ -328,6 +356,8 @@ class Agent:
         msg = incoming.msg
         if isinstance(msg, FORWARDED):
             self._to_controller(msg)
+        elif isinstance(msg, WorkerStatus):
+            self._statuses[msg.local_rank] = (msg, time.monotonic())
         elif isinstance(msg, Hello):
             identity = incoming.sender
             self._peers[identity] = msg.local_rank
@@ -350,17 +380,24 @@ class Agent:
                 self.replica.on_verified(event)
 
     def _on_worker_done(self, done: WorkerDone) -> None:
+        if self._retired_exit(done.pid):
+            return
         worker = self.workers.mark_done(done)
         if worker is None:
             return
         if worker.identity is not None:
             self._peers.pop(worker.identity, None)
-        detail = describe_exit(done.exitcode)
+        output = worker.output
+        last = output.last_line() if output is not None and done.exitcode != 0 else ""
         log.log(logging.INFO if done.exitcode == 0 or self.shutdown else logging.WARNING,
-                "worker %d (pid %d) exited: %s", done.local_rank, done.pid, detail)
-        self._to_controller(
-            WorkerExited(self.cfg.node_id, self.generation, done.local_rank, done.pid, done.exitcode, detail)
-        )
+                "worker %d (pid %d) exited: %s%s", done.local_rank, done.pid, describe_exit(done.exitcode),
+                f" ({last})" if last else "")
+        exited = WorkerExited(self.cfg.node_id, self.generation, done.local_rank, done.pid, done.exitcode,
+                              last or describe_exit(done.exitcode),
+                              stderr_tail=output.tail() if output is not None and done.exitcode != 0 else "",
+                              log_path=output.log_path if output is not None else "")
+        if not self._hold_exit(exited):
+            self._to_controller(exited)
 
     # ------------------------------------------------------------------ shutdown
 

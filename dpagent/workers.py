@@ -12,12 +12,15 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from .events import EventPipe
+from .output import OutputSpec, WorkerOutput
 from .process import child_preexec, signal_tree
+from .protocol import describe_exit as protocol_describe_exit
 
 log = logging.getLogger("dpagent")
 
@@ -31,9 +34,12 @@ class WorkerDone:
     exitcode: int
 
 
-def worker_command(script: str, args: Sequence[str], python: str | None) -> list[str]:
-    """[python, "-u", script, *args], or [script, *args] when python is None (--no-python)."""
-    return ([python, "-u"] if python else []) + [script, *args]
+def worker_command(script: str, args: Sequence[str], python: str | None, module: bool = False) -> list[str]:
+    """[python, "-u", script, *args]; [python, "-u", "-m", module, *args] with module (-m);
+    [script, *args] when python is None (--no-python)."""
+    if python is None:
+        return [script, *args]
+    return [python, "-u", *(["-m"] if module else []), script, *args]
 
 
 def is_loopback(addr: str) -> bool:
@@ -82,10 +88,29 @@ def worker_env(
     return env
 
 
+def restart_env(base: Mapping[str, str], *, rank: int, world_size: int, local_rank: int, nproc: int,
+                node_rank: int, nnodes: int, store_endpoint: str, restart_count: int, max_restarts: int,
+                run_id: str) -> dict[str, str]:
+    """torchrun's worker environment, for scripts that do not use dpstate (restart mode): the ranks are known
+    at spawn, and init_process_group(env://) joins the head's TCPStore as a client (TORCHELASTIC_USE_AGENT_STORE)."""
+    host, _, port = store_endpoint.rpartition(":")
+    env = dict(base)
+    env.update(
+        RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK=str(node_rank), NODE_RANK=str(node_rank), GROUP_WORLD_SIZE=str(nnodes), ROLE_RANK=str(rank),
+        ROLE_NAME="default", ROLE_WORLD_SIZE=str(world_size), MASTER_ADDR=host, MASTER_PORT=port,
+        TORCHELASTIC_RESTART_COUNT=str(restart_count), TORCHELASTIC_MAX_RESTARTS=str(max_restarts),
+        TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    )
+    return env
+
+
 @dataclass
 class Worker:
     local_rank: int
     popen: subprocess.Popen
+    output: WorkerOutput | None = None
     identity: bytes | None = None  # its DEALER identity, once it said Hello
     exitcode: int | None = None
 
@@ -101,37 +126,38 @@ class Worker:
 class WorkerGroup:
     """The workers of this node. Spawn from the main thread: PR_SET_PDEATHSIG follows the spawning thread."""
 
-    def __init__(self, events: EventPipe, log_dir: str | None = None):
+    def __init__(self, events: EventPipe, output: OutputSpec | None = None):
         self._events = events
-        self._log_dir = Path(log_dir) if log_dir else None
+        self.output = output or OutputSpec()
         self.workers: dict[int, Worker] = {}
 
-    def spawn(self, local_rank: int, command: list[str], env: dict[str, str], log_name: str = "") -> Worker:
+    def log_folder(self, job_id: str, node_id: str, attempt: int, local_rank: int) -> Path | None:
+        """torchrun's layout plus the node: <log_dir>/<job>/<node>/attempt_<k>/<local_rank>/."""
+        if not self.output.log_dir:
+            return None
+        return Path(self.output.log_dir) / (job_id or "job") / node_id / f"attempt_{attempt}" / str(local_rank)
+
+    def spawn(self, local_rank: int, command: list[str], env: dict[str, str], log_folder: Path | None = None) -> Worker:
         """Starts one worker (in our process group) and its waiter thread; raises OSError if it cannot start."""
-        out = None
-        if self._log_dir is not None:
-            self._log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self._log_dir / f"{log_name or 'worker'}-{local_rank}.log", "ab", buffering=0)
-        try:
-            popen = subprocess.Popen(
-                command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT if out else None,
-                preexec_fn=child_preexec(os.getpid()),
-                close_fds=True,
-            )
-        finally:
-            if out is not None:
-                out.close()
-        worker = Worker(local_rank, popen)
+        output = WorkerOutput(self.output, local_rank, log_folder)
+        popen = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=child_preexec(os.getpid()),
+            close_fds=True,
+            **output.popen_kwargs(),
+        )
+        output.start(popen)
+        worker = Worker(local_rank, popen, output)
         self.workers[local_rank] = worker
         threading.Thread(target=self._wait, args=(worker,), name=f"wait-worker-{local_rank}", daemon=True).start()
         return worker
 
     def _wait(self, worker: Worker) -> None:
         exitcode = worker.popen.wait()
+        if worker.output is not None:  # what it wrote before it exited, for the tail (a killed one wrote little)
+            worker.output.join(0.5 if exitcode >= 0 else 0.05)
         with self._events.sender() as sender:
             sender.post(WorkerDone(worker.local_rank, worker.pid, exitcode))
 
@@ -172,16 +198,17 @@ class WorkerGroup:
         except ProcessLookupError:
             return False
 
+    def drain_output(self, timeout: float) -> None:
+        """Lets the pumps copy what the workers wrote before they ended (at most `timeout` s in all)."""
+        deadline = time.monotonic() + timeout
+        for worker in self.workers.values():
+            if worker.output is not None:
+                worker.output.join(max(0.0, deadline - time.monotonic()))
+
     def signal_all(self, sig: int) -> None:
         """Signals every live worker and its descendants."""
         for worker in self.alive():
             signal_tree(worker.pid, sig)
 
 
-def describe_exit(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
+describe_exit = protocol_describe_exit  # re-exported: agent.py and restart.py use it from here

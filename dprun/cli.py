@@ -1,22 +1,42 @@
-"""The `dprun` command line (typer): options in torchrun's words, checked before anything starts.
+"""The `dprun` command line (typer): options in torchrun's words (and its PET_* variables), checked before
+anything starts. `dprun [OPTIONS] SCRIPT [ARGS]...` runs a job; `dprun status`, `dprun report` watch and explain one.
 
-`dprun [OPTIONS] SCRIPT [ARGS]...` runs a job; every bad input ends in one line and a non-zero exit.
+Every bad input ends in one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
-from . import faults
-from .job import JobOptions, parse_endpoint, run_multinode, run_standalone
+from . import faults, slurm
+from .job import JobOptions, is_local, parse_endpoint, run_multinode, run_standalone, uses_dpstate
 from .server import PortInUse
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None)
+status_app = typer.Typer(add_completion=False, rich_markup_mode=None)
+report_app = typer.Typer(add_completion=False, rich_markup_mode=None)
+RECOVERY = ("auto", "hot-swap", "restart")
+
+
+def _click_classes(name: str) -> tuple[type, ...]:
+    """UsageError / Abort from the click that typer uses (its own copy since typer 0.22, else click)."""
+    found = []
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+EPILOG = ("Also: `dprun status` attaches to a running job's dashboard, `dprun report EVENTS.jsonl` explains its "
+          "failures and recoveries (each has --help). Options with a torchrun twin also read torchrun's PET_* "
+          "environment variables (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, ...).")
 
 _RUN_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
@@ -26,13 +46,44 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-@app.command(context_settings=_RUN_SETTINGS)
+def _count(text: str, flag: str) -> int:
+    """--nnodes N or torchrun's MIN:MAX with MIN == MAX (DeadPool keeps the node count; spares replace nodes)."""
+    lo, sep, hi = text.partition(":")
+    if not (lo.strip().isdigit() and (not sep or hi.strip().isdigit())):
+        _fail(f"{flag} must be a whole number, got {text!r}")
+    if sep and int(lo) != int(hi):
+        _fail(f"{flag} {text}: elastic node counts are not supported; DeadPool keeps {flag} fixed and replaces "
+              "failed nodes from --spares")
+    return int(lo)
+
+
+def _nproc(text: str) -> int:
+    """--nproc-per-node N, or torchrun's auto / cpu / gpu."""
+    if text.strip().isdigit():
+        return int(text)
+    if text in ("cpu", "auto", "gpu"):
+        gpus = 0
+        if text != "cpu":
+            import torch
+
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if text == "gpu" and gpus == 0:
+                _fail("--nproc-per-node gpu: no GPU is visible here")
+        return gpus or os.cpu_count() or 1
+    _fail(f"--nproc-per-node must be a whole number, auto, cpu or gpu, got {text!r}")
+    return 0
+
+
+@app.command(context_settings=_RUN_SETTINGS, epilog=EPILOG)
 def run(
-    script: str = typer.Argument(..., help="Training script (or command with --no-python), then its arguments."),
+    script: str = typer.Argument(..., metavar="SCRIPT",
+                                 help="Training script (a module with -m, a command with --no-python)."),
     script_args: Optional[List[str]] = typer.Argument(None, metavar="[ARGS]...", help="Arguments of the script."),
-    nnodes: int = typer.Option(1, "--nnodes", help="Active nodes that train."),
+    nnodes_text: str = typer.Option("1", "--nnodes", envvar="PET_NNODES",
+                                    help="Active nodes that train (N, or torchrun's N:N)."),
     spares: int = typer.Option(0, "--spares", help="Spare nodes kept idle but initialized, promoted on a failure."),
-    nproc_per_node: int = typer.Option(1, "--nproc-per-node", "--nproc_per_node", help="Workers per node."),
+    nproc_text: str = typer.Option("1", "--nproc-per-node", "--nproc_per_node", envvar="PET_NPROC_PER_NODE",
+                                   help="Workers per node: a number, or auto / cpu / gpu as in torchrun."),
     events_file: Optional[Path] = typer.Option(None, "--events-file", help="Append every event as a JSON line."),
     inject: Optional[List[str]] = typer.Option(None, "--inject", help=faults.HELP),
     heartbeat_interval: float = typer.Option(0.5, "--heartbeat-interval", help="Seconds between heartbeats."),
@@ -45,6 +96,12 @@ def run(
         help="No training step anywhere for this long: the rank that is not waiting on its peers is failed "
              "(a hung worker); 0 turns it off."),
     replicas: int = typer.Option(1, "--replicas", help="Peer nodes holding each node's snapshots (ring)."),
+    snapshot_interval: Optional[str] = typer.Option(
+        None, "--snapshot-interval",
+        help="Snapshot every N steps (default 1: every step; a failure costs at most N + 1 steps), 'auto' "
+             "(measure a snapshot's cost and take the smallest interval that keeps it under 1%% of step time; "
+             "auto:0.02 for 2%%), or 'off' (no snapshots: a failure cannot be recovered). Workers get it as "
+             "DP_SNAPSHOT_INTERVAL."),
     on_spare_exhausted: str = typer.Option(
         "fail", "--on-spare-exhausted",
         help="A failure with no spare left: 'fail' (stop with a message) or 'wait' (keep the survivors and "
@@ -52,19 +109,92 @@ def run(
     spare_wait_timeout: float = typer.Option(
         1800.0, "--spare-wait-timeout", help="With --on-spare-exhausted wait: give up after this many seconds."),
     rdzv_endpoint: Optional[str] = typer.Option(
-        None, "--rdzv-endpoint", "--rdzv_endpoint",
+        None, "--rdzv-endpoint", "--rdzv_endpoint", envvar="PET_RDZV_ENDPOINT",
         help="HOST:PORT of the controller (multi-node). Without it, every node runs on this machine."),
-    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", "--rdzv_id", help="Job id."),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", "--rdzv_id", envvar="PET_RDZV_ID", help="Job id."),
+    rdzv_backend: str = typer.Option("c10d", "--rdzv-backend", "--rdzv_backend", envvar="PET_RDZV_BACKEND",
+                                     help="Accepted for torchrun compatibility (c10d or static): the controller "
+                                          "is always the rendezvous."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", "--master_addr", envvar="PET_MASTER_ADDR",
+                                              help="torchrun's static rendezvous: the same as --rdzv-endpoint "
+                                                   "MASTER_ADDR:MASTER_PORT."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", "--master_port", envvar="PET_MASTER_PORT",
+                                              help="With --master-addr (default 29500)."),
+    max_restarts: int = typer.Option(3, "--max-restarts", "--max_restarts", envvar="PET_MAX_RESTARTS",
+                                     help="Restart recoveries allowed for scripts that do not use dpstate; "
+                                          "hot-swap recoveries are bounded by --spares only."),
+    monitor_interval: Optional[float] = typer.Option(
+        None, "--monitor-interval", "--monitor_interval", envvar="PET_MONITOR_INTERVAL",
+        help="torchrun's: how often node health is checked; sets --heartbeat-interval (worker exits are "
+             "seen at once anyway)."),
+    recovery: str = typer.Option(
+        "auto", "--recovery",
+        help="hot-swap (the script uses dpstate: survivors keep running, a spare restores the lost state), "
+             "restart (a plain torchrun script: every worker restarts, the spare standing in for the dead "
+             "node), or auto: hot-swap when the script's source mentions dpstate."),
+    log_dir: Optional[Path] = typer.Option(
+        None, "--log-dir", "--log_dir", envvar="PET_LOG_DIR",
+        help="Per-rank logs: LOG_DIR/<job>/<node>/attempt_<k>/<local_rank>/{stdout,stderr}.log."),
+    redirects: str = typer.Option(
+        "0", "-r", "--redirects", envvar="PET_REDIRECTS",
+        help="Streams that go to the log files only: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank "
+             "(0:3,1:2). Without --log-dir a temporary one is made."),
+    tee: str = typer.Option("0", "-t", "--tee", envvar="PET_TEE",
+                            help="Streams that go to the log files and the console (same syntax as -r)."),
+    local_ranks_filter: str = typer.Option(
+        "", "--local-ranks-filter", "--local_ranks_filter", envvar="PET_LOCAL_RANKS_FILTER",
+        help="Only these local ranks' output reaches the console, e.g. 0 (log files still get everything)."),
+    module: bool = typer.Option(False, "-m", "--module", envvar="PET_MODULE",
+                                help="SCRIPT is a Python module, run as with python -m."),
+    tui: Optional[bool] = typer.Option(
+        None, "--tui/--no-tui", help="The live dashboard (default when stdout is a terminal) or one line per event."),
+    status_port: int = typer.Option(0, "--status-port",
+                                    help="Port for `dprun status` to attach to (default: any free port, printed)."),
+    total_steps: Optional[int] = typer.Option(
+        None, "--total-steps", help="Steps in the job, for the dashboard's progress bar (default: the script's "
+                                    "--steps / --max-steps argument)."),
     rdzv_timeout: float = typer.Option(300.0, "--rdzv-timeout", help="Seconds to wait for every node to register."),
-    node_rank: int = typer.Option(-1, "--node-rank", "--node_rank",
+    node_rank: int = typer.Option(-1, "--node-rank", "--node_rank", envvar="PET_NODE_RANK",
                                   help="Multi-node: 0 hosts the controller; >= --nnodes joins as a spare."),
     token_file: Optional[Path] = typer.Option(
         None, "--token-file", help="File with the job's secret (multi-node); or set DP_JOB_TOKEN."),
-    local_addr: Optional[str] = typer.Option(None, "--local-addr", help="This node's address for replica traffic."),
-    standalone: bool = typer.Option(False, "--standalone", help="Every node on this machine (the default)."),
-    no_python: bool = typer.Option(False, "--no-python", help="Run SCRIPT as a command, not with Python."),
+    local_addr: Optional[str] = typer.Option(None, "--local-addr", "--local_addr", envvar="PET_LOCAL_ADDR",
+                                             help="This node's address for replica traffic."),
+    standalone: bool = typer.Option(False, "--standalone", envvar="PET_STANDALONE",
+                                    help="Every node on this machine (the default)."),
+    no_python: bool = typer.Option(False, "--no-python", "--no_python", envvar="PET_NO_PYTHON",
+                                   help="Run SCRIPT as a command, not with Python."),
 ) -> None:
     """Run SCRIPT on --nnodes nodes with --spares spares; survive node failures by hot-swapping a spare."""
+    nnodes, nproc_per_node = _count(nnodes_text, "--nnodes"), _nproc(nproc_text)
+    if monitor_interval is not None:
+        if monitor_interval <= 0:
+            _fail(f"--monitor-interval must be positive, got {monitor_interval:g}")
+        heartbeat_interval = monitor_interval
+        heartbeat_timeout = max(heartbeat_timeout, 10 * monitor_interval)
+    if master_addr and not rdzv_endpoint:
+        rdzv_endpoint = f"{master_addr}:{master_port or 29500}"
+    if rdzv_backend not in ("c10d", "static", "etcd", "etcd-v2"):
+        _fail(f"--rdzv-backend {rdzv_backend!r}: expected c10d or static (the controller is the rendezvous)")
+    if recovery not in RECOVERY:
+        _fail(f"--recovery must be one of {', '.join(RECOVERY)}, got {recovery!r}")
+    if max_restarts < 0:
+        _fail(f"--max-restarts must be 0 or more, got {max_restarts}")
+    if module and no_python:
+        _fail("-m/--module and --no-python do not go together")
+    from dpagent.output import parse_ranks, parse_std
+
+    try:
+        parse_std(redirects, "--redirects")
+        parse_std(tee, "--tee")
+        parse_ranks(local_ranks_filter)
+    except ValueError as exc:
+        _fail(str(exc))
+    if (redirects.strip() not in ("", "0") or tee.strip() not in ("", "0")) and log_dir is None:
+        import tempfile
+
+        log_dir = Path(tempfile.mkdtemp(prefix="dprun-logs-"))
+        print(f"dprun: -r/-t without --log-dir: the logs go to {log_dir}", file=sys.stderr)
     if nnodes < 1:
         _fail(f"--nnodes must be at least 1, got {nnodes}")
     if spares < 0:
@@ -73,12 +203,22 @@ def run(
         _fail(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
     if heartbeat_interval <= 0 or heartbeat_timeout <= heartbeat_interval:
         _fail("--heartbeat-timeout must be longer than --heartbeat-interval, both positive")
-    if not no_python and not Path(script).is_file():
-        _fail(f"no such script: {script} (give the path of a Python file, or --no-python for a command)")
+    if not no_python and not module and not Path(script).is_file():
+        _fail(f"no such script: {script} (give the path of a Python file, -m for a module, or --no-python "
+              "for a command)")
+    if no_python and os.sep not in script and not __import__("shutil").which(script):
+        _fail(f"no such command: {script} (not on PATH)")
+    restart_mode = recovery == "restart" or (recovery == "auto" and not uses_dpstate(script, module, no_python))
     try:
         fault_specs = [faults.parse_fault(text) for text in inject or []]
     except faults.FaultSpecError as exc:
         _fail(str(exc))
+    if snapshot_interval is not None:
+        snapshot_interval = snapshot_interval.strip().lower()
+        if not re.fullmatch(r"off|[1-9][0-9]*|auto(:(0?\.[0-9]*[1-9][0-9]*|[0-9]*\.?[0-9]+%))?", snapshot_interval):
+            _fail(f"--snapshot-interval must be a positive number of steps, auto, auto:BUDGET (e.g. auto:0.02 "
+                  f"or auto:2%) or off, got {snapshot_interval!r}")
+        os.environ["DP_SNAPSHOT_INTERVAL"] = snapshot_interval  # the agents and their workers inherit it
     if replicas < 1:
         _fail(f"--replicas must be at least 1, got {replicas}")
     if on_spare_exhausted not in ("fail", "wait"):
@@ -102,19 +242,31 @@ def run(
             _fail(f"cannot read --token-file {token_file}: {exc.strerror}")
         if not token:
             _fail(f"--token-file {token_file} is empty")
+    in_slurm = slurm.from_environment(dict(os.environ)) if not (rdzv_endpoint or standalone) else None
+    if in_slurm is not None:  # srun dprun ...: every node of the step runs this, the first hosts the controller
+        rdzv_endpoint, node_rank = in_slurm.rdzv_endpoint, in_slurm.node_rank
+        rdzv_id = rdzv_id or in_slurm.job_id
+        if in_slurm.nodes < nnodes:
+            _fail(f"the Slurm step has {in_slurm.nodes} node(s), fewer than --nnodes {nnodes}; ask for more with -N")
+        spares = max(spares, in_slurm.nodes - nnodes)
     if rdzv_endpoint:
         try:
-            parse_endpoint(rdzv_endpoint)
+            host, _ = parse_endpoint(rdzv_endpoint)
         except ValueError as exc:
             _fail(str(exc))
+        if nnodes == 1 and node_rank < 0 and not token and is_local(host):
+            standalone = True  # torchrun's single-node `--master-port P` / `--rdzv-endpoint localhost:P`
     opts = JobOptions(
         nnodes=nnodes, spares=spares, nproc_per_node=nproc_per_node, script=[script, *(script_args or [])],
         events_file=str(events_file) if events_file else None, faults=fault_specs,
         heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, probe_timeout=probe_timeout,
         hang_timeout=hang_timeout, replicas=replicas, on_spare_exhausted=on_spare_exhausted,
-        spare_wait_timeout=spare_wait_timeout,
+        spare_wait_timeout=spare_wait_timeout, snapshot_interval=snapshot_interval,
         rdzv_timeout=rdzv_timeout, rdzv_endpoint=None if standalone else rdzv_endpoint, node_rank=node_rank,
-        rdzv_id=rdzv_id, token=token, local_addr=local_addr, no_python=no_python,
+        rdzv_id=rdzv_id, token=token, local_addr=local_addr, no_python=no_python, module=module,
+        restart_mode=restart_mode, max_restarts=max_restarts, log_dir=str(log_dir) if log_dir else None,
+        redirects=redirects, tee=tee, local_ranks_filter=local_ranks_filter,
+        tui=sys.stdout.isatty() if tui is None else tui, status_port=status_port, total_steps=total_steps,
     )
     try:
         code = run_multinode(opts) if opts.rdzv_endpoint else run_standalone(opts)
@@ -123,8 +275,59 @@ def run(
     raise typer.Exit(code)
 
 
-def main() -> None:
-    app()
+@status_app.command(context_settings={"help_option_names": ["-h", "--help"]})
+def status(
+    endpoint: Optional[str] = typer.Option(
+        None, "--endpoint", help="HOST:PORT that the job's dprun printed at start (default: the one job "
+                                 "running on this machine)."),
+    once: bool = typer.Option(False, "--once", help="Print the dashboard once and exit (the default when "
+                                                     "stdout is not a terminal)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the job's view as one JSON object and exit."),
+    timeout: float = typer.Option(10.0, "--timeout", help="Give up after this many seconds without an update."),
+) -> None:
+    """Attach read-only to a running job and show its live dashboard (Ctrl-C detaches; the job goes on)."""
+    from .status import attach, find_endpoint
+
+    try:
+        where = find_endpoint(endpoint)
+    except ValueError as exc:
+        print(f"dprun status: {exc}", file=sys.stderr)
+        raise typer.Exit(2)
+    raise typer.Exit(attach(where, once, as_json, timeout))
+
+
+@report_app.command(context_settings={"help_option_names": ["-h", "--help"]})
+def report(
+    events_file: Path = typer.Argument(..., metavar="EVENTS.jsonl",
+                                       help="The JSON-lines file of a job's --events-file."),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", help="Also write a PNG timeline of throughput with failure and recovery marks "
+                             "(needs matplotlib: pip install 'deadpool[plot]')."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
+) -> None:
+    """Every failure and recovery of a job (detect / rebuild / restore / total, lost steps) and its goodput."""
+    from .report import run_report
+
+    raise typer.Exit(run_report(events_file, plot, as_json))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`dprun status ...`, `dprun report ...`, or `dprun [OPTIONS] SCRIPT ...`; one line per usage error."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    target, prog = app, "dprun"
+    if args and args[0] in ("status", "report"):
+        target, prog = (status_app if args[0] == "status" else report_app), f"dprun {args[0]}"
+        args = args[1:]
+    try:
+        code = target(args=args, prog_name=prog, standalone_mode=False)
+    except _click_classes("UsageError") as exc:
+        message = " ".join(exc.format_message().split()).rstrip(".")
+        print(f"{prog}: {message[0].lower() + message[1:] if message else 'bad usage'} (see {prog} --help)",
+              file=sys.stderr)
+        code = 2
+    except (*_click_classes("Abort"), KeyboardInterrupt):
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import deque
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
+
+HISTORY_KEEP = 10_000
 
 
 def describe(event: dict) -> str:
@@ -35,6 +38,11 @@ def describe(event: dict) -> str:
     if kind == "reconfigure":
         return (f"generation {e['generation']}: every rank restores step {e['restore_step']} "
                 f"(decided in {e['decide_s'] * 1000:.0f} ms)")
+    if kind == "recovery_complete" and e.get("mode") == "restart":
+        ph = e["phases"]
+        return (f"recovered by restarting every worker (generation {e['generation']}): detect {ph['detect_s']:.2f}s, "
+                f"decide {ph['decide_s']:.2f}s, respawn {ph['rebuild_s']:.2f}s, total {ph['total_s']:.2f}s until "
+                "the new workers started (the script then starts over or loads its own checkpoint)")
     if kind == "recovery_complete":
         ph = e["phases"]
         return (f"recovered into generation {e['generation']} from step {e['restore_step']}, "
@@ -43,6 +51,11 @@ def describe(event: dict) -> str:
     if kind == "progress":
         loss = f", loss {e['loss']:.4f}" if isinstance(e.get("loss"), (int, float)) else ""
         return f"step {e['step']} (generation {e['generation']}){loss}"
+    if kind == "restart_rendezvous":
+        return (f"generation {e['generation']}: the restarted workers reached torch's rendezvous "
+                f"{e['seconds']:.2f}s after the failure (process start, imports, the script's own setup)")
+    if kind == "worker_exited":
+        return f"rank {e.get('rank', '?')} (node {e['node']}, local rank {e['local_rank']}) {e['cause']}"
     if kind == "job_finished":
         return f"job finished with exit code {e['exit_code']}: {e['message']}"
     rest = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time"))
@@ -54,7 +67,8 @@ class EventSink:
         self._file = open(path, "a", encoding="utf-8") if path else None
         self._console = console
         self._t0 = time.time()
-        self.history: list[dict] = []
+        self.history: deque = deque(maxlen=HISTORY_KEEP)  # the newest events (a days-long job has many)
+        self.listeners: list[Callable[[dict], None]] = []  # called with every event (the dashboard's view)
 
     def emit(self, event: dict) -> dict:
         event = {"event": event["event"], "time": round(time.time(), 6),
@@ -63,6 +77,8 @@ class EventSink:
         if self._file:
             self._file.write(json.dumps(event) + "\n")
             self._file.flush()
+        for listener in self.listeners:
+            listener(event)
         if self._console:
             print(f"[dprun +{event['time'] - self._t0:7.2f}s] {describe(event)}", file=self._console, flush=True)
         return event

@@ -7,21 +7,27 @@ controller. Returns the job's exit code.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import socket
 import sys
 import tempfile
 import shutil
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dpagent import protocol as p
 
 from .controller import JobSpec, NodeGone
 from .events import EventSink
 from .faults import FaultSpec
-from .launch import AgentCommand, LocalAgents
+from .jobview import JobView, total_steps_from_args
+from .launch import AgentCommand, LocalAgents, OutputTail
 from .server import ControllerServer, PortInUse
+from .status import StatusFeed
 
 
 @dataclass
@@ -33,6 +39,7 @@ class JobOptions:
     events_file: str | None = None
     faults: list[FaultSpec] = field(default_factory=list)
     replicas: int = 1
+    snapshot_interval: str | None = None  # DP_SNAPSHOT_INTERVAL of the workers (None: theirs, default every step)
     hang_timeout: float = 600.0
     on_spare_exhausted: str = "fail"
     spare_wait_timeout: float = 1800.0
@@ -46,6 +53,44 @@ class JobOptions:
     token: str | None = None
     local_addr: str | None = None
     no_python: bool = False
+    module: bool = False  # -m: SCRIPT is a module
+    restart_mode: bool = False  # the script does not use dpstate: recover by restarting every worker
+    max_restarts: int = 3
+    log_dir: str | None = None
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: str = ""
+    tui: bool = False  # the live dashboard owns the terminal
+    status_port: int = 0
+    total_steps: int | None = None  # for the dashboard's progress bar; default: the script's --steps
+
+    def agent(self, **kw) -> AgentCommand:
+        """The command of one local agent with this job's worker settings."""
+        return AgentCommand(nproc_per_node=self.nproc_per_node, script=self.script, no_python=self.no_python,
+                            module=self.module, log_dir=self.log_dir, redirects=self.redirects, tee=self.tee,
+                            local_ranks_filter=self.local_ranks_filter, max_restarts=self.max_restarts, **kw)
+
+
+def uses_dpstate(script: str, module: bool = False, no_python: bool = False) -> bool:
+    """Does the script (a file, a -m module, or a --no-python program) mention dpstate? Read, never imported."""
+    path: Path | None = None
+    if module:
+        parts = script.split(".")
+        for base in [os.getcwd(), *sys.path]:
+            for candidate in (Path(base, *parts).with_suffix(".py"), Path(base, *parts, "__main__.py")):
+                if candidate.is_file():
+                    path = candidate
+                    break
+            if path:
+                break
+    else:
+        found = script if not no_python or os.sep in script else shutil.which(script)
+        path = Path(found) if found else None
+    try:
+        head = path.read_bytes()[:2_000_000] if path is not None else b""
+    except OSError:
+        return False
+    return re.search(rb"\bdpstate\b", head) is not None
 
 
 def _start_store(host: str):
@@ -66,14 +111,30 @@ def _install_signal_handlers(server: ControllerServer) -> None:
 
 
 def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port: int, token: str) -> int:
-    """Controller + store + the agents of `local_nodes`; returns the job's exit code."""
-    sink = EventSink(opts.events_file)
-    server = ControllerServer(p.Codec(token), host, port, sink)
+    """Controller + store + the agents of `local_nodes` (+ the dashboard); returns the job's exit code."""
+    from .report import final_summary
+
     job_id = opts.rdzv_id or f"dp-{secrets.token_hex(4)}"
+    sink = EventSink(opts.events_file, console=None if opts.tui else sys.stdout)
+    view = JobView(job_id=job_id, nproc_per_node=opts.nproc_per_node, started_at=time.time(),
+                   total_steps=opts.total_steps or total_steps_from_args(opts.script[1:]),
+                   mode="restart" if opts.restart_mode else "hot-swap", nnodes=opts.nnodes, spares=opts.spares)
+    server = ControllerServer(p.Codec(token), host, port, sink, view=view)
+    try:
+        feed = StatusFeed(host, opts.status_port)
+    except OSError as exc:
+        server.close()
+        raise PortInUse(str(exc)) from None
+    server.publish = feed.publish
+    view.status_endpoint = feed.endpoint
+    feed.register(job_id, [*opts.script])
+    capture = _output_file(opts, job_id) if opts.tui else None
     endpoint = server.endpoint
     agents = LocalAgents(
-        env={"DP_JOB_TOKEN": token, "DP_TOTAL_LOCAL_WORKERS": str(len(local_nodes) * opts.nproc_per_node)},
-        on_exit=lambda node_id, code: server.post(NodeGone(node_id, f"agent process exited ({_exit_words(code)})")),
+        env={"DP_JOB_TOKEN": token, "DP_TOTAL_LOCAL_WORKERS": str(len(local_nodes) * opts.nproc_per_node),
+             **_worker_settings(opts)},
+        on_exit=lambda node_id, code: server.post(NodeGone(node_id, f"agent process exited ({p.describe_exit(code)})")),
+        capture=capture,
     )
     server.wake_node = lambda node_id: agents.signal_node(node_id, signal.SIGCONT)
     try:
@@ -81,25 +142,58 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
             cmd.controller = endpoint
             agents.start(cmd)
         store, store_endpoint = _start_store(host)
+        if opts.restart_mode:
+            server.fresh_store = lambda: _start_store(host)
         spec = JobSpec(
             nnodes=opts.nnodes, spares=opts.spares, nproc_per_node=opts.nproc_per_node,
             store_endpoint=store_endpoint, job_id=job_id, heartbeat_interval=opts.heartbeat_interval,
             heartbeat_timeout=opts.heartbeat_timeout, probe_timeout=opts.probe_timeout,
             rdzv_timeout=opts.rdzv_timeout, faults=tuple(opts.faults), replicas=opts.replicas,
             hang_timeout=opts.hang_timeout, on_spare_exhausted=opts.on_spare_exhausted,
-            spare_wait_timeout=opts.spare_wait_timeout,
+            spare_wait_timeout=opts.spare_wait_timeout, restart_mode=opts.restart_mode,
+            max_restarts=opts.max_restarts,
         )
         _install_signal_handlers(server)
-        finish = server.run(spec)
-        agents.wait_all(timeout=10.0)
+        if not opts.tui:
+            mode = "restart (the script does not use dpstate)" if opts.restart_mode else "hot-swap"
+            print(f"dprun: job {job_id}, recovery by {mode}; watch it with: dprun status --endpoint {feed.endpoint}",
+                  flush=True)
+        with _dashboard(opts, server, capture):
+            finish = server.run(spec)
+            agents.wait_all(timeout=10.0)
         del store
-        if finish.exit_code != 0:
-            print(f"dprun: job failed: {finish.message}", file=sys.stderr)
+        model = server.latest_model or view.model(time.time())
+        for line in final_summary(model, finish.exit_code, finish.message):
+            print(line, file=sys.stderr if finish.exit_code else sys.stdout)
+        if capture is not None:
+            print(f"dprun: the workers' and agents' output is in {capture.path}", file=sys.stderr)
         return finish.exit_code
     finally:
         agents.kill_all()
         server.close()
+        feed.close()
         sink.close()
+        if capture is not None:
+            capture.close()
+
+
+def _dashboard(opts: JobOptions, server: ControllerServer, capture: OutputTail | None):
+    if not opts.tui:
+        return nullcontext()
+    from .dashboard import LiveDashboard
+
+    return LiveDashboard(lambda: server.latest_model, output=capture.latest if capture else None)
+
+
+def _output_file(opts: JobOptions, job_id: str) -> OutputTail:
+    """Where local output goes while the dashboard owns the terminal: <log dir>/<job>/console.log or /tmp."""
+    if opts.log_dir:
+        folder = Path(opts.log_dir) / job_id
+        folder.mkdir(parents=True, exist_ok=True)
+        return OutputTail(str(folder / "console.log"))
+    fd, path = tempfile.mkstemp(prefix=f"dprun-{job_id}-", suffix=".log")
+    os.close(fd)
+    return OutputTail(path)
 
 
 def run_standalone(opts: JobOptions) -> int:
@@ -107,9 +201,8 @@ def run_standalone(opts: JobOptions) -> int:
     run_dir = tempfile.mkdtemp(prefix="dprun-")
     try:
         nodes = [
-            AgentCommand(node_id=f"node{i}", controller="", nproc_per_node=opts.nproc_per_node, script=opts.script,
-                         spare=i >= opts.nnodes, node_rank=i if i < opts.nnodes else -1,
-                         run_dir=os.path.join(run_dir, f"node{i}"), no_python=opts.no_python)
+            opts.agent(node_id=f"node{i}", controller="", spare=i >= opts.nnodes,
+                       node_rank=i if i < opts.nnodes else -1, run_dir=os.path.join(run_dir, f"node{i}"))
             for i in range(opts.nnodes + opts.spares)
         ]
         for node in nodes:
@@ -128,32 +221,39 @@ def run_multinode(opts: JobOptions) -> int:
     local_addr = opts.local_addr or _route_to(host)
     node_id = f"{socket.gethostname()}-{os.getpid()}"
     run_dir = tempfile.mkdtemp(prefix="dprun-")
-    agent = AgentCommand(node_id=node_id, controller=f"tcp://{host}:{port}", nproc_per_node=opts.nproc_per_node,
-                         script=opts.script, spare=opts.node_rank >= opts.nnodes, node_rank=opts.node_rank,
-                         local_addr=local_addr, run_dir=run_dir, no_python=opts.no_python)
+    agent = opts.agent(node_id=node_id, controller=f"tcp://{host}:{port}", spare=opts.node_rank >= opts.nnodes,
+                       node_rank=opts.node_rank, local_addr=local_addr, run_dir=run_dir)
     try:
-        if opts.node_rank == 0 or (opts.node_rank < 0 and _is_local(host) and _port_free(host, port)):
+        if opts.node_rank == 0 or (opts.node_rank < 0 and is_local(host) and _port_free(host, port)):
             try:
                 return run_head(opts, [agent], host, port, token)
             except PortInUse:
                 if opts.node_rank == 0:
                     raise
                 # another node on this host won the race to host the controller: join it
-        return _run_member(agent, token)
+        return _run_member(agent, token, opts)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _run_member(agent: AgentCommand, token: str) -> int:
+def _worker_settings(opts: JobOptions) -> dict[str, str]:
+    """Environment for workers (through their agents) that follows from the job's options."""
+    settings = {"DP_STATUS_INTERVAL": str(opts.heartbeat_interval)}
+    if opts.on_spare_exhausted == "wait":  # survivors wait for a spare as long as the controller does
+        settings["DP_RECONFIGURE_TIMEOUT"] = str(max(120.0, opts.spare_wait_timeout + 60.0))
+    return settings
+
+
+def _run_member(agent: AgentCommand, token: str, opts: JobOptions) -> int:
     """A joining node: its agent does the work; we wait for it and pass on its exit code."""
-    agents = LocalAgents(env={"DP_JOB_TOKEN": token}, on_exit=lambda *_: None)
+    agents = LocalAgents(env={"DP_JOB_TOKEN": token, **_worker_settings(opts)}, on_exit=lambda *_: None)
     proc = agents.start(agent)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _f: agents.kill_all())
     code = proc.wait()
     agents.kill_all()
     if code != 0:
-        print(f"dprun: this node's agent ended: {_exit_words(code)}", file=sys.stderr)
+        print(f"dprun: this node's agent ended: {p.describe_exit(code)}", file=sys.stderr)
     return code if code >= 0 else 128 - code
 
 
@@ -164,10 +264,6 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _exit_words(code: int) -> str:
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
 
 
 def _route_to(host: str) -> str:
@@ -180,7 +276,7 @@ def _route_to(host: str) -> str:
         return "127.0.0.1"
 
 
-def _is_local(host: str) -> bool:
+def is_local(host: str) -> bool:
     try:
         addr = socket.gethostbyname(host)
     except OSError:

@@ -5,6 +5,7 @@ Watches them: an agent that exits while the job runs is reported at once, as a l
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import BinaryIO, Callable, Sequence
 
 
 @dataclass
@@ -26,6 +27,12 @@ class AgentCommand:
     local_addr: str = "127.0.0.1"
     run_dir: str | None = None
     no_python: bool = False
+    module: bool = False
+    log_dir: str | None = None
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: str = ""
+    max_restarts: int = 3
 
     def argv(self) -> list[str]:
         args = [sys.executable, "-m", "dpagent", "--controller", self.controller, "--node-id", self.node_id,
@@ -37,19 +44,64 @@ class AgentCommand:
             args += ["--run-dir", self.run_dir]
         if self.no_python:
             args.append("--no-python")
+        if self.module:
+            args.append("--module")
+        if self.log_dir:
+            args += ["--log-dir", self.log_dir]
+        if self.local_ranks_filter:
+            args += ["--local-ranks-filter", self.local_ranks_filter]
+        args += ["--redirects", self.redirects, "--tee", self.tee, "--max-restarts", str(self.max_restarts)]
         return [*args, "--", *self.script]
 
 
+class OutputTail:
+    """Collects the output of local agents and workers while the dashboard owns the terminal: the newest
+    lines for its output panel, every line in `path`."""
+
+    def __init__(self, path: str, keep: int = 200):
+        self.path = path
+        self.lines: collections.deque = collections.deque(maxlen=keep)
+        self._file: BinaryIO = open(path, "ab", buffering=0)
+        self._lock = threading.Lock()
+
+    def read_from(self, pipe: BinaryIO) -> None:
+        threading.Thread(target=self._pump, args=(pipe,), daemon=True, name="output-tail").start()
+
+    def _pump(self, pipe: BinaryIO) -> None:
+        for raw in iter(pipe.readline, b""):
+            with self._lock:
+                try:
+                    self._file.write(raw)
+                except (OSError, ValueError):
+                    pass
+                line = raw.decode(errors="replace").rstrip()
+                if not line.startswith("[dpagent "):  # the agents' news is in the event log already
+                    self.lines.append(line)
+        pipe.close()
+
+    def latest(self) -> list[str]:
+        with self._lock:
+            return list(self.lines)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
 class LocalAgents:
-    def __init__(self, env: dict[str, str], on_exit: Callable[[str, int], None]):
+    def __init__(self, env: dict[str, str], on_exit: Callable[[str, int], None], capture: OutputTail | None = None):
         self.env = env
         self.on_exit = on_exit
+        self.capture = capture  # the dashboard owns the terminal: agents' and workers' output goes here
         self.procs: dict[str, subprocess.Popen] = {}
         self.stopping = False
 
     def start(self, cmd: AgentCommand) -> subprocess.Popen:
         env = dict(os.environ, **self.env, DP_PDEATHSIG="1", PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(cmd.argv(), env=env, start_new_session=True)
+        pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if self.capture else {}
+        proc = subprocess.Popen(cmd.argv(), env=env, start_new_session=True, **pipe)
+        if self.capture is not None:
+            self.capture.read_from(proc.stdout)
         self.procs[cmd.node_id] = proc
         threading.Thread(target=self._watch, args=(cmd.node_id, proc), daemon=True,
                          name=f"watch-{cmd.node_id}").start()
@@ -59,6 +111,17 @@ class LocalAgents:
         code = proc.wait()
         if not self.stopping:
             self.on_exit(node_id, code)
+
+    def signal_node(self, node_id: str, sig: int) -> bool:
+        """Send `sig` to a node's whole process group (agent and workers); False if it is not ours."""
+        proc = self.procs.get(node_id)
+        if proc is None:
+            return False
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
 
     def wait_all(self, timeout: float) -> None:
         """After the job's Stop: give agents `timeout` seconds to exit, then kill what is left, whole."""

@@ -5,10 +5,12 @@ Everything it decides comes from dprun.controller.Controller; this only moves by
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import threading
 import time
 import uuid
+from typing import Callable
 
 import zmq
 
@@ -16,8 +18,10 @@ from dpagent import protocol as p
 
 from .controller import Controller, Finish, JobSpec, Publish, Received, Send, Shutdown, Tick
 from .events import EventSink
+from .jobview import JobView, controller_state
 
 TICK_S = 0.05
+VIEW_EVERY_S = 0.5  # the dashboard's model is rebuilt at most this often (less often when that gets costly)
 
 
 class PortInUse(RuntimeError):
@@ -27,9 +31,21 @@ class PortInUse(RuntimeError):
 class ControllerServer:
     """Binds the rendezvous socket at once (so agents can start connecting), runs the loop on `run()`."""
 
-    def __init__(self, codec: p.Codec, host: str, port: int, sink: EventSink):
+    def __init__(self, codec: p.Codec, host: str, port: int, sink: EventSink, view: JobView | None = None,
+                 publish: Callable[[dict], None] | None = None, wake_node: Callable[[str], bool] | None = None):
         self.codec = codec
         self.sink = sink
+        self.wake_node = wake_node  # SIGCONT a frozen node whose agent runs on this machine
+        self.view = view  # folds events, progress and controller state for the dashboard and `dprun status`
+        self.publish = publish  # gets every new view model (the status feed)
+        self.latest_model: dict | None = None
+        self.fresh_store: Callable[[], tuple[object, str]] | None = None  # restart mode: a TCPStore per generation
+        self._stores: dict[int, tuple[object, str]] = {}
+        self._rendezvous: dict[int, float] = {}  # restart mode: generation -> wall time of the failure
+        self._next_view = 0.0
+        self._last_progress_step = -1
+        if view is not None:
+            sink.listeners.append(view.on_event)
         self.ctx = zmq.Context.instance()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -79,10 +95,26 @@ class ControllerServer:
             if time.monotonic() >= next_tick:
                 inputs.append(Tick())
                 next_tick = time.monotonic() + TICK_S
+                if self._rendezvous:
+                    self._watch_rendezvous(spec.world_size)
             for event in inputs:
                 finish = self._apply(controller.handle(event, time.monotonic()))
                 if finish is not None:
+                    self._refresh_view(controller)
                     return finish
+            if self.view is not None and time.monotonic() >= self._next_view:
+                self._refresh_view(controller)
+
+    def _refresh_view(self, controller: Controller) -> None:
+        """A new model for the dashboard and the status feed; spaced out so that it costs under 5 %."""
+        if self.view is None:
+            return
+        started = time.monotonic()
+        self.view.on_controller(controller_state(controller, started))
+        self.latest_model = self.view.model(time.time())
+        if self.publish is not None:
+            self.publish(self.latest_model)
+        self._next_view = time.monotonic() + max(VIEW_EVERY_S, 20 * (time.monotonic() - started))
 
     def _drain_router(self):
         while self.router.poll(0):
@@ -96,22 +128,82 @@ class ControllerServer:
                     self.sink.emit({"event": "message_dropped", "sender": sender[:64], "reason": str(exc)[:200],
                                     "dropped_total": self.dropped})
                 continue
+            if self.view is not None:
+                self._observe(sender, msg)
             yield Received(sender, msg)
+
+    def _observe(self, sender: str, msg) -> None:
+        """What the dashboard learns from a message before the controller handles it."""
+        now = time.time()
+        self.view.on_heard(sender, now)
+        if isinstance(msg, p.Progress):
+            self.view.on_progress(sender, msg.step, msg.generation, msg.metrics, now)
+        elif isinstance(msg, p.WorkerExited) and msg.exitcode != 0:
+            ctl = self.controller
+            node = ctl.table.get(sender) if ctl is not None else None
+            if node is None or node.role == "failed" or ctl.finished:
+                return  # a fenced node's workers, or the job's own Stop: not a failure of their own
+            rank = node.node_rank * ctl.spec.nproc_per_node + msg.local_rank if node.node_rank >= 0 else None
+            self.sink.emit({"event": "worker_exited", "node": sender, "local_rank": msg.local_rank, "rank": rank,
+                            "pid": msg.pid, "exitcode": msg.exitcode,
+                            "cause": p.describe_exit(msg.exitcode) + (f": {msg.detail}" if msg.detail else ""),
+                            "tail": getattr(msg, "stderr_tail", ""), "log": getattr(msg, "log_path", "")})
 
     def _apply(self, actions) -> Finish | None:
         finish = None
         for action in actions:
-            if isinstance(action, Send):
+            if isinstance(action, Send) and isinstance(action.msg, p.Inject) and action.msg.kind == "wake-node":
+                if not (self.wake_node and self.wake_node(action.node_id)):  # a frozen agent cannot act
+                    self.sink.emit({"event": "fault_skipped", "spec": f"wake-node {action.node_id}",
+                                    "reason": "wake-node needs the node's agent on the head's machine"})
+            elif isinstance(action, Send):
+                msg = action.msg
+                if isinstance(msg, p.Reconfigure) and msg.restart_workers and self.fresh_store is not None:
+                    msg = dataclasses.replace(msg, store_endpoint=self._store_for(msg.generation))
                 try:
-                    self.router.send_multipart([action.node_id.encode(), *self.codec.encode(action.msg)],
+                    self.router.send_multipart([action.node_id.encode(), *self.codec.encode(msg)],
                                                flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass  # the node is gone or not connected yet: heartbeats and probes handle it
             elif isinstance(action, Publish):
-                self.sink.emit(action.event)
+                event = action.event
+                if event["event"] == "progress":
+                    self._last_progress_step = event.get("step", -1)
+                elif event["event"] == "recovery_complete" and event.get("mode") == "restart":
+                    self._rendezvous[event["generation"]] = time.time() - event["phases"]["total_s"]
+                elif event["event"] == "job_finished" and self.controller is not None \
+                        and self.controller.max_step > max(0, self._last_progress_step):  # events are throttled
+                    self.sink.emit({"event": "progress", "generation": self.controller.generation,
+                                    "step": self.controller.max_step})
+                self.sink.emit(event)
             elif isinstance(action, Finish):
                 finish = action
         return finish
+
+    def _store_for(self, generation: int) -> str:
+        """Restart mode: every generation rendezvous on a fresh TCPStore, as torchrun does (stale keys of the
+        previous round would otherwise send the new workers to dead peers)."""
+        if generation not in self._stores:
+            self._stores[generation] = self.fresh_store()
+            for old in [g for g in self._stores if g < generation - 1]:
+                del self._stores[old]
+        return self._stores[generation][1]
+
+    def _watch_rendezvous(self, world_size: int) -> None:
+        """Restart mode: the cost that matters is until the new workers are back in torch's rendezvous
+        (imports, startup): seen as their keys arriving in the generation's fresh store (torch 2.x's gloo
+        rendezvous writes one key per rank plus one)."""
+        for generation, failed_at in list(self._rendezvous.items()):
+            store = self._stores.get(generation)
+            try:
+                done = store is not None and store[0].num_keys() >= world_size + 1
+            except RuntimeError:
+                done = False
+            if done or store is None or time.time() - failed_at > 600:
+                del self._rendezvous[generation]
+                if done:
+                    self.sink.emit({"event": "restart_rendezvous", "generation": generation,
+                                    "seconds": round(time.time() - failed_at, 3)})
 
     def shutdown(self, exit_code: int, reason: str) -> None:
         self.post(Shutdown(exit_code, reason))

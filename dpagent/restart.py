@@ -1,0 +1,81 @@
+"""Restart mode, for scripts that do not use dpstate (the agent's side of it, mixed into dpagent.agent.Agent).
+
+Each Reconfigure replaces the node's workers by fresh ones with torchrun's environment; a worker's crash is held
+back until it is clear it was not a dead peer's doing (in a plain script, a peer's death kills the survivors too).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import time
+
+from .protocol import NO_RANK, PeerError, Reconfigure, WorkerExited, WorkerReady
+from .workers import describe_exit, restart_env
+
+log = logging.getLogger("dpagent")
+
+
+class RestartMode:
+    """Needs the agent's cfg, workers, _peers, welcome, latest_reconfigure, job_id, generation, _base_env,
+    _spawn and _to_controller."""
+
+    restart_mode = False  # Welcome(prespawn=False)
+
+    def _init_restart(self) -> None:
+        self._held: list[tuple[float, WorkerExited]] = []  # exits that may be a peer's fault, until a deadline
+        self._retired: set[int] = set()  # pids of workers replaced by a restart: their exits are not news
+
+    def _restart_workers(self, msg: Reconfigure) -> None:
+        """Replace this node's workers by fresh ones that know their ranks; WorkerReady for each."""
+        started = time.monotonic()
+        self._held.clear()  # exits of the previous generation were its casualties
+        old = self.workers.alive()
+        self._retired.update(w.pid for w in old)
+        for worker in old:
+            if worker.identity is not None:
+                self._peers.pop(worker.identity, None)
+        self.workers.signal_all(signal.SIGKILL)
+        for worker in old:
+            try:
+                worker.popen.wait(timeout=max(0.1, 5.0 - (time.monotonic() - started)))
+            except subprocess.TimeoutExpired:
+                log.warning("worker %d (pid %d) did not die after SIGKILL", worker.local_rank, worker.pid)
+        log.info("generation %d (%s): %s %d worker(s) as node rank %d of %d", msg.generation, msg.reason or "start",
+                 "restarting" if old else "starting", self.cfg.nproc, msg.node_rank, msg.nnodes)
+        for local_rank in range(self.cfg.nproc):
+            rank = msg.node_rank * msg.nproc_per_node + local_rank
+            env = restart_env(
+                self._base_env(local_rank, "active"), rank=rank, world_size=msg.world_size, local_rank=local_rank,
+                nproc=self.cfg.nproc, node_rank=msg.node_rank, nnodes=msg.nnodes, store_endpoint=msg.store_endpoint,
+                restart_count=msg.generation, max_restarts=self.cfg.max_restarts, run_id=self.job_id,
+            )
+            if self._spawn(local_rank, env, attempt=msg.generation) is not None:
+                self._to_controller(WorkerReady(self.cfg.node_id, msg.generation, rank,
+                                                round(time.monotonic() - started, 4), 0.0, "restart"))
+
+    def _retired_exit(self, pid: int) -> bool:
+        """True (once) for a worker that a restart replaced: its exit is not reported."""
+        if pid in self._retired:
+            self._retired.discard(pid)
+            return True
+        return False
+
+    def _hold_exit(self, exited: WorkerExited) -> bool:
+        """A failed worker in restart mode: tell the controller to probe every node now (a PeerError) and
+        report the exit only if no Reconfigure comes within a heartbeat timeout. False: report it at once."""
+        if not self.restart_mode or exited.exitcode == 0 or self.shutdown is not None or self.welcome is None:
+            return False
+        rc = self.latest_reconfigure
+        rank = rc.node_rank * self.cfg.nproc + exited.local_rank if rc is not None else NO_RANK
+        self._to_controller(PeerError(self.cfg.node_id, self.generation, rank,
+                                      f"worker {exited.local_rank} {describe_exit(exited.exitcode)}"))
+        self._held.append((time.monotonic() + self.welcome.heartbeat_timeout, exited))
+        return True
+
+    def _release_held(self, now: float) -> None:
+        while self._held and self._held[0][0] <= now:
+            _, exited = self._held.pop(0)
+            log.warning("worker %d's exit stands on its own (no recovery followed): reporting it", exited.local_rank)
+            self._to_controller(exited)

@@ -1,0 +1,183 @@
+"""The dashboard's view model (dprun.jobview) and its rendering (dprun.dashboard): pure, fast, no processes.
+
+Events are the ones the controller publishes; frames are rendered into a recording rich Console of a given size.
+"""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from dpagent import protocol as p
+from dprun.controller import Controller, JobSpec, Received
+from dprun.dashboard import render, select_rows
+from dprun.jobview import JobView, controller_state, total_steps_from_args
+from dprun.report import final_summary, incidents
+
+pytestmark = pytest.mark.timeout(30)
+T0 = 1_000_000.0
+
+
+def hot_swap_events() -> list[dict]:
+    """2 nodes + 1 spare; node1 dies after step 20; the spare takes over from step 19; 40 steps in all."""
+    ev = [
+        {"event": "node_joined", "time": T0 + 0.1, "node": "node0", "host": "h0", "role": "active", "pid": 100},
+        {"event": "node_joined", "time": T0 + 0.1, "node": "node1", "host": "h1", "role": "active", "pid": 101},
+        {"event": "node_joined", "time": T0 + 0.2, "node": "node2", "host": "h2", "role": "spare", "pid": 102},
+        {"event": "job_started", "time": T0 + 0.3, "generation": 0, "nnodes": 2, "world_size": 4, "spares": 1,
+         "layout": ["node0", "node1"]},
+    ]
+    ev += [{"event": "progress", "time": T0 + 10 + s, "generation": 0, "step": s, "loss": 5.0 - s / 10,
+            "tokens": 1024} for s in range(1, 21)]  # 1 step/s, steps 1..20 at t = 11..30
+    ev += [
+        {"event": "fault_injected", "time": T0 + 30.5, "node": "node1", "node_rank": 1, "kind": "kill-node",
+         "spec": "kill-node:1@step=20"},
+        {"event": "node_failed", "time": T0 + 30.6, "node": "node1", "node_rank": 1, "role": "active",
+         "cause": "agent process exited (killed by SIGKILL)"},
+        {"event": "spare_promoted", "time": T0 + 30.6, "spare": "node2", "node_rank": 1, "generation": 1},
+        {"event": "reconfigure", "time": T0 + 30.6, "generation": 1, "restore_step": 19,
+         "layout": ["node0", "node2"], "decide_s": 0.002},
+        {"event": "progress", "time": T0 + 32.5, "generation": 1, "step": 20, "loss": 3.0, "tokens": 1024},
+        {"event": "recovery_complete", "time": T0 + 32.5, "mode": "hot-swap", "generation": 1, "restore_step": 19,
+         "lost_steps": 1, "failed": ["node1"], "promoted": {"1": "node2"},
+         "phases": {"detect_s": 0.1, "decide_s": 0.0, "rebuild_s": 0.3, "restore_s": 0.5, "total_s": 2.0}},
+    ]
+    ev += [{"event": "progress", "time": T0 + 32.5 + s - 20, "generation": 1, "step": s, "loss": 2.0,
+            "tokens": 1024} for s in range(21, 41)]
+    ev.append({"event": "job_finished", "time": T0 + 53.0, "exit_code": 0, "message": "all 4 ranks finished"})
+    return ev
+
+
+def fold(events, **kw) -> JobView:
+    view = JobView(job_id="dp-test", nproc_per_node=2, **kw)
+    for e in events:
+        view.on_event(e)
+    return view
+
+
+def screen(model, width=80, height=40, output=()) -> list[str]:
+    console = Console(width=width, height=height, record=True, force_terminal=False, color_system=None)
+    console.print(render(model, width, height, output))
+    return console.export_text().splitlines()
+
+
+def test_fold_follows_failure_promotion_rollback_and_recovery():
+    ev = hot_swap_events()
+    view = fold(ev[:28])  # up to the reconfigure
+    m = view.model(T0 + 31)
+    assert m["state"] == "recovering" and m["generation"] == 1 and m["step"] == 19  # rolled back
+    roles = {n["node_id"]: n["role"] for n in m["nodes"]}
+    assert roles == {"node0": "active", "node1": "failed", "node2": "active"}
+    node2 = next(n for n in m["nodes"] if n["node_id"] == "node2")
+    assert node2["promoted"] == 1 and node2["node_rank"] == 1 and node2["ranks"] == "2-3"
+    assert m["nodes"][0]["node_id"] == "node1", "failed rows come first"
+    view = fold(ev)
+    m = view.model(T0 + 53)
+    assert m["state"] == "finished" and m["finished"]["exit_code"] == 0 and m["step"] == 40
+    assert [r["generation"] for r in m["recoveries"]] == [1]
+    texts = [text for _, _, text in m["log"]]
+    assert any("node1 (node rank 1) failed" in t for t in texts)
+    assert any(t.startswith("recovered (hot-swap") and "detect 0.10s" in t and "total 2.00s" in t for t in texts)
+
+
+def test_goodput_counts_kept_steps_only():
+    view = fold(hot_swap_events(), started_at=T0)
+    # 41 steps computed (40 kept + 1 redone) between t=11 and t=52.5, 2 s of it recovering: 1 s per step
+    step_time = (52.5 - 11 - 2.0) / 40
+    assert view.goodput(T0 + 53) == pytest.approx(40 * step_time / 53)
+    assert view.model(T0 + 53)["tokens_per_s"] is None or view.model(T0 + 53)["tokens_per_s"] > 0
+
+
+def test_throughput_and_step_time_from_progress_messages():
+    view = JobView(nproc_per_node=1)
+    for s in range(1, 11):
+        view.on_progress("n0", s, 0, {"tokens": 100}, T0 + s * 0.5)
+        view.on_progress("n1", s, 0, {"tokens": 100}, T0 + s * 0.5 + 0.01)
+    m = view.model(T0 + 5.0)
+    assert m["steps_per_s"] == pytest.approx(2.0, rel=0.15)
+    assert m["tokens_per_s"] == pytest.approx(200, rel=0.15)
+    n0 = next(n for n in m["nodes"] if n["node_id"] == "n0")
+    assert n0["step"] == 10 and n0["step_s"] == pytest.approx(0.5)
+    view.on_progress("n0", 3, 1, {}, T0 + 6)  # a new generation went back to step 3: no bogus pace
+    assert next(n for n in view.model(T0 + 6)["nodes"] if n["node_id"] == "n0")["step_s"] == pytest.approx(0.5)
+
+
+def test_a_failed_node_that_keeps_talking_is_fenced():
+    view = fold(hot_swap_events()[:26])
+    view.on_heard("node1", T0 + 30.7)  # in flight when it died: still "failed"
+    assert next(n for n in view.model(T0 + 31)["nodes"] if n["node_id"] == "node1")["role"] == "failed"
+    view.on_heard("node1", T0 + 40)
+    assert next(n for n in view.model(T0 + 40)["nodes"] if n["node_id"] == "node1")["role"] == "fenced"
+
+
+def test_controller_state_reads_the_real_controller():
+    ctl = Controller(JobSpec(nnodes=2, spares=1, nproc_per_node=2, store_endpoint="h:1", job_id="dp-x"), 0.0)
+    for i, spare in ((0, False), (1, False), (2, True)):
+        ctl.handle(Received(f"n{i}", p.Register(f"n{i}", f"host{i}", 10 + i, 2, spare, -1, f"tcp://h:{i}")), 0.0)
+    for rank in range(4):  # node rank r's snapshots live on node rank r+1 (a ring)
+        holder = f"n{1 - rank // 2}"
+        ctl.handle(Received(holder, p.SnapshotStored(holder, rank, 3, 0)), 1.0)
+    state = controller_state(ctl, 1.5)
+    assert state["job_id"] == "dp-x" and state["generation"] == 0 and state["world_size"] == 4
+    assert state["nodes"]["n2"]["role"] == "spare" and state["nodes"]["n2"]["age"] == pytest.approx(1.5)
+    assert state["nodes"]["n0"]["age"] == pytest.approx(0.5)
+    assert state["nodes"]["n0"]["holder"] == "n1" and state["nodes"]["n0"]["replicated"] == 3
+    assert state["restore_point"] == 3
+    view = JobView()
+    view.on_controller(state)
+    m = view.model(2.0)
+    assert {n["node_id"]: n["role"] for n in m["nodes"]} == {"n0": "active", "n1": "active", "n2": "spare"}
+
+
+def test_frame_at_80_columns_shows_nodes_promotion_and_recovery():
+    view = fold(hot_swap_events(), started_at=T0, total_steps=40)
+    lines = screen(view.model(T0 + 53), output=["step 40 loss 2.0"])
+    text = "\n".join(lines)
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    for needle in ("dp-test", "step 40/40", "node0", "node1", "node2", "failed", "promoted", "killed by SIGKILL",
+                   "recovered (hot-swap", "goodput", "step 40 loss 2.0"):
+        assert needle in text, needle
+
+
+def test_hundreds_of_nodes_are_summarised_to_fit_the_screen():
+    view = JobView(job_id="big", nproc_per_node=8)
+    view.on_event({"event": "job_started", "time": T0, "generation": 0, "nnodes": 512, "world_size": 4096,
+                   "spares": 8, "layout": [f"n{i}" for i in range(512)]})
+    for i in range(512, 520):
+        view.on_event({"event": "node_joined", "time": T0, "node": f"n{i}", "host": "h", "role": "spare", "pid": i})
+    for i in range(512):
+        view.on_progress(f"n{i}", 100 if i != 77 else 90, 0, {}, T0 + 1)
+    view.on_event({"event": "node_failed", "time": T0 + 2, "node": "n300", "node_rank": 300, "role": "active",
+                   "cause": "no heartbeat for 5.0 s"})
+    model = view.model(T0 + 3)
+    shown, summary = select_rows(model["nodes"], 12)
+    ids = [r["node_id"] for r in shown]
+    assert len(shown) + len(summary) <= 12
+    assert "n300" in ids and "n77" in ids, "the failed node and the straggler are shown"
+    assert any("more active" in line for line in summary) and any("more spare" in line for line in summary)
+    lines = screen(model, 80, 40)
+    assert len(lines) <= 40 and all(len(line) <= 80 for line in lines)
+    assert "n300" in "\n".join(lines)
+
+
+def test_total_steps_from_script_arguments():
+    assert total_steps_from_args(["--steps", "60", "--seed", "0"]) == 60
+    assert total_steps_from_args(["--max-steps=900"]) == 900
+    assert total_steps_from_args(["--lr", "0.1"]) is None
+
+
+def test_final_summary_names_the_failed_rank_with_its_stderr():
+    view = fold(hot_swap_events()[:4])
+    view.on_event({"event": "worker_exited", "time": T0 + 5, "node": "node1", "local_rank": 1, "rank": 3,
+                   "pid": 4242, "exitcode": 1, "cause": "exit code 1: ValueError: boom",
+                   "tail": "Traceback (most recent call last):\n  File \"t.py\", line 1\nValueError: boom",
+                   "log": "/logs/j/node1/attempt_0/1/stderr.log"})
+    view.on_event({"event": "node_failed", "time": T0 + 5, "node": "node1", "node_rank": 1, "role": "active",
+                   "cause": "worker 1 (pid 4242) exit code 1: ValueError: boom"})
+    model = view.model(T0 + 6)
+    lines = final_summary(model, 1, "node failure with no spare left")
+    text = "\n".join(lines)
+    assert lines[0] == "dprun: job failed: node failure with no spare left"
+    assert "rank 3 on node1 (local rank 1, pid 4242): exit code 1: ValueError: boom" in text
+    assert "| ValueError: boom" in text and "/logs/j/node1/attempt_0/1/stderr.log" in text
+    assert len(incidents(model)) == 1 and incidents(model)[0]["recovery"] is None

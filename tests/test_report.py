@@ -1,0 +1,78 @@
+"""`dprun report EVENTS.jsonl` as a real command: the failure/recovery table, goodput, --json and --plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dprun.report import run_report
+from test_dashboard import T0, hot_swap_events
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def restart_events() -> list[dict]:
+    """A plain script: node1 dies, every worker restarts; the new ones reach torch's rendezvous 6 s later."""
+    return [
+        {"event": "node_joined", "time": T0, "node": "node0", "host": "h", "role": "active", "pid": 1},
+        {"event": "node_joined", "time": T0, "node": "node1", "host": "h", "role": "active", "pid": 2},
+        {"event": "node_joined", "time": T0, "node": "node2", "host": "h", "role": "spare", "pid": 3},
+        {"event": "job_started", "time": T0 + 0.1, "generation": 0, "nnodes": 2, "world_size": 2, "spares": 1,
+         "layout": ["node0", "node1"]},
+        {"event": "node_failed", "time": T0 + 20, "node": "node1", "node_rank": 1, "role": "active",
+         "cause": "agent process exited (killed by SIGKILL)"},
+        {"event": "spare_promoted", "time": T0 + 20, "spare": "node2", "node_rank": 1, "generation": 1},
+        {"event": "reconfigure", "time": T0 + 20, "generation": 1, "restore_step": -1, "layout": ["node0", "node2"],
+         "decide_s": 0.003},
+        {"event": "recovery_complete", "time": T0 + 20.2, "mode": "restart", "generation": 1, "restore_step": -1,
+         "lost_steps": 0, "failed": ["node1"], "promoted": {"1": "node2"},
+         "phases": {"detect_s": 0.01, "decide_s": 0.0, "rebuild_s": 0.15, "restore_s": 0.0, "total_s": 0.2}},
+        {"event": "restart_rendezvous", "time": T0 + 26, "generation": 1, "seconds": 6.0},
+        {"event": "job_finished", "time": T0 + 40, "exit_code": 0, "message": "all 2 ranks finished"},
+    ]
+
+
+def write(path, events, garbage: bool = False):
+    lines = [json.dumps(e) for e in events] + (['{"event": "progress", "ti'] if garbage else [])
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def report(*args, cwd=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dprun", "report", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd, env={"COLUMNS": "100", **_env()})
+
+
+def _env():
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+
+
+def test_report_tables_every_failure_and_recovery(tmp_path, capsys):
+    hot = write(tmp_path / "hot.jsonl", hot_swap_events(), garbage=True)
+    restart = write(tmp_path / "restart.jsonl", restart_events())
+    runs = [report(hot), report(restart)]
+    (text, err), (rtext, rerr) = [r.communicate(timeout=50) for r in runs]
+    assert [r.returncode for r in runs] == [0, 0], err + rerr
+    assert "finished (exit 0)" in text
+    for needle in ("node1", "hot-swap", "0.10s", "0.30s", "0.50s", "2.00s", "goodput", "1 step(s) recomputed",
+                   "agent process exited (killed by SIGKILL)", "1 line(s) of the events file were not events"):
+        assert needle in text, needle
+    assert "restart" in rtext and "6.00s" in rtext and "n/a" in rtext, rtext
+    assert run_report(hot, None, as_json=True) == 0
+    data = json.loads(capsys.readouterr().out)
+    (incident,) = data["incidents"]
+    assert incident["recovery"]["lost_steps"] == 1 and incident["failures"][0]["node"] == "node1"
+    assert data["goodput"] == pytest.approx((52.5 - 11 - 2.0) / 40 * 40 / 52.9, rel=0.05)
+
+
+def test_report_plot_draws_a_timeline(tmp_path):
+    pytest.importorskip("matplotlib")
+    events = write(tmp_path / "hot.jsonl", hot_swap_events())
+    assert run_report(events, tmp_path / "timeline.png", as_json=False) == 0
+    png = (tmp_path / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
