@@ -349,6 +349,12 @@ class Controller:
     def _on_WorkerExited(self, node: Node, msg: p.WorkerExited, now: float) -> None:
         if node.role == ACTIVE and msg.exitcode == 0:  # finished (its final barrier passed, in any generation)
             node.exited_ok.add(msg.local_rank)
+            rec = self.recovery or self.pending
+            if rec is not None and rec.failed:  # the job ended under a recovery that now can never complete
+                failed = ", ".join(f"{n} ({self.table.nodes[n].cause})" for n in rec.failed)
+                self._finish(1, f"training completed (step {max(rec.peak_step, self.max_step)}), but {failed} failed after other "
+                                "ranks had finished and exited; the final state is complete on the surviving ranks")
+                return
             if all(len(self.table.nodes[n].exited_ok) == self.spec.nproc_per_node for n in self.layout):
                 self._finish(0, f"all {self.spec.world_size} ranks finished")
             return
