@@ -27,6 +27,7 @@ REGRESSIONS = {
     100233: "a worker exits 0 (finished) during the probe round after a failure: no generation it cannot join",
     114370: "the replica holder dies with its reports in flight: survivors' restore step from their progress",
     122618: "a frozen node and a holder fenced for a crashed worker: state lost is the truth",
+    123625: "a node dies between the final barrier and its exit",
     123400: "finished workers' exits arrive after a recovery was decided: the job ends with a message",
 }
 

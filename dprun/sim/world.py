@@ -280,15 +280,30 @@ class World:
         worker = node.workers[local]
         if not node.running or worker.generation != generation or worker.phase != "running":
             return
-        if worker.state >= self.steps:
-            self._worker_exit(node, local, 0, "")
+        if worker.state >= self.steps:  # dpstate's final barrier: exit 0 only once every rank got here
+            key = (generation, "final")
+            self.entered.setdefault(key, set()).add(worker.rank)
+            self._release_final(key)
             return
         key = (generation, worker.state + 1)
         self.entered.setdefault(key, set()).add(worker.rank)
         self._check_allreduce(key)
 
+    def _release_final(self, key) -> None:
+        generation = key[0]
+        members = [(n, i, w) for n in self.nodes.values() for i, w in enumerate(n.workers)
+                   if w.generation == generation and w.rank >= 0]
+        if len(self.entered.get(key, ())) < self.spec.world_size or any(not n.running for n, _, _ in members):
+            return
+        for n, i, w in members:
+            if w.phase == "running" and w.state >= self.steps:
+                self._worker_exit(n, i, 0, "")
+
     def _check_allreduce(self, key) -> None:
         generation, step = key
+        if step == "final":
+            self._release_final(key)
+            return
         members = [(n, i, w) for n in self.nodes.values() for i, w in enumerate(n.workers)
                    if w.generation == generation and w.rank >= 0]
         if any(w.phase == "dead" or not n.alive for n, _, w in members):
