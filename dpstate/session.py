@@ -1,7 +1,8 @@
 """Job: a worker's place in the job. init() joins the first generation, steps() runs the step loop,
 and every reconfiguration goes through one recovery sequence (group, restore, barrier, WorkerReady).
 
-Without DP_AGENT_ENDPOINT the job is a single process (world 1) that takes no snapshots.
+Without DP_AGENT_ENDPOINT the job takes no snapshots: a single process (world 1), or under torchrun (RANK,
+WORLD_SIZE, MASTER_ADDR set) a member of torchrun's env:// process group.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from .abort import AbortSignal, classify
 from .control import Control
 from .ddp import DataParallel
 from .pgroup import GroupManager, default_backend
-from .replication import Replicator, ReplicationError, Slot
+from .replication import POLICY_NAME, Replicator, ReplicationError, SnapshotPolicy, Slot
 from .state import Tracked
+from .watch import WATCHER
 
 
 class Step:
@@ -85,6 +87,11 @@ class Job:
         self._rebuild_s = 0.0
         self._last_step = 0  # the newest step completed in this generation's timeline
         self._replicator = None if control is None else Replicator(control.codec, 0, abort, ctx)
+        if self._replicator is not None and self._replicator.policy.mode == "auto":
+            self._tracked.add(**{POLICY_NAME: self._replicator.policy})  # its decision travels in snapshots
+        self.activity = "idle"  # compute, snapshot, recovering, idle: see protocol.WorkerStatus
+        if control is not None:
+            control.status = self._status
 
     def __repr__(self) -> str:
         return (f"Job(rank={self.rank}, world_size={self.world_size}, node_rank={self.node_rank}, "
@@ -122,6 +129,11 @@ class Job:
         """Seconds the newest snapshot took to capture (copy + checksum), in the background thread."""
         return self._replicator.last_capture_s if self._replicator else 0.0
 
+    @property
+    def snapshot_policy(self) -> SnapshotPolicy | None:
+        """Which steps are snapshotted (DP_SNAPSHOT_INTERVAL); None when not under dprun (no snapshots)."""
+        return self._replicator.policy if self._replicator else None
+
     def steps(self, total_steps: int) -> Iterator[Step]:
         """Yields Step(restore_step + 1) .. Step(total_steps); returns after the final barrier of the job."""
         if self._standalone:
@@ -144,6 +156,7 @@ class Job:
                     self._finish(total_steps)
                     return
                 step = Step(self, number)
+                self.activity = "compute"
                 yield step
                 if step.failure is not None:
                     raise step.failure
@@ -160,10 +173,19 @@ class Job:
     # ------------------------------------------------------------------ per step
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.activity = "snapshot"
         self._replicator.wait_acked()
+        self.activity = "compute"
 
     def _after_step(self, step: Step) -> None:
-        self._replicator.submit(step.number, self._tracked.capture(step.number))
+        policy = self._replicator.policy
+        if policy.after_step(step.number, time.perf_counter()):  # auto: every rank decides at this step
+            cost = torch.tensor([policy.local_cost()], dtype=torch.float64, device=self.device)
+            policy.decide(float(self.all_reduce(cost, dist.ReduceOp.MAX).item()), step.number)
+            if self.rank == 0:
+                print(f"dpstate: snapshot interval {policy.describe()}", file=sys.stderr, flush=True)
+        if policy.wants(step.number):
+            self._replicator.submit(step.number, self._tracked.capture(step.number))
         metrics = {k: _jsonable(v) for k, v in step.metrics.items()}
         self._send(P.Progress(node_id=self.node_id, generation=self.generation, rank=self.rank,
                               step=step.number, metrics=metrics))
@@ -173,6 +195,7 @@ class Job:
         self.barrier()
         self._control.finished = True
         self._send(P.RankFinished(node_id=self.node_id, generation=self.generation, rank=self.rank, step=last))
+        self.activity = "idle"
 
     def _send(self, msg: Any) -> None:
         self._control.send(msg)
@@ -181,6 +204,7 @@ class Job:
 
     def _recover(self, error: BaseException | None, newer_than: int, restore: bool = True) -> None:
         """Enter the newest generation > newer_than; after a failure, report it and wait for one (bounded)."""
+        self.activity = "recovering"
         while True:
             if self._abort.stopped:
                 raise SystemExit(self._control.stop_message.exit_code if self._control.stop_message else 0)
@@ -224,7 +248,7 @@ class Job:
             return
         t0 = time.perf_counter()
         self._replicator.quiesce()
-        self._replicator.configure(reconf.generation, reconf.replica_to, self.rank)
+        self._replicator.configure(reconf.generation, [reconf.replica_to, *reconf.replica_also], self.rank)
         self.restored_from = self._restore(reconf)
         self._started, self._last_step = True, max(reconf.restore_step, 0)
         restore_s = time.perf_counter() - t0
@@ -246,6 +270,9 @@ class Job:
         """Bring the tracked state to reconf.restore_step; returns where it came from."""
         step, rep = reconf.restore_step, self._replicator
         source = reconf.restore_from.get(str(self.rank), "")
+        if step >= 0 and self._started and not rep.policy.enabled:
+            raise RuntimeError(f"dpstate: rank {self.rank} cannot be restored to step {step}: snapshots are off "
+                               "(--snapshot-interval off / DP_SNAPSHOT_INTERVAL=off), so a failure cannot be recovered")
         if step < 0:  # fresh start: the state before training, the same on every rank
             slot = rep.local(0)
             if slot is not None:
@@ -266,14 +293,37 @@ class Job:
             rep.submit(0, self._tracked.capture(0))
             return "init"
         if slot is None:
-            if not source:
-                raise ReplicationError(f"rank {self.rank} holds no snapshot of step {step} "
-                                       f"(holds {rep.local_steps()}) and no replica was named")
-            slot, where = rep.fetch(source, self.rank, step), "replica"
+            slot, where = self._fetch_any(reconf, step), "replica"
         self._load(slot, step)
         rep.forget_after(step)
         rep.submit_packed(slot)
         return where
+
+    def _fetch_any(self, reconf: P.Reconfigure, step: int) -> Slot:
+        """The first good copy among the named replica stores; each bad one is reported (RestoreFailed) so
+        the controller can plan without it. None good: ReplicationError, and we wait for the next plan."""
+        sources = [reconf.restore_from.get(str(self.rank), ""), *reconf.restore_also.get(str(self.rank), [])]
+        sources = [s for s in sources if s and s != "init"]
+        problems = []
+        for source in sources:
+            try:
+                return self._replicator.fetch(source, self.rank, step)
+            except ReplicationError as exc:
+                problems.append(f"{source}: {exc}")
+                self._send(P.RestoreFailed(node_id=self.node_id, generation=reconf.generation, rank=self.rank,
+                                           step=step, source=source, reason=str(exc)[:500]))
+        raise ReplicationError(f"rank {self.rank} holds no snapshot of step {step} (holds "
+                               f"{self._replicator.local_steps()}) and no replica had a good copy: "
+                               + ("; ".join(problems) or "none was named"))
+
+    def _status(self) -> P.WorkerStatus | None:
+        if self._control is None:
+            return None
+        activity = self.activity
+        if activity == "compute" and WATCHER.pending:
+            activity = "collective"  # the step waits on its peers (an all-reduce is in flight)
+        return P.WorkerStatus(node_id=self.node_id, local_rank=self.local_rank, rank=self.rank,
+                              generation=self.generation, step=self._last_step, activity=activity)
 
     def _load(self, slot: Slot, step: int) -> None:
         tree = S.unpack(slot.meta, slot.data, clone=True)  # fresh tensors: optimizers may keep them
@@ -323,7 +373,7 @@ _job: Job | None = None
 
 def init() -> Job:
     """Join the job: connect to the agent, wait (spares: until promoted) for a generation and build its group.
-    Without DP_AGENT_ENDPOINT: a single process (world 1) without snapshots."""
+    Without DP_AGENT_ENDPOINT: no snapshots; a single process (world 1), or torchrun's env:// group."""
     global _job
     if _job is not None:
         return _job
@@ -332,7 +382,14 @@ def init() -> Job:
     if not endpoint:
         job = Job(None, abort, None)
         job.generation = 0
-        job._groups.build_local()
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("MASTER_ADDR"):
+            # started by torchrun (or another env:// launcher): its process group, no snapshots
+            dist.init_process_group(job.backend, init_method="env://", timeout=job._groups.timeout)
+            job._groups.generation = 0
+            job.rank, job.world_size = dist.get_rank(), dist.get_world_size()
+            job.node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+        else:
+            job._groups.build_local()
         _job = job
         return job
     token = os.environ.get("DP_JOB_TOKEN", "")

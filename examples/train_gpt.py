@@ -1,8 +1,11 @@
 """A small character-level GPT trained data-parallel with dpstate (about a million parameters by default).
 
-Runs under `dprun ... examples/train_gpt.py` or alone (`python examples/train_gpt.py --steps 5`, world 1).
+Runs under `dprun ... examples/train_gpt.py`, unmodified under `torchrun --nproc-per-node N` (torchrun's
+env:// group, no snapshots), or alone (`python examples/train_gpt.py --steps 5`, world 1).
 The text is the source of Python's standard library unless --data names a file; a run is deterministic for
-a given --seed: the same final parameters (params_sha256 in --summary) with or without failures.
+a given --seed: the same final parameters (params_sha256 in --summary) with or without failures, under dprun
+or torchrun. For the torchrun baseline of benchmarks/: --ckpt-dir/--ckpt-every save disk checkpoints with
+torch.save and resume from the newest one after a restart; --kill-at-step rehearses a worker failure.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import hashlib
 import json
 import math
 import os
+import resource
+import signal
 import sys
 import sysconfig
 import time
@@ -111,6 +116,92 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def state_bytes(*objects) -> int:
+    """Bytes of every tensor in the state dicts of `objects` (model parameters + optimizer state)."""
+    total = 0
+
+    def walk(obj) -> None:
+        nonlocal total
+        if isinstance(obj, torch.Tensor):
+            total += obj.numel() * obj.element_size()
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    for obj in objects:
+        walk(obj.state_dict())
+    return total
+
+
+# ----------------------------------------------------------------------------- disk checkpoints (torchrun baseline)
+
+
+class DiskCheckpoints:
+    """What most torchrun users do: every `every` steps rank 0 torch.saves the model, optimizer and scheduler
+    and every rank its data position and RNG; after a restart all resume from the newest complete step."""
+
+    def __init__(self, folder: str, every: int, rank: int, world: int):
+        self.folder, self.every, self.rank, self.world = Path(folder), every, rank, world
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.save_s = 0.0
+
+    def _path(self, step: int, who: str) -> Path:
+        return self.folder / f"step{step:08d}.{who}.pt"
+
+    def _write(self, obj, path: Path) -> None:
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+
+    def save(self, step: int, model, opt, sched, batches) -> None:
+        t0 = time.perf_counter()
+        self._write({"data": batches.state_dict(), "rng": torch.get_rng_state()}, self._path(step, f"rank{self.rank}"))
+        if self.rank == 0:
+            self._write({"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+                         "sched": sched.state_dict()}, self._path(step, "model"))
+        for old in self.folder.glob("step*.pt"):  # keep this step and the one before
+            if int(old.name[4:12]) < step - self.every and (old.name.endswith(f".rank{self.rank}.pt")
+                                                           or (self.rank == 0 and old.name.endswith(".model.pt"))):
+                old.unlink(missing_ok=True)
+        self.save_s += time.perf_counter() - t0
+
+    def newest(self) -> int:
+        steps = sorted({int(p.name[4:12]) for p in self.folder.glob("step*.model.pt")}, reverse=True)
+        for step in steps:
+            if all(self._path(step, f"rank{r}").exists() for r in range(self.world)):
+                return step
+        return 0
+
+    def load(self, step: int, model, opt, sched, batches) -> None:
+        state = torch.load(self._path(step, "model"), weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        mine = torch.load(self._path(step, f"rank{self.rank}"), weights_only=False)
+        batches.load_state_dict(mine["data"])
+        torch.set_rng_state(mine["rng"])
+
+
+class Timings:
+    """--timings PATH: one JSON line per step of rank 0 (and the kill of --kill-at-step), for benchmarks/."""
+
+    def __init__(self, path: str | None):
+        self.file = open(path, "a", buffering=1) if path else None
+
+    def write(self, **record) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"t": time.time(), **record}) + "\n")
+
+
+def write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    Path(tmp).write_text(json.dumps(data) + "\n")
+    os.replace(tmp, path)
+
+
 def params_sha256(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
@@ -140,6 +231,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="intra-op CPU threads; results are bitwise reproducible only for the same count")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--summary", default=None, help="rank 0 writes {final_step, loss, params_sha256} here")
+    ap.add_argument("--ckpt-dir", default=None,
+                    help="save a disk checkpoint (torch.save) every --ckpt-every steps and, when not under dprun, "
+                         "resume from the newest one at start (torchrun --max-restarts)")
+    ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--kill-at-step", type=int, default=0,
+                    help="rehearsal: rank --kill-rank SIGKILLs itself as step N begins (its first incarnation only)")
+    ap.add_argument("--kill-rank", type=int, default=1)
+    ap.add_argument("--timings", default=None, help="rank 0 appends one JSON line per step here (benchmarks)")
+    ap.add_argument("--stats", default=None,
+                    help="rank 0 writes what differs from run to run here (peak RSS, snapshot interval chosen...)")
     return ap.parse_args(argv)
 
 
@@ -161,6 +262,24 @@ def main(argv: list[str] | None = None) -> int:
     batches = Batches(tokens, args.block_size, args.batch_size, args.seed, job.rank)
     ddp_model = job.data_parallel(model)
     job.track(model=model, optimizer=opt, scheduler=sched, data=batches)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    policy = job.snapshot_policy  # None when not under dprun
+    ckpt = DiskCheckpoints(args.ckpt_dir, args.ckpt_every, job.rank, job.world_size) if args.ckpt_dir else None
+    timings = Timings(args.timings if job.rank == 0 or job.rank == args.kill_rank else None)
+    start = 0
+    if ckpt is not None and policy is None:
+        start = ckpt.newest()
+        if start:
+            t0 = time.perf_counter()
+            ckpt.load(start, model, opt, sched, batches)
+            load_s = time.perf_counter() - t0
+            if job.rank == 0:
+                timings.write(event="resumed", step=start, load_s=load_s, restart=restart)
+                print(f"train_gpt: resumed from the disk checkpoint of step {start} ({load_s:.2f} s to load)",
+                      flush=True)
+    if job.rank == 0:
+        timings.write(event="ready", restart=restart, generation=job.generation)
+    first_incarnation = restart == 0 and job.generation == 0
     if job.rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"train_gpt: {n_params / 1e6:.2f}M params, {len(text) / 1e6:.2f} MB text, vocab {len(vocab)}, "
@@ -168,7 +287,12 @@ def main(argv: list[str] | None = None) -> int:
 
     loss_value, last, t_last = float("nan"), 0, time.perf_counter()
     for step in job.steps(args.steps):
+        if step.number <= start:
+            continue  # done before the restart: the disk checkpoint holds its result
         with step:
+            if args.kill_at_step == step.number and job.rank == args.kill_rank and first_incarnation:
+                timings.write(event="kill", step=step.number, rank=job.rank)
+                os.kill(os.getpid(), signal.SIGKILL)
             x, y = batches.next()
             loss = ddp_model(x.to(job.device), y.to(job.device))
             opt.zero_grad(set_to_none=True)
@@ -177,7 +301,12 @@ def main(argv: list[str] | None = None) -> int:
             sched.step()
             loss_value = loss.item()
             step.log(loss=loss_value, tokens=x.numel() * job.world_size)
-        last = step.number
+        if step.failure is None:
+            last = step.number
+            if job.rank == 0:
+                timings.write(step=step.number, gen=job.generation, restart=restart)
+            if ckpt is not None and step.number % args.ckpt_every == 0:
+                ckpt.save(step.number, model, opt, sched, batches)
         if job.rank == 0 and args.log_every and step.number % args.log_every == 0:
             now = time.perf_counter()
             print(f"step {step.number:5d}  loss {loss_value:.4f}  {(now - t_last) * 1000 / args.log_every:6.1f} ms/step  "
@@ -186,9 +315,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if job.rank == 0 and args.summary:
         summary = {"final_step": last, "loss": loss_value, "params_sha256": params_sha256(model)}
-        tmp = f"{args.summary}.tmp{os.getpid()}"
-        Path(tmp).write_text(json.dumps(summary) + "\n")
-        os.replace(tmp, args.summary)
+        write_json(args.summary, summary)
+    if job.rank == 0 and args.stats:  # what differs from run to run: for benchmarks/
+        stats = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                 "restart": restart, "generation": job.generation, "world_size": job.world_size,
+                 "state_bytes": state_bytes(model, opt)}
+        if ckpt is not None:
+            stats["ckpt_save_s"] = round(ckpt.save_s, 3)
+        if policy is not None:
+            stats.update(snapshot_policy=policy.describe(), snapshot_interval=policy.interval,
+                         snapshot_cost=policy.cost, max_lost_steps=policy.max_lost_steps,
+                         snapshot_decided_at=policy.decided_at)
+        write_json(args.stats, stats)
     return 0
 
 

@@ -66,17 +66,17 @@ def test_put_is_acked_and_fetch_returns_the_same_bytes(replica):
         other.fetch(replica.replica_endpoint, 1, 4, timeout=10)
 
 
-def test_ring_keeps_the_newest_three_and_rollback_forgets_newer(replica):
+def test_ring_keeps_the_newest_nslots_and_rollback_forgets_newer(replica):
     _, _, tracked = state()
     rep = replicator()
     rep.configure(0, replica.replica_endpoint, 1)
     for step in range(6):
         rep.submit(step, tracked.capture(step))
         rep.wait_acked(timeout=10)  # what the optimizer pre-step hook does
-    assert rep.local_steps() == [3, 4, 5]
-    assert replica.store.steps(1) == [3, 4, 5]
+    assert rep.local_steps() == [2, 3, 4, 5]  # NSLOTS = 4 local copies
+    assert replica.store.steps(1) == [3, 4, 5]  # the replica store keeps 3
     rep.forget_after(3)
-    assert rep.local_steps() == [3]
+    assert rep.local_steps() == [2, 3]
     slot = rep.local(3)
     rep.configure(1, replica.replica_endpoint, 1)
     rep.submit_packed(slot)  # re-replicate the restored state in the new generation

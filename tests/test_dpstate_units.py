@@ -307,7 +307,7 @@ def test_restore_sources_local_init_fresh_and_missing():
         job._replicator.submit(step, job._tracked.capture(step))
         job._replicator.wait_acked(timeout=5)
         weights[step] = model.weight.detach().clone()
-    assert job._replicator.local_steps() == [1, 2, 3]
+    assert job._replicator.local_steps() == [0, 1, 2, 3]  # the ring holds NSLOTS (4)
     model(torch.ones(1, 3)).sum().backward()
     opt.step()  # live state at step 4, partly through step 5's backward
     model(torch.ones(1, 3)).sum().backward()
@@ -315,9 +315,12 @@ def test_restore_sources_local_init_fresh_and_missing():
     assert job._restore(_reconf(1, "")) == "local"
     assert torch.equal(model.weight, weights[1]) and model.weight.grad is None
     assert opt.state_dict()["state"][0]["step"].item() == 1
-    assert job._replicator.local_steps() == [1]  # the abandoned later steps are forgotten
+    assert job._replicator.local_steps() == [0, 1]  # the abandoned later steps are forgotten
     with pytest.raises(dpstate.ReplicationError, match="holds no snapshot of step 3"):
         job._restore(_reconf(3, ""))
+    # a process that trained never pretends to be fresh: step 0 comes back from its own copy, bit for bit
+    assert job._restore(_reconf(0, "init")) == "local"
+    assert torch.equal(model.weight, initial)
+    job._replicator.forget_after(-1)
     with pytest.raises(RuntimeError, match="cannot keep its initial state"):
         job._restore(_reconf(0, "init"))
-    assert not torch.equal(model.weight, initial)

@@ -1,0 +1,139 @@
+"""The CUDA path: step time on one GPU with vs without per-step snapshots, for a model whose state is several GB.
+
+    python benchmarks/cuda_step.py [--gb 4] [--blocks 3] [--steps-per-block 10] [--json PATH]
+    python benchmarks/cuda_step.py --device cpu --gb 0.05      # the same code on CPU (a smoke run)
+
+The snapshot is dpstate's: after each step the tracked state (parameters + AdamW state) is captured by a
+device-to-host copy on a side stream into pinned host buffers (waiting on an event recorded after the step),
+checksummed and replicated from host memory to a replica store in another process
+(benchmarks/_replica_holder.py: dpagent's ReplicaServer, as a peer node's agent holds it); the optimizer
+pre-step hook is the only wait. Blocks of steps without and with snapshots alternate (--blocks each), so a
+drift of the machine hits both; reported are the median step times and their ratio. Without CUDA (and
+without --device cpu) it says so and exits 0.
+
+JSON: {"device", "state_bytes", "step_s": {"off", "per_step"}, "ratio", "overhead", "profile"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gb", type=float, default=4.0, help="state size (parameters + AdamW state), GB")
+    ap.add_argument("--width", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=8192, help="rows per step")
+    ap.add_argument("--blocks", type=int, default=3)
+    ap.add_argument("--steps-per-block", type=int, default=10)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-replica", action="store_true", help="snapshot to host memory only")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    import _common as C
+    from dpagent import protocol as P
+    from dpstate.abort import AbortSignal
+    from dpstate.replication import Replicator
+    from dpstate.state import Tracked
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("cuda_step: no CUDA device here; nothing measured (the CUDA path's CPU-runnable tests are in "
+              "tests/test_snapshot_interval.py)")
+        C.write_json(args.json, {"benchmark": "cuda_step", "device": None, "skipped": "no CUDA device"})
+        return 0
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    # Linear(width, width) layers: 12 bytes per parameter with AdamW (fp32 weights + exp_avg + exp_avg_sq)
+    per_layer = args.width * args.width + args.width
+    layers = max(1, round(args.gb * 1e9 / 12 / per_layer))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(layers)]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    x = torch.randn(args.batch, args.width, device=device)
+    tracked = Tracked()
+    tracked.add(model=model, optimizer=opt)
+
+    holder = None
+    rep = Replicator(P.Codec(b"cuda-step-benchmark-token"), 0, AbortSignal())
+    if not args.no_replica:
+        token = "cuda-step-benchmark-token"
+        holder = subprocess.Popen([sys.executable, str(HERE / "_replica_holder.py"), token, "1"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        rep.configure(0, holder.stdout.readline().strip(), 0)
+    snapshots = {"on": False}
+    opt.register_step_pre_hook(lambda *_: rep.wait_acked() if snapshots["on"] else None)
+
+    def step(number: int) -> float:
+        t0 = time.perf_counter()
+        loss = model(x).float().pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if snapshots["on"]:
+            rep.submit(number, tracked.capture(number))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    state = sum(p.numel() * p.element_size() * 3 for p in model.parameters())
+    print(f"cuda_step: {layers} layers of {args.width}x{args.width}, state {state / 1e9:.2f} GB on {device}", flush=True)
+    times = {"off": [], "per_step": []}
+    number = 0
+    try:
+        for _ in range(2):  # warm-up: AdamW state exists, pinned buffers allocated
+            number += 1
+            step(number)
+        snapshots["on"] = True
+        for _ in range(3):
+            number += 1
+            step(number)
+        rep.wait_acked()
+        for block in range(args.blocks):
+            for mode in ("off", "per_step") if block % 2 == 0 else ("per_step", "off"):
+                snapshots["on"] = mode == "per_step"
+                for _ in range(args.steps_per_block):
+                    number += 1
+                    times[mode].append(step(number))
+                rep.wait_acked()
+    finally:
+        if holder is not None:
+            holder.stdin.close()
+            holder.wait(30)
+    # a step with snapshots is measured up to the end of its own kernels; the snapshot it submits is waited
+    # for by the next step's optimizer: each with-step carries the previous one's snapshot wait
+    med = {k: statistics.median(v) for k, v in times.items()}
+    result = {"benchmark": "cuda_step", "device": str(device),
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "state_bytes": state, "layers": layers, "batch": args.batch, "step_s": med,
+              "ratio": med["per_step"] / med["off"], "overhead": med["per_step"] / med["off"] - 1,
+              "profile": rep.stats.as_dict(), "replica": not args.no_replica}
+    C.write_json(args.json, result)
+    print(C.table(["snapshots", "median step s", "steps"],
+                  [["off", f"{med['off']:.4f}", len(times["off"])],
+                   ["per step", f"{med['per_step']:.4f}", len(times["per_step"])]]))
+    st = rep.stats
+    n = max(st.captures, 1)
+    print(f"ratio {result['ratio']:.3f} ({result['overhead']:+.1%}); per snapshot: D2H copy {st.copy_s / n * 1000:.1f} ms, "
+          f"crc {st.crc_s / n * 1000:.1f} ms, send->ack {st.send_s / max(st.sends, 1) * 1000:.1f} ms, optimizer wait "
+          f"{st.wait_s / max(st.waits, 1) * 1000:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

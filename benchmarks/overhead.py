@@ -1,0 +1,262 @@
+"""Failure-free overhead: throughput of examples/train_gpt.py on 2 nodes with per-step snapshots + replication,
+with an automatic interval, with snapshots off, and under plain torchrun (same script, same seed), interleaved.
+
+    python benchmarks/overhead.py [--reps 2] [--steps 60] [--json overhead.json] [--quick]
+
+Default model: 9.0 M parameters; parameters + AdamW state = 108 MB per node. Each configuration runs `--reps`
+times, in rotated order (off, per_step, auto, torchrun; then per_step, auto, torchrun, off; ...), so that slow
+phases of a shared machine hit all of them. Throughput is tokens per second over the same window of steps in
+every run of a repetition: whole snapshot intervals of the auto run after its decision (each holds exactly one
+snapshot), else the steps after the decision. Overheads are medians over repetitions of 1 - throughput /
+throughput(off) within a repetition. The per-step runs also write dpstate's snapshot profile
+(DP_SNAPSHOT_PROFILE); the benchmark samples every process's peak RSS (VmHWM) and per-thread CPU.
+
+JSON: {"throughput": {"off", "per_step", "auto", "torchrun"} (tokens/s, medians), "overhead_per_step",
+"overhead_auto", "auto_interval", "auto_max_lost_steps", "auto_cost", "profile", "peak_rss", "runs": [...]}.
+torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see DESIGN.md) and the same thread settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+import _limits  # noqa: E402
+
+CONFIGS = ("off", "per_step", "auto", "torchrun")
+AUTO_STEPS = "3,8"  # dpstate's default: 3 warm-up steps, then 8 pairs measured: decided at step 20
+
+
+def command(config: str, args, folder: Path) -> tuple[list[str], dict[str, str]]:
+    model = C.SMALL_MODEL if args.quick else C.BIG_MODEL
+    script = [str(C.TRAIN), "--steps", str(args.steps), "--seed", "0", *model, "--log-every", "0",
+              "--timings", "timings.jsonl", "--summary", "summary.json", "--stats", "stats.json"]
+    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "DP_SNAPSHOT_AUTO_STEPS": args.auto_steps}
+    if config == "torchrun":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                *script], env
+    interval = {"off": "off", "per_step": "1", "auto": f"auto:{args.budget}"}[config]
+    if config == "per_step":
+        env["DP_SNAPSHOT_PROFILE"] = str(folder / "profile")
+    return [sys.executable, "-m", "dprun", "--nnodes", "2", "--no-tui", "--snapshot-interval", interval,
+            "--events-file", "events.jsonl", *script], env
+
+
+def auto_window(summary: dict | None, steps: int, decided_default: int) -> tuple[int, int]:
+    """Whole snapshot intervals after the auto decision (each holds one snapshot), else what follows it."""
+    decided = decided_default
+    interval = 1
+    if summary:
+        interval = int(summary.get("snapshot_interval") or 1)
+        decided = int(summary.get("snapshot_decided_at") or decided_default)
+    first = (decided // interval + 1) * interval
+    last = steps // interval * interval
+    if last - first >= interval and last > first:
+        return first, last
+    return decided + 1, steps
+
+
+def profile_of(result: C.RunResult) -> dict | None:
+    files = sorted(glob.glob(str(result.folder / "profile.rank*.json")))
+    if not files:
+        return None
+    ranks = [json.loads(Path(f).read_text()) for f in files]
+    n = sum(r["captures"] for r in ranks) or 1
+    per = lambda key: sum(r[key] for r in ranks) / n * 1000  # noqa: E731  ms per snapshot
+    threads: dict[str, float] = {}
+    for r in ranks:
+        for name, sec in r.get("threads_cpu_s", {}).items():
+            threads[name] = threads.get(name, 0.0) + sec
+    return {
+        "snapshots": n, "bytes_per_snapshot": sum(r["bytes"] for r in ranks) / n,
+        "ms_per_snapshot": {"meta": per("meta_s"), "copy": per("copy_s"), "crc": per("crc_s"),
+                            "capture": per("capture_s"), "send_to_ack": per("send_s"),
+                            "pre_step_wait": per("wait_s")},
+        "worker_cpu_ms_per_snapshot": {k: v / n * 1000 for k, v in threads.items()
+                                       if k in ("dpstate-replication", "ZMQbg/IO/0")},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=None, help="repetitions of every configuration (2; --quick 1)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (60; --quick 30)")
+    ap.add_argument("--budget", type=float, default=0.01, help="auto's budget (fraction of step time)")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--quick", action="store_true", help="small model, few steps: a ~1 minute smoke run")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--keep", action="store_true", help="keep the run folders")
+    ap.add_argument("--timeout", type=float, default=600)
+    args = ap.parse_args(argv)
+    args.reps = args.reps or (1 if args.quick else 2)
+    args.steps = args.steps or (30 if args.quick else 60)
+    args.auto_steps = "2,3" if args.quick else AUTO_STEPS
+    warm, pairs = (int(x) for x in args.auto_steps.split(","))
+    decided_default = 1 + warm + 2 * pairs
+    configs = [c for c in args.configs.split(",") if c]
+    C.install_cleanup()
+    work = C.Workdir("overhead", keep=args.keep)
+    print(f"overhead: {len(configs)} configurations x {args.reps} repetitions, {args.steps} steps each, "
+          f"{'small' if args.quick else '108 MB-state'} model, 2 nodes; folders under {work.path}", flush=True)
+    runs: list[dict] = []
+    results: dict[tuple[int, str], C.RunResult] = {}
+    try:
+        for rep in range(args.reps):
+            order = configs[rep % len(configs):] + configs[: rep % len(configs)]
+            for config in order:
+                folder = work.new(f"r{rep}-{config}")
+                cmd, env = command(config, args, folder)
+                res = C.run(f"{config}#{rep}", cmd, folder=folder, env=env, timeout=args.timeout)
+                results[(rep, config)] = res
+                summary = res.json_file("stats.json")
+                print(f"  rep {rep} {config:9s} rc {res.returncode} wall {res.wall_s:6.1f} s"
+                      + (f"  ({summary.get('snapshot_policy')})" if summary and summary.get("snapshot_policy")
+                         else ""), flush=True)
+                if res.returncode != 0:
+                    print(res.output[-2500:], file=sys.stderr)
+        # the measurement window of each repetition: from its auto run (else the steps after the decision)
+        tokens = None
+        for rep in range(args.reps):
+            auto = results.get((rep, "auto"))
+            lo, hi = auto_window(auto.json_file("stats.json") if auto else None, args.steps, decided_default)
+            for config in configs:
+                res = results[(rep, config)]
+                summary = {**(res.json_file("summary.json") or {}), **(res.json_file("stats.json") or {})}
+                rate = C.window_rate(res.timings(), lo, hi)
+                if tokens is None and summary:
+                    model = C.SMALL_MODEL if args.quick else C.BIG_MODEL
+                    opt = dict(zip(model[::2], model[1::2]))
+                    tokens = int(opt["--block-size"]) * int(opt["--batch-size"]) * int(summary.get("world_size", 2))
+                steps = sorted(C.step_times(res.timings()).items())
+                step_s = C.median(b[1] - a[1] for a, b in zip(steps, steps[1:])
+                                  if b[0] == a[0] + 1 and lo < b[0] <= hi)
+                runs.append({
+                    "rep": rep, "config": config, "returncode": res.returncode, "wall_s": round(res.wall_s, 2),
+                    "others_cpu_share": round(res.others_cpu_share, 3), "median_step_s": step_s,
+                    "window": [lo, hi], "steps_per_s": rate, "state_bytes": summary.get("state_bytes"),
+                    "snapshot_policy": summary.get("snapshot_policy"),
+                    "snapshot_interval": summary.get("snapshot_interval"),
+                    "snapshot_cost": summary.get("snapshot_cost"), "max_lost_steps": summary.get("max_lost_steps"),
+                    "peak_rss": res.peak_rss_by_role(), "cpu_s": res.cpu_by_role_thread(),
+                    "profile": profile_of(res) if config == "per_step" else None,
+                })
+        state_guess = C.median(r["state_bytes"] for r in runs if r["state_bytes"]) or 1e6
+        print("  measuring the limits (memcpy, loopback TCP) ...", flush=True)
+        limits = _limits.measure(int(state_guess))
+    finally:
+        work.close()
+
+    tokens = tokens or 0
+    by = lambda config, key: [r[key] for r in runs if r["config"] == config and r[key] is not None]  # noqa: E731
+    throughput = {c: (C.median(by(c, "steps_per_s")) or 0) * tokens or None for c in configs}
+
+    def overhead(config: str) -> float | None:
+        ratios = []
+        for rep in range(args.reps):
+            base = [r for r in runs if r["rep"] == rep and r["config"] == "off"]
+            this = [r for r in runs if r["rep"] == rep and r["config"] == config]
+            if base and this and base[0]["steps_per_s"] and this[0]["steps_per_s"]:
+                ratios.append(1 - this[0]["steps_per_s"] / base[0]["steps_per_s"])
+        return C.median(ratios)
+
+    auto_runs = [r for r in runs if r["config"] == "auto"]
+    # The least a per-step snapshot can cost on this host: copy the state once and move it over loopback TCP
+    # (both ends' CPU), on every node, while training keeps every core busy; as a fraction of a step.
+    off_step = C.median(r["median_step_s"] for r in runs if r["config"] == "off")
+    per_node_cpu = state_guess / limits["memcpy_Bps"] + limits["tcp_cpu_s"]
+    floor = {"memcpy_Bps": limits["memcpy_Bps"], "tcp_Bps": limits["tcp_Bps"], "tcp_cpu_s": limits["tcp_cpu_s"],
+             "cpu_s_per_snapshot_per_node": per_node_cpu, "step_s_off": off_step,
+             "overhead_per_step_floor": (per_node_cpu * 2 / (os.cpu_count() or 1) / off_step
+                                         if off_step and (os.cpu_count() or 1) <= 2 else
+                                         per_node_cpu / off_step if off_step else None)}
+    state = C.median(r["state_bytes"] for r in runs if r["state_bytes"])
+    profiles = [r["profile"] for r in runs if r.get("profile")]
+    peak = {}
+    for config in configs:
+        roles: dict[str, list[int]] = {}
+        for r in runs:
+            if r["config"] == config:
+                for role, v in r["peak_rss"].items():
+                    roles.setdefault(role, []).append(v)
+        peak[config] = {role: max(v) for role, v in roles.items()}
+    # CPU the agents spend per snapshot: (agents' CPU with per-step snapshots - without) / snapshots, per thread
+    agent_cpu = {}
+    for config in ("off", "per_step"):
+        vals = [sum(r["cpu_s"].get("agent", {}).values()) for r in runs if r["config"] == config]
+        agent_cpu[config] = C.median(vals)
+    for prof in profiles:
+        rep = next(r for r in runs if r.get("profile") is prof)
+        base = next((r for r in runs if r["rep"] == rep["rep"] and r["config"] == "off"), None)
+        threads = rep["cpu_s"].get("agent", {})
+        prof["agent_cpu_ms_per_snapshot"] = {
+            name: (sec - (base["cpu_s"].get("agent", {}).get(name, 0.0) if base else 0.0)) / prof["snapshots"] * 1000
+            for name, sec in threads.items() if sec > 0.05}
+    result = {
+        "benchmark": "overhead", "machine": C.machine(), "steps": args.steps, "reps": args.reps,
+        "quick": args.quick, "state_bytes_per_node": state, "tokens_per_step": tokens,
+        "throughput": throughput,
+        "overhead_per_step": overhead("per_step") if "per_step" in configs else None,
+        "overhead_auto": overhead("auto") if "auto" in configs else None,
+        "overhead_torchrun": overhead("torchrun") if "torchrun" in configs else None,
+        "auto_interval": C.median(r["snapshot_interval"] for r in auto_runs if r["snapshot_interval"]),
+        "auto_max_lost_steps": C.median(r["max_lost_steps"] for r in auto_runs if r["max_lost_steps"]),
+        "auto_cost": C.median(r["snapshot_cost"] for r in auto_runs if r["snapshot_cost"] is not None),
+        "auto_budget": args.budget,
+        "profile": profiles[0] if len(profiles) == 1 else ({"per_rep": profiles} if profiles else None),
+        "agent_cpu_s": agent_cpu,
+        "others_cpu_share": {c: C.median(r["others_cpu_share"] for r in runs if r["config"] == c) for c in configs},
+        "floor": floor,
+        "peak_rss": peak,
+        "runs": runs,
+    }
+    C.write_json(args.json, result)
+
+    print()
+    rows = []
+    for config in configs:
+        rates = by(config, "steps_per_s")
+        lo_hi = C.spread(rates)
+        ov = None if config == "off" else overhead(config)
+        rows.append([config, C.fmt(throughput[config], ".0f"),
+                     "-" if not lo_hi else f"{lo_hi[0] * tokens:.0f}..{lo_hi[1] * tokens:.0f}",
+                     "-" if ov is None else f"{ov:+.1%}",
+                     C.mb(peak[config].get("worker")), C.mb(peak[config].get("agent"))])
+    print(C.table(["config", "tokens/s", "range", "overhead", "worker MB", "agent MB"], rows))
+    if state:
+        print(f"state (params + AdamW) per node: {state / 1e6:.0f} MB; peak RSS is per process (max over runs)")
+    if auto_runs:
+        print(f"auto: interval {result['auto_interval']} (measured cost of one snapshot "
+              f"{C.fmt(result['auto_cost'], '.1%')} of a step, budget {args.budget:.1%}); worst case "
+              f"{result['auto_max_lost_steps']} steps lost")
+    for prof in profiles[:1]:
+        ms = prof["ms_per_snapshot"]
+        print("per-step snapshot, ms per snapshot (background thread, wall): " +
+              ", ".join(f"{k} {v:.1f}" for k, v in ms.items()))
+        print("worker CPU ms per snapshot: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                          prof["worker_cpu_ms_per_snapshot"].items()))
+        print("agent (replica holder) CPU ms per snapshot: " + ", ".join(
+            f"{'Python threads (verify, store, ack)' if k == 'python' else k} {v:.1f}"
+            for k, v in prof.get("agent_cpu_ms_per_snapshot", {}).items()))
+    if floor.get("overhead_per_step_floor") is not None:
+        print(f"floor: copying the state once + moving it over loopback TCP costs {per_node_cpu * 1000:.0f} ms of CPU "
+              f"per node and snapshot ({floor['overhead_per_step_floor']:.1%} of a {off_step:.2f} s step with 2 "
+              f"nodes on {os.cpu_count()} cores)")
+    share = result["others_cpu_share"]
+    print("other processes on this machine used " + ", ".join(f"{c} {C.fmt(v, '.0%')}" for c, v in share.items())
+          + " of its CPUs during the runs (median)")
+    if agent_cpu.get("off") is not None and agent_cpu.get("per_step") is not None:
+        print(f"agents' CPU seconds per run: {agent_cpu['off']:.1f} (off) vs {agent_cpu['per_step']:.1f} (per step)")
+    return 0 if all(r["returncode"] == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Scaling with state size: snapshot (capture into the host buffer), replication (to a replica store in another
+process, as a node agent holds it) and restore (fetch from it + verify + load), from 10 MB to 4 GB per node,
+against memcpy and loopback TCP bandwidth measured in the same run; then real recoveries (dprun, a node
+killed, a spare takes over) against state size.
+
+    python benchmarks/scaling.py [--sizes 10,100,1000,4000] [--recovery-sizes 10,100,500] [--json PATH] [--quick]
+
+Part 1 runs dpstate's Replicator in a worker process against benchmarks/_replica_holder.py (dpagent's
+ReplicaServer + ReplicaStore, keeping one snapshot): the state is float32 tensors of 64 MB (a model's
+parameters + optimizer state); each size is captured, replicated and restored --reps times (medians). Memory
+stays within about 3 x the state (live state + one host buffer + the holder's copy; the fetch receives into
+the frame that becomes the buffer); a size that does not fit in the free memory is skipped and reported.
+The limits are measured at min(size, 512 MB): memcpy (one thread) and loopback TCP (sendall / recv_into).
+Ratios: capture / memcpy, replication / TCP, restore / TCP (achieved bandwidth over the limit).
+
+Part 2 runs benchmarks/_state_trainer.py under `dprun --nnodes 2 --spares 1 --inject kill-node:1@step=K`:
+cheap steps (a sleep stands in for compute) and a state of the given size; reported are the recovery phases
+from dprun's events (restore_s: the spare fetching and loading the dead node's state) and restore_s against
+state / loopback TCP bandwidth.
+
+JSON: {"sizes": [{"mb", "capture_s", "replicate_s", "restore_s", "capture_GBps", "replicate_GBps",
+"restore_GBps", "memcpy_GBps", "tcp_GBps", "capture_ratio", "replicate_ratio", "restore_ratio"}],
+"recovery": [{"mb", "detect_s", "rebuild_s", "restore_s", "total_s", "restore_at_tcp_s"}], "skipped": [...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+import _limits  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+CHUNK = 16 * 2**20  # float32 elements per tensor (64 MB)
+
+
+# ------------------------------------------------------------------------------------------ worker process
+
+
+def worker(mb: float, endpoint: str, token: str, reps: int) -> dict:
+    """Capture + replicate + restore a state of `mb` MB with dpstate's Replicator; timings as JSON."""
+    import torch
+
+    sys.path.insert(0, str(HERE.parent))
+    from dpagent import protocol as P
+    from dpstate import snapshot as S
+    from dpstate.abort import AbortSignal
+    from dpstate.replication import Replicator
+
+    torch.set_num_threads(1)
+    numel = int(mb * 1e6 / 4)
+    sizes = [CHUNK] * (numel // CHUNK) + ([numel % CHUNK] if numel % CHUNK else [])
+    live = {f"t{i}": torch.full((n,), float(i)) for i, n in enumerate(sizes)}
+    rep = Replicator(P.Codec(token.encode()), 0, AbortSignal())
+    rep.slots = rep.slots[:1]  # one host buffer (memory: a 4 GB state), warm like a training run's after a few steps
+    rep.configure(0, "", 0)
+    rep.submit(0, {"step": 0, "state": live})  # warm-up capture, kept local: the buffer's pages exist
+    rep.wait_acked()
+    rep.configure(0, endpoint, 0)
+    out: dict = {"mb": mb, "bytes": 4 * numel, "capture_s": [], "replicate_s": [], "snapshot_s": [],
+                 "fetch_s": [], "verify_s": [], "load_s": [], "restore_s": []}
+    for r in range(reps):
+        st = rep.stats
+        c0, s0 = st.capture_s, st.send_s
+        t0 = time.perf_counter()
+        rep.submit(r + 1, {"step": r + 1, "state": live})
+        rep.wait_acked()
+        out["snapshot_s"].append(time.perf_counter() - t0)
+        out["capture_s"].append(st.capture_s - c0)
+        out["replicate_s"].append(st.send_s - s0)
+        # restore: drop every local copy (peak memory), fetch from the holder, verify, load into the live state
+        rep.quiesce()
+        for slot in rep.slots:
+            slot.step, slot.buffer, slot.borrowed = -1, torch.empty(0, dtype=torch.uint8), False
+        f0, v0 = st.fetch_s, st.fetch_verify_s
+        t0 = time.perf_counter()
+        slot = rep.fetch(endpoint, 0, r + 1, timeout=600)
+        t1 = time.perf_counter()
+        tree = S.unpack(slot.meta, slot.data, clone=False)
+        for k, t in tree["state"].items():
+            live[k].copy_(t)
+        t2 = time.perf_counter()
+        out["fetch_s"].append(st.fetch_s - f0)
+        out["verify_s"].append(st.fetch_verify_s - v0)
+        out["load_s"].append(t2 - t1)
+        out["restore_s"].append(t2 - t0)
+        del tree
+        slot.step, slot.buffer, slot.borrowed = -1, torch.empty(0, dtype=torch.uint8), False
+        if r + 1 < reps:  # warm the buffer again for the next capture
+            rep.configure(0, "", 0)
+            rep.submit(0, {"step": 0, "state": live})
+            rep.wait_acked()
+            rep.configure(0, endpoint, 0)
+    for key in ("capture_s", "replicate_s", "snapshot_s", "fetch_s", "verify_s", "load_s", "restore_s"):
+        out[key] = statistics.median(out[key])
+    return out
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def part1(mb: float, reps: int, timeout: float) -> dict:
+    """Each repetition against a fresh holder: a store that keeps one snapshot still holds the old one while it
+    receives the new one (2 x the state), which a 4 GB state on a 24 GB host cannot afford."""
+    runs = [part1_once(mb, timeout) for _ in range(reps)]
+    out = dict(runs[0])
+    for key in ("capture_s", "replicate_s", "snapshot_s", "fetch_s", "verify_s", "load_s", "restore_s"):
+        out[key] = statistics.median(r[key] for r in runs)
+    out["holder_peak_rss"] = max(r["holder_peak_rss"] for r in runs)
+    return out
+
+
+def part1_once(mb: float, timeout: float, reps: int = 1) -> dict:
+    token = secrets.token_hex(16)
+    holder = subprocess.Popen([sys.executable, str(HERE / "_replica_holder.py"), token, "1"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    C._LIVE.add(holder.pid)
+    try:
+        endpoint = holder.stdout.readline().strip()
+        if not endpoint.startswith("tcp://"):
+            raise RuntimeError("the replica holder did not start")
+        peak: dict[int, int] = {}
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", str(mb), endpoint, token, str(reps)],
+                                stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        C._LIVE.add(proc.pid)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        finally:
+            for pid in (proc.pid, holder.pid):
+                peak[pid] = C._status_kb(pid, "VmHWM:") * 1024 if pid == holder.pid else 0
+            C._kill_group(proc.pid)
+            C._LIVE.discard(proc.pid)
+        if proc.returncode != 0:
+            raise RuntimeError(f"scaling worker failed for {mb} MB (exit {proc.returncode})")
+        result = json.loads(out.strip().splitlines()[-1])
+        result["holder_peak_rss"] = peak[holder.pid]
+        return result
+    finally:
+        try:
+            holder.stdin.close()
+            holder.wait(10)
+        except Exception:
+            pass
+        C._kill_group(holder.pid)
+        C._LIVE.discard(holder.pid)
+
+
+def part2(mb: float, work: C.Workdir, steps: int, kill_at: int, timeout: float) -> dict:
+    folder = work.new(f"recovery-{mb:g}MB")
+    cmd = [sys.executable, "-m", "dprun", "--nnodes", "2", "--spares", "1", "--no-tui", "--events-file",
+           "events.jsonl", "--inject", f"kill-node:1@step={kill_at}", str(HERE / "_state_trainer.py"),
+           "--mb", str(mb), "--steps", str(steps), "--timings", "timings.jsonl", "--summary", "summary.json"]
+    res = C.run(f"recovery {mb} MB", cmd, folder=folder, env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
+    out: dict = {"mb": mb, "returncode": res.returncode, "peak_rss": res.peak_rss_by_role()}
+    done = next((e for e in res.events() if e["event"] == "recovery_complete"), None)
+    failed = next((e for e in res.events() if e["event"] == "node_failed"), None)
+    if done:
+        ph = done["phases"]
+        out.update(detect_s=ph["detect_s"], decide_s=ph["decide_s"], rebuild_s=ph["rebuild_s"],
+                   restore_s=ph["restore_s"], total_s=ph["total_s"], lost_steps=done.get("lost_steps"))
+        if failed:
+            out["detect_to_step_s"] = done["time"] - failed["time"]
+    if res.returncode != 0:
+        print(res.output[-2000:], file=sys.stderr)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        mb, endpoint, token, reps = sys.argv[2:6]
+        print(json.dumps(worker(float(mb), endpoint, token, int(reps))))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="10,100,1000,4000", help="state sizes per node, MB (part 1)")
+    ap.add_argument("--recovery-sizes", default="10,100,500", help="state sizes for real recoveries, MB (part 2)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="10 and 50 MB only, one recovery: about a minute")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--timeout", type=float, default=900)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.recovery_sizes, args.reps = "10,50", "10", 2
+    sizes = [float(x) for x in args.sizes.split(",") if x]
+    rec_sizes = [float(x) for x in args.recovery_sizes.split(",") if x]
+    C.install_cleanup()
+    work = C.Workdir("scaling", keep=args.keep)
+    print(f"scaling: sizes {sizes} MB ({args.reps} repetitions each), recoveries at {rec_sizes} MB", flush=True)
+    rows, skipped, recoveries = [], [], []
+    try:
+        for mb in sizes:
+            need = 3.3 * mb * 1e6 + 1.5e9
+            if mem_available() < need:
+                skipped.append({"mb": mb, "why": f"needs about {need / 1e9:.1f} GB free, "
+                                                 f"{mem_available() / 1e9:.1f} GB available"})
+                print(f"  {mb:g} MB: skipped ({skipped[-1]['why']})", flush=True)
+                continue
+            limits = _limits.measure(int(min(mb, 512) * 1e6))
+            r = part1(mb, args.reps, args.timeout)
+            nbytes = r["bytes"]
+            r.update(memcpy_GBps=limits["memcpy_Bps"] / 1e9, tcp_GBps=limits["tcp_Bps"] / 1e9,
+                     capture_GBps=nbytes / r["capture_s"] / 1e9, replicate_GBps=nbytes / r["replicate_s"] / 1e9,
+                     restore_GBps=nbytes / r["restore_s"] / 1e9)
+            r.update(capture_ratio=r["capture_GBps"] / r["memcpy_GBps"], replicate_ratio=r["replicate_GBps"] / r["tcp_GBps"],
+                     restore_ratio=r["restore_GBps"] / r["tcp_GBps"])
+            rows.append(r)
+            print(f"  {mb:6g} MB: capture {r['capture_s']:.3f} s ({r['capture_GBps']:.2f} GB/s, memcpy "
+                  f"{r['memcpy_GBps']:.2f}), replicate {r['replicate_s']:.3f} s ({r['replicate_GBps']:.2f} GB/s, "
+                  f"TCP {r['tcp_GBps']:.2f}), restore {r['restore_s']:.3f} s ({r['restore_GBps']:.2f} GB/s)", flush=True)
+        tcp = C.median(r["tcp_GBps"] for r in rows) or 1.0
+        for mb in rec_sizes:
+            rec = part2(mb, work, steps=30, kill_at=15, timeout=args.timeout)
+            rec["restore_at_tcp_s"] = mb * 1e6 / (tcp * 1e9)
+            recoveries.append(rec)
+            print(f"  recovery {mb:6g} MB: rc {rec['returncode']}, restore {C.fmt(rec.get('restore_s'), '.3f')} s "
+                  f"(state over loopback TCP alone: {rec['restore_at_tcp_s']:.3f} s), total "
+                  f"{C.fmt(rec.get('total_s'), '.2f')} s", flush=True)
+    finally:
+        work.close()
+    result = {"benchmark": "scaling", "machine": C.machine(), "reps": args.reps, "quick": args.quick,
+              "sizes": rows, "skipped": skipped, "recovery": recoveries}
+    C.write_json(args.json, result)
+    print()
+    print(C.table(["MB", "capture s", "GB/s", "/memcpy", "replicate s", "GB/s", "/TCP", "restore s", "GB/s", "/TCP"],
+                  [[f"{r['mb']:g}", f"{r['capture_s']:.3f}", f"{r['capture_GBps']:.2f}", f"{r['capture_ratio']:.2f}",
+                    f"{r['replicate_s']:.3f}", f"{r['replicate_GBps']:.2f}", f"{r['replicate_ratio']:.2f}",
+                    f"{r['restore_s']:.3f}", f"{r['restore_GBps']:.2f}", f"{r['restore_ratio']:.2f}"] for r in rows]))
+    if recoveries:
+        print()
+        print(C.table(["MB", "detect s", "rebuild s", "restore s", "at TCP limit s", "total s"],
+                      [[f"{r['mb']:g}", C.fmt(r.get("detect_s"), ".3f"), C.fmt(r.get("rebuild_s"), ".3f"),
+                        C.fmt(r.get("restore_s"), ".3f"), f"{r['restore_at_tcp_s']:.3f}",
+                        C.fmt(r.get("total_s"), ".3f")] for r in recoveries]))
+    return 0 if all(r["returncode"] == 0 for r in recoveries) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Smoke tests of benchmarks/ (tiny settings: they check the runs work and the JSON keeps its contract, not the
+numbers), and of what the torchrun baseline needs from examples/train_gpt.py: it runs unmodified under plain
+torchrun (env:// group, no snapshots) with the same result as under dprun, and resumes from its disk
+checkpoints after `torchrun --max-restarts` restarts the workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from e2e import TRAIN, TRAIN_ARGS, dprun
+
+pytestmark = [pytest.mark.slow]
+BENCH = REPO / "benchmarks"
+
+
+def bench(procs, tmp_path, name: str, *args: str, timeout: float = 150) -> dict:
+    out = tmp_path / f"{name}.json"
+    proc = procs.popen([sys.executable, str(BENCH / f"{name}.py"), *args, "--json", str(out)], cwd=tmp_path,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        procs.kill_all()
+        raise AssertionError(f"benchmarks/{name}.py did not finish in {timeout} s") from None
+    assert proc.returncode == 0, text[-4000:]
+    return json.loads(out.read_text())
+
+
+def torchrun(procs, tmp_path, name: str, *args: str, max_restarts: int = 0, timeout: float = 120) -> dict:
+    summary = tmp_path / f"{name}.summary.json"
+    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env.update({k: "" for k in os.environ if k.startswith("DP_")})
+    proc = procs.popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "--max-restarts", str(max_restarts), str(TRAIN), *TRAIN_ARGS, *args,
+                        "--summary", str(summary), "--stats", str(tmp_path / f"{name}.stats.json")],
+                       cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    text, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, text[-4000:]
+    return {**json.loads(summary.read_text()), **json.loads((tmp_path / f"{name}.stats.json").read_text())}
+
+
+@pytest.mark.timeout(200)
+def test_train_gpt_under_torchrun_matches_dprun_and_resumes_from_disk_checkpoints(procs, tmp_path):
+    plain = torchrun(procs, tmp_path, "plain", "--steps", "12")
+    assert plain["world_size"] == 2 and plain["final_step"] == 12  # torchrun's group, not two world-1 runs
+    restarted = torchrun(procs, tmp_path, "restarted", "--steps", "12", "--ckpt-dir", str(tmp_path / "ckpt"),
+                         "--ckpt-every", "5", "--kill-at-step", "8", "--timings", str(tmp_path / "t.jsonl"),
+                         max_restarts=1)
+    assert restarted["restart"] == 1 and restarted["params_sha256"] == plain["params_sha256"]
+    lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x.get("event") == "resumed"] == [5]  # from the checkpoint of step 5
+    under_dprun = dprun(procs, tmp_path, "dprun", "--nnodes", "2", steps=12)
+    assert under_dprun.returncode == 0 and under_dprun.summary["params_sha256"] == plain["params_sha256"]
+
+
+@pytest.mark.timeout(200)
+def test_overhead_quick(procs, tmp_path):
+    got = bench(procs, tmp_path, "overhead", "--quick", "--steps", "12")
+    assert set(got["throughput"]) == {"off", "per_step", "auto", "torchrun"}
+    assert all(v and v > 0 for v in got["throughput"].values()), got["throughput"]
+    for key in ("overhead_per_step", "overhead_auto", "auto_interval"):
+        assert isinstance(got[key], (int, float)), key
+    assert got["auto_interval"] >= 1 and got["auto_max_lost_steps"] == got["auto_interval"] + 1
+    assert got["peak_rss"]["per_step"]["worker"] > 0 and got["peak_rss"]["per_step"]["agent"] > 0
+    assert got["profile"]["snapshots"] > 0
+
+
+@pytest.mark.timeout(200)
+def test_recovery_quick(procs, tmp_path):
+    got = bench(procs, tmp_path, "recovery", "--quick", "--steps", "16", "--kill-at", "12", "--ckpt-every", "5")
+    assert set(got["lost_s"]) == {"deadpool", "torchrun", "torchft"}
+    assert isinstance(got["lost_s"]["deadpool"], float) and isinstance(got["lost_s"]["torchrun"], float)
+    assert got["floor_s"] > 0 and got["deadpool_detect_to_step_s"] > 0
+    runs = {(r["system"], r["fault"]): r for r in got["runs"]}
+    assert runs[("torchrun", "kill-worker")]["resumed_from"] == 10  # its newest disk checkpoint
+    assert runs[("deadpool", "kill-worker")]["recomputed_steps"] <= 2
+
+
+@pytest.mark.timeout(150)
+def test_scaling_quick(procs, tmp_path):
+    got = bench(procs, tmp_path, "scaling", "--sizes", "10", "--recovery-sizes", "10", "--reps", "1")
+    (row,) = got["sizes"]
+    for key in ("capture_s", "replicate_s", "restore_s", "capture_ratio", "replicate_ratio", "restore_ratio"):
+        assert row[key] > 0, key
+    (rec,) = got["recovery"]
+    assert rec["returncode"] == 0 and rec["restore_s"] > 0
+
+
+@pytest.mark.timeout(200)
+def test_goodput_quick(procs, tmp_path):
+    got = bench(procs, tmp_path, "goodput", "--quick", "--minutes", "0.4", "--every", "10", timeout=180)
+    assert set(got["goodput"]) == {"deadpool", "torchrun"}
+    assert all(0 < v <= 1.05 for v in got["goodput"].values()), got["goodput"]
+    assert got["failures"]["deadpool"] >= 1 and got["failures"]["torchrun"] >= 1

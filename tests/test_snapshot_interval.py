@@ -1,0 +1,280 @@
+"""--snapshot-interval N | auto | off: the policy (which steps are snapshotted, the auto decision, its place in
+every snapshot), the dprun flag, real recoveries with an interval, and the CUDA snapshot path exercised on CPU
+(side stream and pinned buffers stood in for; skipped cleanly without CUDA)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import re
+import types
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dpagent import protocol as P
+from dpstate import snapshot as S
+from dpstate.abort import AbortSignal
+from dpstate.replication import POLICY_NAME, Replicator, SnapshotPolicy
+from e2e import dprun
+from test_dpstate_harness import TOKEN, FakeAgents
+
+# ----------------------------------------------------------------------------- the policy (pure)
+
+
+@pytest.mark.parametrize("spec, mode, interval, budget", [
+    ("1", "fixed", 1, 0.01), (" 7 ", "fixed", 7, 0.01), ("off", "off", 0, 0.01), ("auto", "auto", 1, 0.01),
+    ("auto:0.05", "auto", 1, 0.05), ("AUTO:2%", "auto", 1, 0.02), (None, "fixed", 1, 0.01),
+])
+def test_parse(spec, mode, interval, budget):
+    p = SnapshotPolicy(spec)
+    assert (p.mode, p.interval, p.budget) == (mode, interval, pytest.approx(budget))
+    assert p.enabled == (mode != "off")
+
+
+@pytest.mark.parametrize("spec", ["0x", "-3", "auto:1.5", "auto:0", "sometimes"])
+def test_parse_refuses(spec):
+    with pytest.raises(ValueError):
+        SnapshotPolicy(spec)
+
+
+def test_fixed_interval_snapshots_step_zero_and_every_multiple():
+    p = SnapshotPolicy("5")
+    assert [s for s in range(0, 21) if p.wants(s)] == [0, 5, 10, 15, 20]
+    assert p.max_lost_steps == 6  # N + 1: a peer may finish one more step while the newest is in flight
+    assert not any(p.after_step(s, float(s)) for s in range(1, 30))  # never decides
+    off = SnapshotPolicy("off")
+    assert not any(off.wants(s) for s in range(0, 10)) and off.max_lost_steps == 0
+
+
+def run_auto(p: SnapshotPolicy, cost: float, steps: range, noise: float = 0.0, t0: float = 0.0, seed: int = 0):
+    """Feed the policy step times: 1 s, plus `cost` after a snapshotted step; returns (step, interval) decisions."""
+    rnd = random.Random(seed)
+    t, decisions = t0, []
+    for s in steps:
+        t += (1.0 + (cost if p.wants(s - 1) else 0.0)) * (1 + rnd.uniform(-noise, noise))
+        if p.after_step(s, t):
+            decisions.append((s, p.decide(p.local_cost(), s)))
+    return decisions
+
+
+def test_auto_measures_alternating_steps_then_picks_the_smallest_interval_under_budget():
+    p = SnapshotPolicy("auto", warmup=2, pairs=3)
+    p.after_step(1, 0.0)
+    # steps 1-2 warm up (snapshotted), 3..8 alternate, the decision comes at the end of step 9
+    assert [p.wants(s) for s in range(1, 9)] == [True, True, True, False, True, False, True, False]
+    p = SnapshotPolicy("auto", warmup=2, pairs=3)
+    decisions = run_auto(p, cost=0.2, steps=range(1, 12))
+    assert decisions[0] == (9, 20)  # 20 % per snapshot, 1 % budget -> every 20 steps
+    assert p.decided and p.cost == pytest.approx(0.2) and p.max_lost_steps == 21
+    assert [s for s in range(10, 61) if p.wants(s)] == [20, 40, 60]
+    cheap = SnapshotPolicy("auto:0.5", warmup=1, pairs=2)
+    assert run_auto(cheap, cost=0.2, steps=range(1, 8))[0][1] == 1  # cheaper than the budget: every step
+
+
+def test_auto_estimate_holds_when_other_jobs_slow_the_host_down_now_and_then():
+    """Adjacent steps are compared: a host whose speed changes (another job starts or ends) between them
+    moves single pairs, not the median of the pairs."""
+    estimates = []
+    for seed in range(60):
+        rnd = random.Random(seed)
+        p, t, level = SnapshotPolicy("auto"), 0.0, 1.0
+        for s in range(1, 40):
+            if rnd.random() < 0.15:
+                level = rnd.choice([1.0, 1.5, 2.5])
+            t += (1.0 + (0.25 if p.wants(s - 1) else 0.0)) * level * rnd.uniform(0.95, 1.05)
+            if p.after_step(s, t):
+                estimates.append(p.local_cost())
+                break
+    estimates.sort()
+    assert 0.2 < estimates[len(estimates) // 2] < 0.3
+    assert estimates[len(estimates) // 10] > 0.12 and estimates[-len(estimates) // 10] < 0.4
+
+
+def test_auto_keeps_measuring_and_follows_a_changed_cost():
+    p = SnapshotPolicy("auto", warmup=2, pairs=3, refresh=2)
+    first = run_auto(p, cost=0.3, steps=range(1, 120), noise=0.01)
+    assert first[0][1] in range(25, 36)
+    later = run_auto(p, cost=0.05, steps=range(120, 400), noise=0.01, t0=1000.0, seed=1)
+    assert later and later[-1][1] in range(4, 8), later
+
+
+def test_auto_decision_travels_in_the_state_and_a_rollback_before_it_measures_again():
+    p = SnapshotPolicy("auto", warmup=1, pairs=2)
+    run_auto(p, cost=0.1, steps=range(1, 7))
+    assert p.decided and p.interval == 10
+    saved = p.state_dict()
+    fresh = SnapshotPolicy("auto", warmup=1, pairs=2)  # a promoted spare
+    fresh.load_state_dict(saved)
+    assert fresh.decided and fresh.interval == 10 and fresh.wants(20) and not fresh.wants(21)
+    before = SnapshotPolicy("auto", warmup=1, pairs=2).state_dict()  # a snapshot from before the decision
+    p.load_state_dict(before)
+    assert not p.decided and p.wants(50)  # measuring again, from the step after the restore
+    assert run_auto(p, cost=0.1, steps=range(41, 47))[0] == (46, 10)
+
+
+def test_auto_policy_is_tracked_so_snapshots_carry_it(monkeypatch):
+    from dpstate.state import Tracked
+
+    p = SnapshotPolicy("auto")
+    tracked = Tracked()
+    tracked.add(**{POLICY_NAME: p})
+    meta, data = S.pack(tracked.capture(3))
+    tree = S.unpack(meta, data)
+    assert tree["state"][POLICY_NAME]["mode"] == "auto"
+
+
+def test_replicator_takes_no_snapshot_when_off(monkeypatch):
+    monkeypatch.setenv("DP_SNAPSHOT_INTERVAL", "off")
+    rep = Replicator(P.Codec(TOKEN), 0, AbortSignal())
+    rep.submit(0, {"step": 0, "x": torch.ones(4)})
+    rep.wait_acked(timeout=5)
+    assert rep.local_steps() == [] and rep.stats.captures == 0
+
+
+# ----------------------------------------------------------------------------- the dprun flag
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "auto:3", "often"])
+def test_dprun_refuses_a_bad_interval(tmp_path, value):
+    script = tmp_path / "x.py"
+    script.write_text("print('hi')\n")
+    out = subprocess.run([sys.executable, "-m", "dprun", "--snapshot-interval", value, str(script)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--snapshot-interval" in out.stderr, out.stderr
+
+
+# ----------------------------------------------------------------------------- real recoveries
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+def test_interval_five_and_auto_recover_to_a_snapshot_step_bitwise(procs, tmp_path):
+    """A node killed after step 13: with an interval of 5 the job rolls back to step 10 (at most N + 1 lost);
+    with auto every rank agrees on the interval (the decision is in the restored snapshots). Same result."""
+    clean = dprun(procs, tmp_path, "clean", "--nnodes", "2", steps=24)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    five = dprun(procs, tmp_path, "five", "--nnodes", "2", "--spares", "1", "--snapshot-interval", "5",
+                 "--inject", "kill-node:1@step=13", steps=24)
+    assert five.returncode == 0, five.stderr[-3000:]
+    (done,) = five.named("recovery_complete")
+    assert done["restore_step"] == 10 and done["lost_steps"] <= 6
+    assert five.summary["params_sha256"] == clean.summary["params_sha256"]
+    auto = dprun(procs, tmp_path, "auto", "--nnodes", "2", "--spares", "1", "--snapshot-interval", "auto:0.5",
+                 "--inject", "kill-node:1@step=13", steps=24, env={"DP_SNAPSHOT_AUTO_STEPS": "1,2"})
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert "dpstate: snapshot interval auto" in auto.stderr
+    assert auto.summary["params_sha256"] == clean.summary["params_sha256"]
+    (done,) = auto.named("recovery_complete")
+    decided = re.search(r"-> every (\d+) step", auto.stderr)
+    assert decided, auto.stderr[-2000:]
+    interval = int(decided.group(1))
+    assert done["restore_step"] % interval == 0 and done["restore_step"] >= 13 - interval - 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_off_takes_no_snapshot_and_a_failure_says_why_it_cannot_recover(procs, tmp_path):
+    ok = dprun(procs, tmp_path, "off", "--nnodes", "2", "--snapshot-interval", "off", steps=10,
+               env={"DP_SNAPSHOT_PROFILE": str(tmp_path / "profile")})
+    assert ok.returncode == 0 and ok.summary["final_step"] == 10, ok.stderr[-3000:]
+    profiles = [json.loads(f.read_text()) for f in tmp_path.glob("profile.rank*.json")]
+    assert len(profiles) == 2 and all(p["captures"] == 0 and p["sends"] == 0 for p in profiles)
+    bad = dprun(procs, tmp_path, "offkill", "--nnodes", "2", "--spares", "1", "--snapshot-interval", "off",
+                "--inject", "kill-node:1@step=5", steps=20)
+    assert bad.returncode == 1 and "snapshots are off" in bad.stdout + bad.stderr
+
+
+# ----------------------------------------------------------------------------- the CUDA path, on CPU
+
+
+def test_without_cuda_the_side_stream_and_pinned_buffers_are_not_used(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: the real path runs")
+    agents = FakeAgents(tmp_path, [])
+    try:
+        rep = Replicator(P.Codec(TOKEN), 0, AbortSignal())
+        assert rep.pin is False
+        rep.configure(0, agents.replica_endpoint, 0)
+        rep.submit(1, {"step": 1, "w": torch.arange(10.0)})
+        assert rep._queue == [] or rep._queue[0].event is None  # no CUDA event recorded
+        rep.wait_acked(timeout=10)
+        slot = rep.fetch(agents.replica_endpoint, 0, 1)
+        assert slot.borrowed and not slot.buffer.is_pinned()  # CPU: the received frame is the buffer
+        assert torch.equal(S.unpack(slot.meta, slot.data)["w"], torch.arange(10.0))
+    finally:
+        agents.close()
+
+
+class _FakeEvent:
+    def __init__(self):
+        self.recorded = False
+
+    def record(self):
+        self.recorded = True
+
+
+class _FakeStream:
+    def __init__(self, device=None):
+        self.calls = []
+        self.device = types.SimpleNamespace(index=device)
+
+    def wait_event(self, event):
+        self.calls.append(("wait_event", event))
+
+    def synchronize(self):
+        self.calls.append(("synchronize",))
+
+
+def test_cuda_capture_path_waits_for_the_step_copies_on_the_side_stream_then_checksums(monkeypatch, tmp_path):
+    """The side-stream code with torch.cuda stood in for (no GPU here): the copy stream is made on the worker's
+    device, waits on the event recorded after the step, copies non-blocking under that stream, synchronizes,
+    then checksums the host copy."""
+    streams: list[_FakeStream] = []
+    copies: list[bool] = []
+    devices_set: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: streams.append(_FakeStream(device)) or streams[-1])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # the worker's device: local rank 3
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: devices_set.append(d))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    real_copy = S.copy_into
+
+    def copy_into(tensors, specs, buffer, non_blocking=False):
+        copies.append(non_blocking)
+        real_copy(tensors, specs, buffer, non_blocking=False)
+
+    monkeypatch.setattr(S, "copy_into", copy_into)
+    agents = FakeAgents(tmp_path, [])
+    try:
+        rep = Replicator(P.Codec(TOKEN), 0, AbortSignal())
+        rep.pin = False  # pinned memory needs a real GPU
+        rep.configure(0, agents.replica_endpoint, 0)
+        tree = {"step": 2, "w": torch.randn(1000), "b": torch.randn(7)}
+        rep.submit(2, tree)
+        rep.wait_acked(timeout=10)
+        (stream,) = streams
+        assert stream.device.index == 3 and devices_set == [3]  # made on the worker's device, not device 0
+        assert [c[0] for c in stream.calls] == ["wait_event", "synchronize"]
+        assert isinstance(stream.calls[0][1], _FakeEvent) and stream.calls[0][1].recorded
+        assert copies == [True]
+        slot = rep.local(2)
+        assert slot.checksum == S.checksum(slot.meta, slot.data)
+        assert torch.equal(S.unpack(slot.meta, slot.data)["w"], tree["w"])
+    finally:
+        agents.close()
+
+
+def test_nccl_is_the_default_backend_with_cuda(monkeypatch):
+    from dpstate.pgroup import default_backend
+
+    monkeypatch.delenv("DP_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_backend() == "nccl"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_backend() == "gloo"
