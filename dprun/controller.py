@@ -18,6 +18,7 @@ from .ledger import INIT, ReplicaLedger, RestorePlan
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 
 
+MAX_REPLANS = 3  # generations planned again in a row with no node lost before the job gives up
 PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
 
 # ----------------------------------------------------------------------------- configuration
@@ -116,6 +117,8 @@ class Recovery:
     waiting_since: float | None = None  # on_spare_exhausted=wait: when waiting for a spare began
     ready: dict = field(default_factory=dict)  # rank -> (rebuild_s, restore_s)
     stepped: set = field(default_factory=set)  # ranks that completed a step after the restore step
+    retries: int = 0  # generations planned again with no node lost (a rank failed to connect or restore)
+    why: str = ""  # what the last rank that asked for a new plan said
 
 
 @dataclass
@@ -324,8 +327,10 @@ class Controller:
 
     def _on_PeerError(self, node: Node, msg: p.PeerError, now: float) -> None:
         self._publish("peer_error", node=node.node_id, rank=msg.rank, detail=msg.detail[:200])
-        if self.flush is None:
-            self._start_flush(now)
+        # (one from a replaced generation was dropped as stale: that rank is on its way to the new one)
+        # the rank waits for a new generation: probe (a dead peer is failed) and plan one either way, since
+        # with every node alive the error was the rank's own (e.g. a connect that timed out)
+        self._replan(now, f"rank {msg.rank}: {msg.detail[:200]}")
 
     def _on_RestoreFailed(self, node: Node, msg: p.RestoreFailed, now: float) -> None:
         holder = next((n.node_id for n in self.table.nodes.values() if n.replica_endpoint == msg.source), None)
@@ -333,15 +338,20 @@ class Controller:
             self.ledger.discard(msg.rank, msg.step, holder)
         self._publish("restore_failed", node=node.node_id, rank=msg.rank, step=msg.step, source=msg.source,
                       reason=msg.reason[:200])
+        self._replan(now, f"restoring rank {msg.rank} from {msg.source} failed: {msg.reason[:200]}")
+
+    def _replan(self, now: float, why: str) -> None:
+        """A new generation is needed even if no node failed: probe every node, then plan it."""
         if self.pending is None:
-            self.pending = Recovery(failed=[], t_fail=now, t_detect=now)
-            if self.recovery is not None:
-                self.pending.t_fail, self.pending.t_detect = self.recovery.t_fail, self.recovery.t_detect
-                self.pending.failed = list(self.recovery.failed)
-                self.pending.peak_step = self.recovery.peak_step
-                self.recovery = None
-        self.pending.replan = True
-        self._start_flush(now)
+            self.pending = Recovery(failed=[], t_fail=now, t_detect=now, peak_step=self.max_step)
+            if self.recovery is not None:  # the recovery under way is not complete: this one continues it
+                prior, self.recovery = self.recovery, None
+                self.pending.t_fail, self.pending.t_detect = prior.t_fail, prior.t_detect
+                self.pending.failed, self.pending.peak_step = list(prior.failed), prior.peak_step
+                self.pending.retries = prior.retries
+        self.pending.replan, self.pending.why = True, why
+        if self.flush is None:
+            self._start_flush(now)
 
     def _on_RankFinished(self, node: Node, msg: p.RankFinished, now: float) -> None:
         pass  # the job ends when every active worker has exited 0 (as with torchrun)
@@ -469,6 +479,13 @@ class Controller:
         failed_slots = [i for i, n in enumerate(self.layout) if self.table.nodes[n].role == FAILED]
         if not failed_slots and not rec.replan:
             return
+        if not failed_slots and not self.spec.restart_mode:
+            rec.retries += 1
+            if rec.retries > MAX_REPLANS:
+                self._finish(1, f"generation {self.generation} could not start: planned {rec.retries} times with "
+                                f"every node answering probes (last: {rec.why}); check that the nodes reach each "
+                                "other on the Gloo/NCCL ports, or raise DP_CONNECT_TIMEOUT")
+                return
         if any(self.table.nodes[n].exited_ok for n in self.layout):
             # a worker exits 0 only after the job's final barrier: training is complete, and the ranks that
             # exited cannot join a new generation. Say so rather than wait for them.

@@ -18,7 +18,7 @@ KINDS = {
     "corrupt-replicas": "flip a byte in every snapshot the node's replica store holds (a restore must notice)",
 }
 TRIGGERS = {
-    "step=N": "when that node rank reports step N",
+    "step=N": "when the job reaches step N (the first rank to report it; faults naming the same step fire together)",
     "t=SECONDS": "SECONDS after training starts",
     "during-recovery": "as the next recovery begins (the controller has just sent the new generation)",
 }
@@ -85,10 +85,13 @@ class FaultPlan:
 
     def due(self, step_of_node_rank: dict[int, int], seconds_since_start: float | None,
             recovering: bool = False) -> list[FaultSpec]:
+        """The faults to fire now (removed from the plan). A step trigger looks at the newest step any node
+        rank reported, so `kill-node:1@step=8 --inject kill-node:2@step=8` kills both nodes at once."""
         fired = []
+        job_step = max(step_of_node_rank.values(), default=-1)
         for spec in self.pending:
             if spec.trigger == "step":
-                ready = step_of_node_rank.get(spec.node_rank, -1) >= spec.value
+                ready = job_step >= spec.value
             elif spec.trigger == "t":
                 ready = seconds_since_start is not None and seconds_since_start >= spec.value
             else:

@@ -71,6 +71,10 @@ class GroupManager:
         # Connecting cannot be aborted, and a rank that arrived then died (a failure during recovery) would
         # hold everyone here for the whole collective timeout: connect under a short timeout, then set the
         # long one. A failed connect is a peer failure: the caller reports it and waits for the next plan.
+        # torch names the default group by a process-wide counter that a failed init_process_group leaves
+        # incremented (measured, torch 2.13), and the name is part of every connect key: without this reset
+        # a rank whose last connect failed waits for keys its peers never write.
+        dist.distributed_c10d._world.group_count = 0
         try:
             dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
                                     timeout=min(self.connect_timeout, self.timeout))

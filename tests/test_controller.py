@@ -196,6 +196,38 @@ def test_peer_error_probes_and_fails_the_node_that_does_not_answer():
     assert h.c.generation == 1
 
 
+def test_a_peer_error_with_every_node_alive_plans_the_same_layout_again():
+    h = formed()
+    layout = list(h.c.layout)
+    h.msg("a", p.PeerError("a", 0, 0, "PeerConnectError: could not connect to every rank within 10 s"))
+    h.msg("b", p.PeerError("b", 0, 1, "PeerConnectError: could not connect to every rank within 10 s"))
+    h.pong_all()  # everyone answers: nobody failed, but both ranks wait for a new generation
+    assert h.c.generation == 1 and h.c.layout == layout, "a retry, not a swap: the spare stays a spare"
+    assert not h.named("node_failed") and not h.named("spare_promoted")
+    (rc,) = h.sent_to("b", p.Reconfigure)[-1:]
+    assert rc.generation == 1
+
+
+def test_a_peer_error_from_a_replaced_generation_is_dropped():
+    h = formed()
+    h.msg("a", p.PeerError("a", 0, 0, "boom"))
+    h.pong_all()
+    assert h.c.generation == 1
+    h.msg("b", p.PeerError("b", 0, 1, "late news of generation 0"))
+    assert h.c.flush is None and h.c.pending is None and h.c.generation == 1
+    assert h.c.dropped == {"stale generation": 1}
+
+
+def test_ranks_that_never_manage_to_connect_end_the_job_with_a_clear_message():
+    h = formed()
+    for attempt in range(4):
+        h.msg("a", p.PeerError("a", h.c.generation, 0, "PeerConnectError: wait timeout"))
+        h.pong_all()
+    assert h.finish is not None and h.finish.exit_code == 1
+    assert "could not start" in h.finish.message and "DP_CONNECT_TIMEOUT" in h.finish.message
+    assert h.c.generation == 3
+
+
 def test_state_lost_when_a_node_and_its_replica_holder_die_together():
     h = formed(spec(nnodes=3, spares=2))
     h.register("c", rank=2)
@@ -216,6 +248,15 @@ def test_fault_injection_fires_once_on_the_node_holding_that_rank():
     h.msg("b", p.Progress("b", 0, 1, 3))
     h.msg("b", p.Progress("b", 0, 1, 4))
     assert h.sent_to("b", p.Inject) == [p.Inject("kill-node", 0)]
+
+
+def test_faults_naming_the_same_step_fire_together_when_the_first_rank_gets_there():
+    h = Harness(spec(nnodes=3, spares=0, faults=(parse_fault("kill-node:1@step=8"), parse_fault("kill-node:2@step=8"))))
+    for rank, node in enumerate("abc"):
+        h.register(node, rank=rank)
+    h.msg("a", p.Progress("a", 0, 0, 8))  # node ranks 1 and 2 are slower: both die together all the same
+    assert h.sent_to("b", p.Inject) == [p.Inject("kill-node", 0)]
+    assert h.sent_to("c", p.Inject) == [p.Inject("kill-node", 0)]
 
 
 def test_job_finishes_when_every_active_worker_exits_zero():

@@ -167,7 +167,7 @@ def test_bad_messages_to_a_running_job_are_dropped_and_it_finishes_unharmed(proc
     wait_for(lambda: any(e["event"] == "progress" for e in read_events(events)), timeout=90, what="training")
     ctx = zmq.Context()
     intruder = ctx.socket(zmq.DEALER)
-    intruder.setsockopt(zmq.LINGER, 0)
+    intruder.setsockopt(zmq.LINGER, 10_000)  # closing waits until every frame is on the wire
     intruder.setsockopt(zmq.IDENTITY, b"node-intruder")
     intruder.connect(f"tcp://{endpoint}")
     wrong = p.Codec(b"not-the-job-token")
@@ -185,10 +185,11 @@ def test_bad_messages_to_a_running_job_are_dropped_and_it_finishes_unharmed(proc
         for frames in bad * 3:
             intruder.send_multipart(frames)
     finally:
-        intruder.close(0)
+        intruder.close()
         ctx.term()
+    dropped = lambda: [e for e in read_events(events) if e["event"] == "message_dropped"]  # noqa: E731
+    wait_for(lambda: len(dropped()) >= 10, timeout=30, what="every bad message to be dropped and counted")
     out, err = head.communicate(timeout=120)
     assert head.returncode == 0, err[-3000:]
-    dropped = [e for e in read_events(events) if e["event"] == "message_dropped"]
-    assert len(dropped) >= 10, "every bad message is dropped and counted"
+    assert {e["sender"] for e in dropped()} == {"node-intruder"}
     assert json.loads((tmp_path / "summary.json").read_text())["params_sha256"] == sha2

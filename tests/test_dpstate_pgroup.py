@@ -1,0 +1,57 @@
+"""GroupManager with real processes over a real TCPStore: a failed connect must not poison the next generation.
+
+A rank that arrived for a generation and then died leaves its peers' connect to time out; the next generation,
+with a replacement, must connect (torch's default-group counter survives a failed init_process_group).
+"""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch.distributed as dist
+
+RANK = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from dpstate.abort import AbortSignal
+    from dpstate.pgroup import GroupManager, PeerConnectError
+    endpoint, rank, generations = sys.argv[1], int(sys.argv[2]), [int(g) for g in sys.argv[3].split(",")]
+    groups, abort = GroupManager(backend="gloo", timeout_s=60), AbortSignal()
+    for generation in generations:
+        try:
+            groups.build(generation, endpoint, rank, 2, abort)
+        except PeerConnectError as exc:
+            print(f"generation {generation} failed: {exc}", flush=True)
+            continue
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)
+        print(f"generation {generation} sum {total.item():g}", flush=True)
+    import os; os._exit(0)  # the groups are leaked on purpose; skip their destructors
+""")
+
+
+@pytest.fixture
+def store():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    yield master
+    del master
+
+
+def test_a_rank_whose_connect_timed_out_joins_the_next_generation(procs, store):
+    endpoint = f"127.0.0.1:{store.port}"
+    # a rank 1 that arrived for generation 1 and died before connecting
+    dist.PrefixStore("dp/gen1/", store).add("arrived", 1)
+    env = {"DP_CONNECT_TIMEOUT": "2"}
+    survivor = procs.popen([sys.executable, "-c", RANK, endpoint, "0", "1,2"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    replacement = procs.popen([sys.executable, "-c", RANK, endpoint, "1", "2"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out0, err0 = survivor.communicate(timeout=60)
+    out1, err1 = replacement.communicate(timeout=60)
+    assert "generation 1 failed: generation 1: could not connect to every rank within 2 s" in out0, err0[-2000:]
+    assert "generation 2 sum 3" in out0, err0[-2000:]
+    assert "generation 2 sum 3" in out1, err1[-2000:]
