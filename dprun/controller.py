@@ -328,8 +328,12 @@ class Controller:
     def _on_PeerError(self, node: Node, msg: p.PeerError, now: float) -> None:
         self._publish("peer_error", node=node.node_id, rank=msg.rank, detail=msg.detail[:200])
         # (one from a replaced generation was dropped as stale: that rank is on its way to the new one)
-        # the rank waits for a new generation: probe (a dead peer is failed) and plan one either way, since
-        # with every node alive the error was the rank's own (e.g. a connect that timed out)
+        if self.spec.restart_mode:  # a crashed worker: its agent reports the exit unless a dead peer explains it
+            if self.flush is None:
+                self._start_flush(now)
+            return
+        # dpstate's rank waits for a new generation: probe (a dead peer is failed) and plan one either way,
+        # since with every node alive the error was the rank's own (e.g. a connect that timed out)
         self._replan(now, f"rank {msg.rank}: {msg.detail[:200]}")
 
     def _on_RestoreFailed(self, node: Node, msg: p.RestoreFailed, now: float) -> None:
@@ -489,7 +493,7 @@ class Controller:
         if any(self.table.nodes[n].exited_ok for n in self.layout):
             # a worker exits 0 only after the job's final barrier: training is complete, and the ranks that
             # exited cannot join a new generation. Say so rather than wait for them.
-            failed = ", ".join(f"{n} ({self.table.nodes[n].cause})" for n in rec.failed)
+            failed = ", ".join(f"{n} ({self.table.nodes[n].cause})" for n in rec.failed) or rec.why
             self._finish(1, f"training completed (step {self.max_step}), but {failed} failed after other ranks "
                             "had finished and exited; the final state is complete on the surviving ranks")
             return

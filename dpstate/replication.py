@@ -1,16 +1,12 @@
 """Background snapshots: copy a state tree into a reusable host buffer, send it to the replica holder, await its ack.
 
-Keeps a ring of three buffers (the newest two complete snapshots stay intact while the next is captured);
-fetch() pulls a snapshot back from a replica store and verifies its checksum. SnapshotPolicy says which steps
-are snapshotted (DP_SNAPSHOT_INTERVAL: every step, every N-th, off, or auto: measured against a budget).
+Keeps a ring of NSLOTS host buffers (the newest complete snapshots stay intact while the next is captured);
+fetch() pulls a snapshot back from a replica store and verifies its checksum. Which steps: dpstate.interval.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import statistics
-import sys
 import threading
 import time
 import zlib
@@ -24,6 +20,8 @@ from dpagent import protocol as P
 
 from . import snapshot as S
 from .abort import AbortSignal
+from .interval import SnapshotPolicy
+from .profile import SnapshotStats, write_profile
 
 NSLOTS = 4  # local snapshots kept: a survivor may have to roll back 3 steps (see dprun.controller._survivor_floors)
 
@@ -67,7 +65,8 @@ class _Job:
 
 
 class Replicator:
-    """Owned by the session; its thread captures and replicates, the main thread waits in the pre-step hook."""
+    """Owned by the session; its thread captures and replicates, the main thread waits in the pre-step hook.
+    `ctx` is accepted for older callers and not used: the snapshot traffic has a ZeroMQ context of its own."""
 
     def __init__(self, codec: P.Codec, rank: int, abort: AbortSignal, ctx: zmq.Context | None = None):
         self.codec, self.rank, self.abort = codec, rank, abort
@@ -391,259 +390,3 @@ def _lower_io_threads(before: set[str]) -> None:
                     _lower_priority(int(tid))
     except OSError:
         pass
-
-
-# ---------------------------------------------------------------------------------------------- profile
-
-
-@dataclass
-class SnapshotStats:
-    """Where snapshot time goes in this worker (seconds summed over snapshots). The background thread's:
-    meta (flatten + layout + torch.save of the skeleton), copy (tensors into the host buffer), crc (checksum),
-    send (PutSnapshot handed to ZeroMQ until every SnapshotAck: the socket writes, the holder's receive, verify
-    and store). The main thread's: wait (the optimizer pre-step hook blocked on the previous snapshot)."""
-
-    captures: int = 0
-    bytes: int = 0
-    meta_s: float = 0.0
-    copy_s: float = 0.0
-    crc_s: float = 0.0
-    capture_s: float = 0.0
-    sends: int = 0
-    send_s: float = 0.0
-    waits: int = 0
-    wait_s: float = 0.0
-    fetches: int = 0
-    fetch_s: float = 0.0  # request until the whole snapshot is received
-    fetch_verify_s: float = 0.0
-
-    def as_dict(self) -> dict:
-        out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
-        out["threads_cpu_s"] = thread_cpu_times()
-        return out
-
-
-def thread_cpu_times(pid: int | str = "self") -> dict[str, float]:
-    """CPU seconds (user + system) per thread of a process, summed by thread name (Linux /proc; {} elsewhere).
-    Python threads are named by their threading name, others (ZeroMQ's I/O thread, Gloo's) by the OS's."""
-    names = {}
-    if pid == "self":
-        names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
-    out: dict[str, float] = {}
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-        tick = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, AttributeError):
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                comm = f.read().strip()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        cpu = (int(fields[11]) + int(fields[12])) / tick
-        name = names.get(int(tid), comm)
-        out[name] = round(out.get(name, 0.0) + cpu, 3)
-    return out
-
-
-def write_profile(rep: "Replicator") -> None:
-    """At exit, with DP_SNAPSHOT_PROFILE=PATH: this rank's SnapshotStats as JSON in PATH.rank<R>.<pid>.json."""
-    path = os.environ.get("DP_SNAPSHOT_PROFILE")
-    if not path:
-        return
-    import json
-
-    data = {"rank": rep.rank, "pid": os.getpid(), "policy": rep.policy.state_dict(), **rep.stats.as_dict()}
-    try:
-        with open(f"{path}.rank{rep.rank}.{os.getpid()}.json", "w") as f:
-            json.dump(data, f)
-    except OSError as exc:
-        print(f"dpstate: cannot write the snapshot profile: {exc}", file=sys.stderr)
-
-
-# ---------------------------------------------------------------------------------------------- policy
-
-POLICY_NAME = "__dpstate_snapshot_policy__"  # the name under which an auto policy's decision is tracked
-DEFAULT_BUDGET = 0.01
-MAX_INTERVAL = 10_000
-
-
-class SnapshotPolicy:
-    """Which steps are snapshotted, from DP_SNAPSHOT_INTERVAL (dprun --snapshot-interval):
-
-    * ``1`` (default) / ``N``: the state before training (step 0) and every step that is a multiple of N. The
-      controller restores the newest step replicated for every rank, so a failure costs at most N + 1 steps
-      (the ``+ 1``: a peer may finish one more step while the newest snapshot is still in flight).
-    * ``off``: no snapshots at all (for comparison; a failure then cannot be recovered).
-    * ``auto`` / ``auto:BUDGET``: measure what a snapshot costs and take the smallest interval that keeps the
-      cost under BUDGET (a fraction of step time; DP_SNAPSHOT_BUDGET, default 0.01). After `warmup` steps
-      snapshotted every step, `pairs` steps after a snapshot and `pairs` steps after none alternate; the cost
-      of one snapshot is the median over adjacent pairs of (step after one - step after none), over the median
-      step after none, the largest over the ranks (an all-reduce at the same step on every rank), and the
-      interval is ceil(cost / budget).
-      The decision is part of every snapshot (tracked as POLICY_NAME), so after a rollback all ranks, a
-      promoted spare included, hold the same one; a rollback to before it measures again. Afterwards the
-      steps that follow a snapshot keep being compared with those that do not, and every `refresh`
-      snapshots (at a snapshot step, so again on every rank at once) the interval is decided anew.
-    """
-
-    def __init__(self, spec: str | None = "1", budget: float | str | None = None,
-                 warmup: int = 3, pairs: int = 8, refresh: int = 4):
-        text = (spec or "1").strip().lower()
-        self.budget = float(budget) if budget not in (None, "") else DEFAULT_BUDGET
-        if text.startswith("auto"):
-            _, _, given = text.partition(":")
-            if given:
-                self.budget = float(given.rstrip("%")) / (100 if given.endswith("%") else 1)
-            self.mode, self.interval = "auto", 1
-        elif text in ("off", "0", "none", "never"):
-            self.mode, self.interval = "off", 0
-        else:
-            try:
-                self.interval = int(text)
-            except ValueError:
-                raise ValueError(f"DP_SNAPSHOT_INTERVAL must be a positive number, 'auto[:BUDGET]' or 'off', "
-                                 f"got {spec!r}") from None
-            if self.interval < 1:
-                raise ValueError(f"DP_SNAPSHOT_INTERVAL must be at least 1 (or 'off'), got {spec!r}")
-            self.mode = "fixed"
-        if not 0 < self.budget < 1:
-            raise ValueError(f"the snapshot budget must be a fraction between 0 and 1, got {self.budget:g}")
-        self.warmup, self.pairs, self.refresh = max(0, warmup), max(1, pairs), max(1, refresh)
-        self.decisions = 0
-        self.decided = self.mode != "auto"
-        self.cost: float | None = None  # measured fraction of a step's time that one snapshot costs (auto)
-        self.decided_at = -1
-        self._reset_samples()
-
-    @classmethod
-    def from_env(cls) -> "SnapshotPolicy":
-        warmup, _, pairs = os.environ.get("DP_SNAPSHOT_AUTO_STEPS", "3,8").partition(",")
-        return cls(os.environ.get("DP_SNAPSHOT_INTERVAL", "1"), os.environ.get("DP_SNAPSHOT_BUDGET"),
-                   int(warmup or 3), int(pairs or 8))
-
-    def __repr__(self) -> str:
-        return f"SnapshotPolicy({self.describe()})"
-
-    def describe(self) -> str:
-        if self.mode == "off":
-            return "off"
-        if self.mode == "fixed":
-            return f"every {self.interval} step(s)"
-        if not self.decided:
-            return f"auto (budget {self.budget:.1%}, measuring)"
-        return (f"auto: one snapshot costs {self.cost:.2%} of a step, budget {self.budget:.1%} -> every "
-                f"{self.interval} step(s), worst case {self.max_lost_steps} step(s) lost")
-
-    @property
-    def enabled(self) -> bool:
-        return self.mode != "off"
-
-    @property
-    def max_lost_steps(self) -> int:
-        """Steps a failure can cost at most with the interval in force (0 when off: everything is lost)."""
-        if self.mode == "off":
-            return 0
-        return (self.interval if self.decided else 2) + 1
-
-    # ------------------------------------------------------------------ schedule
-
-    def _window(self) -> tuple[int, int]:
-        start = (self._since or 0) + self.warmup
-        return start, start + 2 * self.pairs  # measured steps: [start, end)
-
-    def wants(self, step: int) -> bool:
-        """Is `step` snapshotted? A pure function of the decision and the measuring window."""
-        if self.mode == "off":
-            return False
-        if step <= 0:
-            return True
-        if self.decided:
-            return step % self.interval == 0
-        start, end = self._window()
-        if self._since is None or step < start or step >= end:
-            return True
-        return (step - start) % 2 == 0
-
-    def after_step(self, step: int, now: float) -> bool:
-        """Record that `step` ended at `now`; True when the auto decision is due at this step (all ranks agree)."""
-        if self.mode != "auto":
-            return False
-        if self._since is None or self._last is None or step != self._last + 1:
-            self._reset_samples()
-            self._since = step
-        elif self.decided:
-            if self.interval > 1:  # steady state: steps after a snapshot vs. the others
-                self._record(self.wants(self._last), now - self._last_t)
-                self._new_with += self.wants(self._last)
-        else:
-            start, end = self._window()
-            if start < step <= end:  # the step before it is in the alternating window
-                self._record(self.wants(self._last), now - self._last_t)
-        self._last, self._last_t = step, now
-        if self.decided:
-            # every `refresh` snapshots since the last decision (counted from this timeline's samples)
-            return (self.interval > 1 and self.wants(step) and len(self._with) >= self.refresh
-                    and self._new_with >= self.refresh)
-        return step == self._window()[1]
-
-    def _record(self, after_snapshot: bool, seconds: float) -> None:
-        if after_snapshot:
-            self._with.append(seconds)
-            self._pending = seconds
-        else:
-            self._without.append(seconds)
-            if self._pending is not None:  # the step right after one that followed a snapshot: a pair
-                self._pairs.append(self._pending - seconds)
-                self._pending = None
-        del self._with[: -2 * self.refresh], self._pairs[: -2 * max(self.refresh, self.pairs)]
-        del self._without[:-64]
-
-    def local_cost(self) -> float:
-        """This rank's measured cost of one snapshot, as a fraction of a step without one: the median over
-        pairs of adjacent steps (one after a snapshot, the next after none) of their difference, over the
-        median step without one. Adjacent steps share the host's condition, so other jobs' bursts on a shared
-        machine mostly cancel out (a difference of two medians of separate steps does not)."""
-        if not self._without:
-            return 0.0
-        base = statistics.median(self._without)
-        if base <= 0:
-            return 0.0
-        if self._pairs:
-            return max(0.0, statistics.median(self._pairs) / base)
-        return max(0.0, (statistics.median(self._with) - base) / base) if self._with else 0.0
-
-    def decide(self, cost: float, step: int = -1) -> int:
-        """Fix the interval from the cost agreed over the ranks (the largest)."""
-        self.cost = max(0.0, float(cost))
-        self.interval = min(MAX_INTERVAL, max(1, math.ceil(self.cost / self.budget - 1e-9)))
-        self.decided, self.decided_at = True, step
-        self.decisions += 1
-        self._new_with = 0
-        return self.interval
-
-    def _reset_samples(self) -> None:
-        self._since: int | None = None
-        self._last: int | None = None
-        self._last_t = 0.0
-        self._with: list[float] = []
-        self._without: list[float] = []
-        self._pairs: list[float] = []  # (step after a snapshot) - (the next step, after none)
-        self._pending: float | None = None
-        self._new_with = 0
-
-    # ------------------------------------------------------------------ part of every snapshot (auto)
-
-    def state_dict(self) -> dict:
-        return {"mode": self.mode, "interval": self.interval, "decided": self.decided,
-                "cost": self.cost, "budget": self.budget, "decided_at": self.decided_at}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("mode") == self.mode:
-            self.interval, self.decided = int(state["interval"]), bool(state["decided"])
-            self.cost, self.decided_at = state.get("cost"), int(state.get("decided_at", -1))
-        self._reset_samples()  # a rollback: measure again from the restore step if undecided

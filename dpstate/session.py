@@ -27,7 +27,8 @@ from .abort import AbortSignal, classify
 from .control import Control
 from .ddp import DataParallel
 from .pgroup import GroupManager, default_backend
-from .replication import POLICY_NAME, Replicator, ReplicationError, SnapshotPolicy, Slot
+from .interval import POLICY_NAME, SnapshotPolicy
+from .replication import Replicator, ReplicationError, Slot
 from .state import Tracked
 from .watch import WATCHER
 
@@ -179,9 +180,9 @@ class Job:
 
     def _after_step(self, step: Step) -> None:
         policy = self._replicator.policy
-        if policy.after_step(step.number, time.perf_counter()):  # auto: every rank decides at this step
-            cost = torch.tensor([policy.local_cost()], dtype=torch.float64, device=self.device)
-            policy.decide(float(self.all_reduce(cost, dist.ReduceOp.MAX).item()), step.number)
+        if policy.after_step(step.number, time.perf_counter(), self.generation):  # auto: all ranks decide here
+            local = torch.tensor(policy.local_measurements(), dtype=torch.float64, device=self.device)
+            policy.decide_from(self.all_reduce(local, dist.ReduceOp.MAX).tolist(), step.number)
             if self.rank == 0:
                 print(f"dpstate: snapshot interval {policy.describe()}", file=sys.stderr, flush=True)
         if policy.wants(step.number):

@@ -29,6 +29,7 @@ REGRESSIONS = {
     122618: "a frozen node and a holder fenced for a crashed worker: state lost is the truth",
     123625: "a node dies between the final barrier and its exit",
     123400: "finished workers' exits arrive after a recovery was decided: the job ends with a message",
+    17652: "a node killed after one of its workers exited 0: that worker still finished (judge)",
 }
 
 

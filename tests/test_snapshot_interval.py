@@ -18,7 +18,8 @@ import torch
 from dpagent import protocol as P
 from dpstate import snapshot as S
 from dpstate.abort import AbortSignal
-from dpstate.replication import POLICY_NAME, Replicator, SnapshotPolicy
+from dpstate.interval import POLICY_NAME, SnapshotPolicy
+from dpstate.replication import Replicator
 from e2e import dprun
 from test_dpstate_harness import TOKEN, FakeAgents
 
@@ -92,6 +93,31 @@ def test_auto_estimate_holds_when_other_jobs_slow_the_host_down_now_and_then():
     estimates.sort()
     assert 0.2 < estimates[len(estimates) // 2] < 0.3
     assert estimates[len(estimates) // 10] > 0.12 and estimates[-len(estimates) // 10] < 0.4
+
+
+def test_auto_interval_shrinks_to_young_daly_once_failures_come_often():
+    p = SnapshotPolicy("auto")  # budget 1 %
+    assert p.decide(1.0, step=20, elapsed_s=300.0, step_s=0.6) == 100  # no failure yet: the budget's interval
+    p.generation = 5  # five recoveries in 300 s: one every 60 s
+    n = p.decide(1.0, step=21, elapsed_s=300.0, step_s=0.6)
+    assert n == round((2 * 1.0 * 60 / 0.6) ** 0.5) == 14 and p.mtbf_s == 60
+    assert "bounded by the failures so far" in p.describe()
+    p.generation = 1  # rare failures: the budget's interval is the smaller one
+    assert p.decide(0.05, step=22, elapsed_s=36000.0, step_s=0.6) == 5
+
+
+def test_auto_decides_again_at_the_first_step_after_a_recovery():
+    p = SnapshotPolicy("auto", warmup=1, pairs=2)
+    run_auto(p, cost=0.1, steps=range(1, 7))
+    saved = p.state_dict()
+    spare = SnapshotPolicy("auto", warmup=1, pairs=2)
+    spare.load_state_dict(saved)  # restored at step 5, now in generation 1
+    assert spare.after_step(6, 100.0, generation=1)  # decided in generation 0: decide again, on every rank
+    cost, elapsed, step_s = spare.local_measurements()
+    assert cost == pytest.approx(0.1) and step_s == pytest.approx(1.0, rel=0.1)
+    spare.decide_from([cost, 50.0, step_s], 6)
+    assert spare.decided_generation == 1 and spare.interval == min(10, round((2 * 0.1 * 50 / step_s) ** 0.5))
+    assert not spare.after_step(7, 101.0, generation=1)
 
 
 def test_auto_keeps_measuring_and_follows_a_changed_cost():

@@ -354,7 +354,8 @@ class World:
             return
         node.alive = False
         for worker in node.workers:
-            worker.phase = "dead"
+            if worker.phase != "done":  # a worker that already exited 0 finished; the kill cannot undo that
+                worker.phase = "dead"
         self.log.append(f"{self.now:.3f} kill {node_id}")
         if observed_by_parent:
             self.at(self.rng.uniform(0.0005, 0.005), self._controller_input, NodeGone(node_id, "sim: process died"))

@@ -1,0 +1,242 @@
+"""Which steps are snapshotted: every N-th, off, or auto (the measured cost of a snapshot against a budget).
+
+SnapshotPolicy is pure bookkeeping over step times; the session all-reduces its measurements so every rank decides alike.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+
+POLICY_NAME = "__dpstate_snapshot_policy__"  # the name under which an auto policy's decision is tracked
+DEFAULT_BUDGET = 0.01
+MAX_INTERVAL = 10_000
+
+
+class SnapshotPolicy:
+    """Which steps are snapshotted, from DP_SNAPSHOT_INTERVAL (dprun --snapshot-interval):
+
+    * ``1`` (default) / ``N``: the state before training (step 0) and every step that is a multiple of N. The
+      controller restores the newest step replicated for every rank, so a failure costs at most N + 1 steps
+      (the ``+ 1``: a peer may finish one more step while the newest snapshot is still in flight).
+    * ``off``: no snapshots at all (for comparison; a failure then cannot be recovered).
+    * ``auto`` / ``auto:BUDGET``: measure what a snapshot costs and take the smallest interval that keeps the
+      cost under BUDGET (a fraction of step time; DP_SNAPSHOT_BUDGET, default 0.01). After `warmup` steps
+      snapshotted every step, `pairs` steps after a snapshot and `pairs` steps after none alternate; the cost
+      of one snapshot is the median over adjacent pairs of (step after one - step after none), over the median
+      step after none, the largest over the ranks (an all-reduce at the same step on every rank), and the
+      interval is ceil(cost / budget).
+      Once the job has seen failures, the interval is also bounded by Young and Daly's optimum
+      sqrt(2 x cost x MTBF / step time) (MTBF: time since the first step / recoveries so far): where failures
+      come often, the steps a failure throws away cost more than the snapshots that would have saved them.
+      The decision is part of every snapshot (tracked as POLICY_NAME), so after a rollback all ranks, a
+      promoted spare included, hold the same one; a rollback to before it measures again, and the first step
+      after any other recovery decides again (the failure rate changed). Afterwards the steps that follow a
+      snapshot keep being compared with those that do not, and every `refresh` snapshots (at a snapshot step,
+      so again on every rank at once) the interval is decided anew.
+    """
+
+    def __init__(self, spec: str | None = "1", budget: float | str | None = None,
+                 warmup: int = 3, pairs: int = 8, refresh: int = 4):
+        text = (spec or "1").strip().lower()
+        self.budget = float(budget) if budget not in (None, "") else DEFAULT_BUDGET
+        if text.startswith("auto"):
+            _, _, given = text.partition(":")
+            if given:
+                self.budget = float(given.rstrip("%")) / (100 if given.endswith("%") else 1)
+            self.mode, self.interval = "auto", 1
+        elif text in ("off", "0", "none", "never"):
+            self.mode, self.interval = "off", 0
+        else:
+            try:
+                self.interval = int(text)
+            except ValueError:
+                raise ValueError(f"DP_SNAPSHOT_INTERVAL must be a positive number, 'auto[:BUDGET]' or 'off', "
+                                 f"got {spec!r}") from None
+            if self.interval < 1:
+                raise ValueError(f"DP_SNAPSHOT_INTERVAL must be at least 1 (or 'off'), got {spec!r}")
+            self.mode = "fixed"
+        if not 0 < self.budget < 1:
+            raise ValueError(f"the snapshot budget must be a fraction between 0 and 1, got {self.budget:g}")
+        self.warmup, self.pairs, self.refresh = max(0, warmup), max(1, pairs), max(1, refresh)
+        self.decisions = 0
+        self.decided = self.mode != "auto"
+        self.cost: float | None = None  # measured fraction of a step's time that one snapshot costs (auto)
+        self.decided_at = -1
+        self.decided_generation = -1
+        self.mtbf_s: float | None = None  # failures seen: the interval is bounded by Young/Daly's optimum
+        self.t0: float | None = None  # wall clock of the job's first step (travels in snapshots)
+        self.generation = 0
+        self._reset_samples()
+
+    @classmethod
+    def from_env(cls) -> "SnapshotPolicy":
+        warmup, _, pairs = os.environ.get("DP_SNAPSHOT_AUTO_STEPS", "3,8").partition(",")
+        return cls(os.environ.get("DP_SNAPSHOT_INTERVAL", "1"), os.environ.get("DP_SNAPSHOT_BUDGET"),
+                   int(warmup or 3), int(pairs or 8))
+
+    def __repr__(self) -> str:
+        return f"SnapshotPolicy({self.describe()})"
+
+    def describe(self) -> str:
+        if self.mode == "off":
+            return "off"
+        if self.mode == "fixed":
+            return f"every {self.interval} step(s)"
+        if not self.decided:
+            return f"auto (budget {self.budget:.1%}, measuring)"
+        why = (f", bounded by the failures so far (one every {self.mtbf_s:.0f} s)"
+               if self.mtbf_s is not None and self.interval < self.budget_interval else "")
+        return (f"auto: one snapshot costs {self.cost:.2%} of a step, budget {self.budget:.1%} -> every "
+                f"{self.interval} step(s){why}, worst case {self.max_lost_steps} step(s) lost")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def max_lost_steps(self) -> int:
+        """Steps a failure can cost at most with the interval in force (0 when off: everything is lost)."""
+        if self.mode == "off":
+            return 0
+        return (self.interval if self.decided else 2) + 1
+
+    @property
+    def budget_interval(self) -> int:
+        """The smallest interval that keeps the measured cost under the budget."""
+        return min(MAX_INTERVAL, max(1, math.ceil((self.cost or 0.0) / self.budget - 1e-9)))
+
+    # ------------------------------------------------------------------ schedule
+
+    def _window(self) -> tuple[int, int]:
+        start = (self._since or 0) + self.warmup
+        return start, start + 2 * self.pairs  # measured steps: [start, end)
+
+    def wants(self, step: int) -> bool:
+        """Is `step` snapshotted? A pure function of the decision and the measuring window."""
+        if self.mode == "off":
+            return False
+        if step <= 0:
+            return True
+        if self.decided:
+            return step % self.interval == 0
+        start, end = self._window()
+        if self._since is None or step < start or step >= end:
+            return True
+        return (step - start) % 2 == 0
+
+    def after_step(self, step: int, now: float, generation: int = 0) -> bool:
+        """Record that `step` ended at `now` (perf_counter) in `generation`; True when an auto decision is due
+        at this step (the same step on every rank: they all call local_measurements / decide_from)."""
+        if self.mode != "auto":
+            return False
+        self.generation = generation
+        if self.t0 is None:
+            self.t0 = time.time()
+        if self._since is None or self._last is None or step != self._last + 1:
+            self._reset_samples()
+            self._since = step
+        elif self.decided:
+            if self.interval > 1:  # steady state: steps after a snapshot vs. the others
+                self._record(self.wants(self._last), now - self._last_t)
+                self._new_with += self.wants(self._last)
+        else:
+            start, end = self._window()
+            if start < step <= end:  # the step before it is in the alternating window
+                self._record(self.wants(self._last), now - self._last_t)
+        self._last, self._last_t = step, now
+        if self.decided:
+            if generation != self.decided_generation:
+                return True  # a recovery since the decision: the failure rate changed, decide again now
+            # every `refresh` snapshots since the last decision (counted from this timeline's samples)
+            return (self.interval > 1 and self.wants(step) and len(self._with) >= self.refresh
+                    and self._new_with >= self.refresh)
+        return step == self._window()[1]
+
+    def _record(self, after_snapshot: bool, seconds: float) -> None:
+        if after_snapshot:
+            self._with.append(seconds)
+            self._pending = seconds
+        else:
+            self._without.append(seconds)
+            if self._pending is not None:  # the step right after one that followed a snapshot: a pair
+                self._pairs.append(self._pending - seconds)
+                self._pending = None
+        del self._with[: -2 * self.refresh], self._pairs[: -2 * max(self.refresh, self.pairs)]
+        del self._without[:-64]
+
+    def local_cost(self) -> float:
+        """This rank's measured cost of one snapshot, as a fraction of a step without one: the median over
+        pairs of adjacent steps (one after a snapshot, the next after none) of their difference, over the
+        median step without one. Adjacent steps share the host's condition, so other jobs' bursts on a shared
+        machine mostly cancel out (a difference of two medians of separate steps does not). Without new
+        samples (the first step after a recovery): the cost decided before."""
+        if not self._without:
+            return self.cost or 0.0
+        base = statistics.median(self._without)
+        if base <= 0:
+            return self.cost or 0.0
+        if self._pairs:
+            return max(0.0, statistics.median(self._pairs) / base)
+        return max(0.0, (statistics.median(self._with) - base) / base) if self._with else (self.cost or 0.0)
+
+    def local_measurements(self) -> list[float]:
+        """[cost of a snapshot (fraction of a step), seconds since the job's first step, step time]: every rank
+        all-reduces them with MAX and passes the result to decide_from()."""
+        step_s = statistics.median(self._without) if self._without else self._step_s
+        return [self.local_cost(), max(0.0, time.time() - (self.t0 or time.time())), step_s or 0.0]
+
+    def decide_from(self, agreed: list[float], step: int = -1) -> int:
+        cost, elapsed, step_s = (float(x) for x in agreed)
+        return self.decide(cost, step, elapsed_s=elapsed, step_s=step_s)
+
+    def decide(self, cost: float, step: int = -1, elapsed_s: float = 0.0, step_s: float = 0.0) -> int:
+        """Fix the interval from the cost agreed over the ranks (the largest): the budget's, bounded by Young
+        and Daly's optimum once failures were seen (generation > 0 recoveries in elapsed_s)."""
+        self.cost = max(0.0, float(cost))
+        self.interval = self.budget_interval
+        self.mtbf_s = None
+        if step_s <= 0 and self._without:
+            step_s = statistics.median(self._without)
+        if step_s > 0:
+            self._step_s = step_s
+        if self.generation > 0 and elapsed_s > 0 and self._step_s > 0:
+            self.mtbf_s = elapsed_s / self.generation
+            optimum = math.sqrt(2 * self.cost * self.mtbf_s / self._step_s)
+            self.interval = max(1, min(self.interval, round(optimum)))
+        self.decided, self.decided_at, self.decided_generation = True, step, self.generation
+        self.decisions += 1
+        self._new_with = 0
+        return self.interval
+
+    def _reset_samples(self) -> None:
+        self._since: int | None = None
+        self._last: int | None = None
+        self._last_t = 0.0
+        self._with: list[float] = []
+        self._without: list[float] = []
+        self._pairs: list[float] = []  # (step after a snapshot) - (the next step, after none)
+        self._pending: float | None = None
+        self._new_with = 0
+        if not hasattr(self, "_step_s"):
+            self._step_s = 0.0
+
+    # ------------------------------------------------------------------ part of every snapshot (auto)
+
+    def state_dict(self) -> dict:
+        return {"mode": self.mode, "interval": self.interval, "decided": self.decided,
+                "cost": self.cost, "budget": self.budget, "decided_at": self.decided_at,
+                "decided_generation": self.decided_generation, "t0": self.t0, "step_s": self._step_s,
+                "mtbf_s": self.mtbf_s}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("mode") == self.mode:
+            self.interval, self.decided = int(state["interval"]), bool(state["decided"])
+            self.cost, self.decided_at = state.get("cost"), int(state.get("decided_at", -1))
+            self.decided_generation = int(state.get("decided_generation", -1))
+            self.t0 = state.get("t0", self.t0)
+            self._step_s = float(state.get("step_s") or 0.0)
+            self.mtbf_s = state.get("mtbf_s")
+        self._reset_samples()  # a rollback: measure again from the restore step if undecided

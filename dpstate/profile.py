@@ -1,0 +1,79 @@
+"""Where a worker's snapshot time goes: SnapshotStats (per phase) and per-thread CPU from /proc.
+
+With DP_SNAPSHOT_PROFILE=PATH each rank writes its stats as JSON at exit (benchmarks/overhead.py reads them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+@dataclass
+class SnapshotStats:
+    """Where snapshot time goes in this worker (seconds summed over snapshots). The background thread's:
+    meta (flatten + layout + torch.save of the skeleton), copy (tensors into the host buffer), crc (checksum),
+    send (PutSnapshot handed to ZeroMQ until every SnapshotAck: the socket writes, the holder's receive, verify
+    and store). The main thread's: wait (the optimizer pre-step hook blocked on the previous snapshot)."""
+
+    captures: int = 0
+    bytes: int = 0
+    meta_s: float = 0.0
+    copy_s: float = 0.0
+    crc_s: float = 0.0
+    capture_s: float = 0.0
+    sends: int = 0
+    send_s: float = 0.0
+    waits: int = 0
+    wait_s: float = 0.0
+    fetches: int = 0
+    fetch_s: float = 0.0  # request until the whole snapshot is received
+    fetch_verify_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        out["threads_cpu_s"] = thread_cpu_times()
+        return out
+
+
+def thread_cpu_times(pid: int | str = "self") -> dict[str, float]:
+    """CPU seconds (user + system) per thread of a process, summed by thread name (Linux /proc; {} elsewhere).
+    Python threads are named by their threading name, others (ZeroMQ's I/O thread, Gloo's) by the OS's."""
+    names = {}
+    if pid == "self":
+        names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[str, float] = {}
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        name = names.get(int(tid), comm)
+        out[name] = round(out.get(name, 0.0) + cpu, 3)
+    return out
+
+
+def write_profile(rep: Any) -> None:
+    """At exit, with DP_SNAPSHOT_PROFILE=PATH: this rank's SnapshotStats as JSON in PATH.rank<R>.<pid>.json."""
+    path = os.environ.get("DP_SNAPSHOT_PROFILE")
+    if not path:
+        return
+    data = {"rank": rep.rank, "pid": os.getpid(), "policy": rep.policy.state_dict(), **rep.stats.as_dict()}
+    try:
+        with open(f"{path}.rank{rep.rank}.{os.getpid()}.json", "w") as f:
+            json.dump(data, f)
+    except OSError as exc:
+        print(f"dpstate: cannot write the snapshot profile: {exc}", file=sys.stderr)
