@@ -52,6 +52,13 @@ def main() -> int:
         inner.load_state_dict(state["optim"])
         sched.load_state_dict(state["sched"])
 
+    # torchft's Manager connects to a TCPStore at MASTER_ADDR:MASTER_PORT; with
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (needed for torchrun's restarts here) torchrun hosts none: we do
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # noqa: F841 (kept alive)
+                          int(os.environ.get("WORLD_SIZE", "1")), is_master=os.environ.get("RANK", "0") == "0",
+                          wait_for_workers=False)
     pg = torchft.ProcessGroupGloo(timeout=timedelta(seconds=10))
     manager = torchft.Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
                               replica_id=f"gpt_{group}", timeout=timedelta(seconds=30))
@@ -63,6 +70,13 @@ def main() -> int:
         if out is not None:
             out.write(json.dumps({"t": time.time(), "group": group, **rec}) + "\n")
 
+    if restart == 0:  # both groups start together (else the first quorum forms without the slower one)
+        Path(f"started.group{group}").touch()
+        deadline = time.time() + 120
+        while not all(Path(f"started.group{g}").exists() for g in range(int(os.environ.get("NUM_REPLICA_GROUPS", "2")))):
+            if time.time() > deadline:
+                raise SystemExit("torchft benchmark: the other replica group did not start")
+            time.sleep(0.05)
     write(event="ready", restart=restart)
     while manager.current_step() < args.steps:
         number = manager.current_step() + 1

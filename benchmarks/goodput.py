@@ -206,7 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             folder = work.new(system)
             busy0, t_start = C.machine_busy_s(), time.time()
-            run = run_deadpool(args, folder) if system == "deadpool" else run_torchrun(args, folder)
+            try:
+                run = run_deadpool(args, folder) if system == "deadpool" else run_torchrun(args, folder)
+            except Exception as exc:  # keep the logs; count what it did until then
+                work.keep = True
+                print(f"  {system}: {exc} (the run's folder is kept)", file=sys.stderr, flush=True)
+                out.setdefault("errors", {})[system] = str(exc)
+                run = {"wall_s": time.time() - t_start, "failures": [],
+                       "timings": C.RunResult("", 0, 0, folder, "", {}, 0).timings()}
             g = goodput_of(run, run["wall_s"])
             others = max(0.0, (C.machine_busy_s() - busy0) / ((time.time() - t_start) * (os.cpu_count() or 1)))
             out["goodput"][system] = g["goodput"]

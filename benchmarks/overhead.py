@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
                       + (f"  ({summary.get('snapshot_policy')})" if summary and summary.get("snapshot_policy")
                          else ""), flush=True)
                 if res.returncode != 0:
+                    work.keep = True  # keep its logs
                     print(res.output[-2500:], file=sys.stderr)
+                    print(f"  (kept: {res.folder})", file=sys.stderr)
         # the measurement window of each repetition: from its auto run (else the steps after the decision)
         tokens = None
         for rep in range(args.reps):

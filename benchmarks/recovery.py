@@ -53,8 +53,9 @@ def command(system: str, fault: str, args, folder: Path) -> tuple[list[str], dic
         script += ["--kill-at-step", str(args.kill_at), "--kill-rank", "1"]
     env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     if system == "torchft":  # replica group 1's worker dies; torchrun restarts it and it heals from group 0
+        i = script.index("--stats")
         return [args.torchft_python, str(Path(__file__).resolve().parent / "_torchft_job.py"), "--",
-                *script[1:script.index("--stats")]], env
+                *script[1:i], *script[i + 2:]], env
     if system == "torchrun":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         script += ["--ckpt-dir", str(folder / "ckpt"), "--ckpt-every", str(args.ckpt_every)]
@@ -204,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                 results.append((rep, system, fault, res))
                 print(f"  rep {rep} {system:8s} {fault:11s} rc {res.returncode} wall {res.wall_s:6.1f} s", flush=True)
                 if res.returncode != 0:
+                    work.keep = True  # keep its logs
                     print(res.output[-2500:], file=sys.stderr)
+                    print(f"  (kept: {res.folder})", file=sys.stderr)
         extras_runs = []
         if not args.no_extras:
             for fault in ("kill-node", "freeze-node"):
@@ -214,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                 extras_runs.append((fault, res))
                 print(f"  extra    deadpool {fault:11s} rc {res.returncode} wall {res.wall_s:6.1f} s", flush=True)
                 if res.returncode != 0:
+                    work.keep = True  # keep its logs
                     print(res.output[-2500:], file=sys.stderr)
+                    print(f"  (kept: {res.folder})", file=sys.stderr)
         state = None
         for *_, res in results:
             summary = res.json_file("stats.json")
