@@ -30,7 +30,7 @@ from .protocol import (
     Register, RestoreFailed, Stop, Welcome, WorkerExited, WorkerReady, WorkerStatus,
 )
 from .output import OutputSpec
-from .replica_server import ReplicaServer, Verified
+from .replica_server import ReplicaServer
 from .replica_store import ReplicaStore
 from .restart import RestartMode
 from .workers import WorkerDone, WorkerGroup, describe_exit, worker_env
@@ -125,7 +125,7 @@ class Agent(RestartMode):
         self.replica_endpoint = f"tcp://{host}:{port}"
 
         self.workers = WorkerGroup(self.events, cfg.output)
-        self.replica = ReplicaServer(self.replica_ch, ReplicaStore(), self.events, cfg.node_id, self._to_controller)
+        self.replica = ReplicaServer(self.replica_ch, ReplicaStore(), cfg.node_id, self._to_controller)
         self.poller = zmq.Poller()
         for sock in (self.control.sock, self.events.wake, self.worker_ch.sock, self.replica_ch.sock):
             self.poller.register(sock, zmq.POLLIN)
@@ -376,8 +376,6 @@ class Agent(RestartMode):
         for event in self.events.drain():
             if isinstance(event, WorkerDone):
                 self._on_worker_done(event)
-            elif isinstance(event, Verified):
-                self.replica.on_verified(event)
 
     def _on_worker_done(self, done: WorkerDone) -> None:
         if self._retired_exit(done.pid):

@@ -1,6 +1,7 @@
 """The replica store: snapshots of other nodes' ranks, held in memory by this node's agent.
 
-Pure logic, no sockets: frames are kept as given (zero-copy zmq.Frames or bytes), verified against the checksum.
+Pure logic, no sockets: frames are kept as given (zero-copy zmq.Frames or bytes); sizes are checked here,
+the checksum by the worker that loads a snapshot (verify() is what it checks).
 """
 
 from __future__ import annotations
@@ -55,11 +56,14 @@ class ReplicaStore:
         self.keep = keep
         self._ranks: dict[int, dict[int, Snapshot]] = {}
 
-    def add(self, put: PutSnapshot, meta: Any, data: Any, *, verified: bool = False) -> str:
+    def add(self, put: PutSnapshot, meta: Any, data: Any, *, verify_checksum: bool = False) -> str:
         """Stores the snapshot; returns "" or why it was refused."""
         if put.rank < 0 or put.step < 0:
             return f"bad rank/step {put.rank}/{put.step}"
-        if not verified:
+        size = _view(meta).nbytes + _view(data).nbytes
+        if size != put.nbytes:
+            return f"size mismatch: got {size} bytes, expected {put.nbytes}"
+        if verify_checksum:
             error = verify(put, meta, data)
             if error:
                 return error

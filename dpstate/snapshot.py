@@ -185,9 +185,38 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 def copy_into(tensors: list[torch.Tensor], specs: list[TensorSpec], buffer: torch.Tensor, non_blocking=False) -> None:
     """Copy every tensor's bytes into its place in `buffer` (a uint8 tensor, host or pinned)."""
+    for _ in copy_batches(tensors, specs, buffer, non_blocking=non_blocking):
+        pass
+
+
+def copy_batches(tensors: list[torch.Tensor], specs: list[TensorSpec], buffer: torch.Tensor,
+                 batch_bytes: int = 64 << 20, non_blocking=False):
+    """Copy the tensors into `buffer` a batch of about `batch_bytes` at a time, one torch._foreach_copy_ call
+    each (one trip into C++ that releases the GIL, not one per tensor); yields the byte range each batch
+    filled, so the caller can checksum it while it is in cache and stop between batches."""
+    dsts, srcs, start, end = [], [], None, 0
     for t, spec in zip(tensors, specs):
-        if spec.nbytes:
-            buffer[spec.offset : spec.offset + spec.nbytes].copy_(byte_view(t), non_blocking=non_blocking)
+        if not spec.nbytes:
+            continue
+        dsts.append(buffer[spec.offset : spec.offset + spec.nbytes])
+        srcs.append(byte_view(t))
+        start = spec.offset if start is None else start
+        end = spec.offset + spec.nbytes
+        if end - start >= batch_bytes:
+            _copy_all(dsts, srcs, non_blocking)
+            yield start, end
+            dsts, srcs, start = [], [], None
+    if dsts:
+        _copy_all(dsts, srcs, non_blocking)
+        yield start, end
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
+    if all(s.device.type == "cpu" for s in srcs):
+        torch._foreach_copy_(dsts, srcs)
+    else:  # device to host: one copy_ each, as CUDA's copy engine wants them (queued on the current stream)
+        for d, s in zip(dsts, srcs):
+            d.copy_(s, non_blocking=non_blocking)
 
 
 def encode_meta(skeleton: Any, specs: list[TensorSpec], nbytes: int, extra: dict | None = None) -> bytes:

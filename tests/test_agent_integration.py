@@ -356,8 +356,8 @@ def test_replica_put_fetch_round_trip(start_agent):
         reply, payload = request(FetchSnapshot(3, 2))
         assert (reply.found, payload) == (False, [])
 
-        ack, _ = put(3, 2, meta, data, checksum=1)
-        assert not ack.ok and "checksum" in ack.error
+        ack, _ = request(PutSnapshot(3, 2, 0, 1, len(meta) + len(data) + 1), [meta, data])
+        assert not ack.ok and "size mismatch" in ack.error
         reply, _ = request(FetchSnapshot(3, 1), codec=Codec("wrong"), timeout=0.3)
         assert reply is None  # dropped, no answer
         for step in (2, 3, 4):

@@ -52,7 +52,6 @@ class FakeAgents:
 
     def __init__(self, rundir: Path, node_ids: list[str]):
         from dpagent.channel import Channel
-        from dpagent.events import EventPipe
         from dpagent.replica_server import ReplicaServer
         from dpagent.replica_store import ReplicaStore
 
@@ -70,9 +69,8 @@ class FakeAgents:
         port = rsock.bind_to_random_port("tcp://127.0.0.1")
         self.replica_endpoint = f"tcp://127.0.0.1:{port}"
         self.replica_ch = Channel(rsock, self.codec, "replica", zero_copy=True)
-        self.events = EventPipe(self.ctx)
         self.store = ReplicaStore()
-        self.server = ReplicaServer(self.replica_ch, self.store, self.events, "fake", self._stored)
+        self.server = ReplicaServer(self.replica_ch, self.store, "fake", self._stored)
         self.log: list[tuple[str, Any]] = []  # (node_id, message) in arrival order
         self.stored: dict[int, set] = {}  # rank -> steps acked by the replica store
         self.cond = threading.Condition()
@@ -113,7 +111,6 @@ class FakeAgents:
         for sock in self.routers.values():
             sock.close(0)
         self.replica_ch.sock.close(0)
-        self.events.close()
         self.ctx.term()
 
     # ------------------------------------------------------------------ thread
@@ -130,7 +127,6 @@ class FakeAgents:
             poller.register(sock, zmq.POLLIN)
             by_sock[sock] = n
         poller.register(self.replica_ch.sock, zmq.POLLIN)
-        poller.register(self.events.wake, zmq.POLLIN)
         identities: dict[str, bytes] = {}
         while not self._stop.is_set():
             while True:
@@ -143,9 +139,6 @@ class FakeAgents:
                 if sock is self.replica_ch.sock:
                     for incoming in self.replica_ch.recv_ready():
                         self.server.handle(incoming)
-                elif sock is self.events.wake:
-                    for event in self.events.drain():
-                        self.server.on_verified(event)
                 else:
                     frames = sock.recv_multipart()
                     try:
