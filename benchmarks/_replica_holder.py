@@ -13,7 +13,7 @@ import zmq
 
 from dpagent import protocol as P
 from dpagent.channel import Channel
-from dpagent.events import EventPipe
+from dpagent.memory import reuse_freed_memory
 from dpagent.replica_server import ReplicaServer
 from dpagent.replica_store import ReplicaStore
 
@@ -21,31 +21,25 @@ from dpagent.replica_store import ReplicaStore
 def main() -> None:
     token = sys.argv[1].encode()
     keep = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    reuse_freed_memory()  # as the agent does
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     channel = Channel(sock, P.Codec(token), "replica", zero_copy=True)
-    events = EventPipe(ctx)
     store = ReplicaStore(keep=keep)
-    server = ReplicaServer(channel, store, events, "holder", lambda _msg: None)
+    server = ReplicaServer(channel, store, "holder", lambda _msg: None)
     done = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
     print(f"tcp://127.0.0.1:{port}", flush=True)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    poller.register(events.wake, zmq.POLLIN)
     while not done.is_set():
         for s, _ in poller.poll(50):
-            if s is sock:
-                for incoming in channel.recv_ready():
-                    server.handle(incoming)
-            else:
-                for event in events.drain():
-                    server.on_verified(event)
+            for incoming in channel.recv_ready():
+                server.handle(incoming)
     server.close()
     sock.close(0)
-    events.close()
     ctx.term()
 
 

@@ -13,6 +13,7 @@ import socket
 import sys
 
 from .agent import Agent, AgentConfig, AgentError
+from .memory import reuse_freed_memory
 from .output import OutputSpec, parse_ranks, parse_std
 from .process import set_pdeathsig
 from .protocol import NO_RANK
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     _setup_logging(opts.node_id, opts.verbose)
+    reuse_freed_memory()  # before any snapshot is received (see dpagent/memory.py)
     cfg = AgentConfig(
         controller=opts.controller,
         node_id=opts.node_id,
