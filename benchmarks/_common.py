@@ -22,6 +22,8 @@ from typing import Any, Iterable, Sequence
 
 import psutil
 
+from dpstate.profile import thread_cpu_times
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_gpt.py"
 
@@ -98,23 +100,7 @@ def _status_kb(pid: int, key: str) -> int:
 
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds per thread name of a process (Linux /proc)."""
-    out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
+    return thread_cpu_times(pid)
 
 
 @dataclass

@@ -282,7 +282,7 @@ class PutSnapshot:
     rank: int
     step: int
     generation: int
-    checksum: int  # zlib.crc32 over meta then data
+    checksum: int  # dpstate.snapshot.checksum(meta, data): computed and checked by workers only
     nbytes: int
 
 

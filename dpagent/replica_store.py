@@ -1,13 +1,12 @@
 """The replica store: snapshots of other nodes' ranks, held in memory by this node's agent.
 
-Pure logic, no sockets: frames are kept as given (zero-copy zmq.Frames or bytes); sizes are checked here,
-the checksum by the worker that loads a snapshot (verify() is what it checks).
+Pure logic, no sockets: frames are kept as given (zero-copy zmq.Frames or bytes). Sizes are checked here; the
+checksum is the workers' (dpstate.snapshot.checksum), checked by the worker that loads a snapshot.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,18 +30,6 @@ def _view(frame: Any) -> memoryview:
     return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
 
 
-def verify(put: PutSnapshot, meta: Any, data: Any) -> str:
-    """"" when the payload matches: nbytes == len(meta) + len(data), crc32(meta then data) == checksum."""
-    meta_v, data_v = _view(meta), _view(data)
-    size = meta_v.nbytes + data_v.nbytes
-    if size != put.nbytes:
-        return f"size mismatch: got {size} bytes, expected {put.nbytes}"
-    crc = zlib.crc32(data_v, zlib.crc32(meta_v))
-    if crc != put.checksum:
-        return f"checksum mismatch: got {crc:#010x}, expected {put.checksum:#010x}"
-    return ""
-
-
 class ReplicaStore:
     """Keeps the newest `keep` steps of each rank.
 
@@ -56,17 +43,13 @@ class ReplicaStore:
         self.keep = keep
         self._ranks: dict[int, dict[int, Snapshot]] = {}
 
-    def add(self, put: PutSnapshot, meta: Any, data: Any, *, verify_checksum: bool = False) -> str:
+    def add(self, put: PutSnapshot, meta: Any, data: Any) -> str:
         """Stores the snapshot; returns "" or why it was refused."""
         if put.rank < 0 or put.step < 0:
             return f"bad rank/step {put.rank}/{put.step}"
         size = _view(meta).nbytes + _view(data).nbytes
         if size != put.nbytes:
             return f"size mismatch: got {size} bytes, expected {put.nbytes}"
-        if verify_checksum:
-            error = verify(put, meta, data)
-            if error:
-                return error
         held = self._ranks.setdefault(put.rank, {})
         if held:
             newest_gen = max(s.generation for s in held.values())

@@ -7,7 +7,7 @@ Format: meta = {"format": 1, "skeleton": node, "tensors": [(dtype, shape, offset
 "d" / "o" dict / OrderedDict (plain keys, value nodes [, _metadata]) | "D" dict with key nodes | "l" / "t"
 list / tuple of nodes | "L" / "P" list / tuple of plain values | "b" bytes (latin-1 text) | "n" numpy array |
 "dt" dtype | "dev" device | "c" complex.
-Tensors lie at 64-byte aligned offsets in the data buffer. The checksum is zlib.crc32 over meta then data.
+Tensors lie at 64-byte aligned offsets in the data buffer. The checksum: see checksum() (block sums, then crc32).
 """
 
 from __future__ import annotations
@@ -190,10 +190,10 @@ def copy_into(tensors: list[torch.Tensor], specs: list[TensorSpec], buffer: torc
 
 
 def copy_batches(tensors: list[torch.Tensor], specs: list[TensorSpec], buffer: torch.Tensor,
-                 batch_bytes: int = 64 << 20, non_blocking=False):
+                 batch_bytes: int = 16 << 20, non_blocking=False):
     """Copy the tensors into `buffer` a batch of about `batch_bytes` at a time, one torch._foreach_copy_ call
     each (one trip into C++ that releases the GIL, not one per tensor); yields the byte range each batch
-    filled, so the caller can checksum it while it is in cache and stop between batches."""
+    filled, so the caller can stop between batches."""
     dsts, srcs, start, end = [], [], None, 0
     for t, spec in zip(tensors, specs):
         if not spec.nbytes:
@@ -244,9 +244,24 @@ def decode_meta(meta: bytes | memoryview) -> dict:
     return parsed
 
 
+CHECKSUM_BLOCK = 1 << 20  # bytes summed per block
+
+
 def checksum(meta: Any, data: Any) -> int:
-    """zlib.crc32 over meta then data (both bytes-like or uint8 CPU tensors)."""
-    return zlib.crc32(_mv(data), zlib.crc32(_mv(meta)))
+    """32 bits over meta then data (bytes-like or uint8 CPU tensors): zlib.crc32 over meta, then over the
+    wrapping 64-bit sums of data's 1 MiB blocks, then over data's tail.
+
+    Any changed byte changes its block's sum (a word changes by a non-zero multiple of a power of 256 below
+    2^64) and the crc32 of the sums places it; what it misses that a crc32 of all the bytes would catch is a
+    change that keeps a block's sum, e.g. two words swapped. It runs on every snapshot: measured here, 8 ms
+    per 108 MB against 42-55 ms for zlib.crc32 over the bytes."""
+    buf = _as_uint8(data)
+    blocks = buf.numel() // CHECKSUM_BLOCK
+    crc = zlib.crc32(_mv(meta))
+    if blocks:
+        sums = buf[: blocks * CHECKSUM_BLOCK].view(torch.int64).view(blocks, CHECKSUM_BLOCK // 8).sum(dim=1)
+        crc = zlib.crc32(sums.numpy(), crc)
+    return zlib.crc32(_mv(buf[blocks * CHECKSUM_BLOCK :]), crc)
 
 
 def verify(meta: Any, data: Any, expected: int) -> None:

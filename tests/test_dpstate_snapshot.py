@@ -107,6 +107,21 @@ def test_checksum_detects_any_flipped_byte():
         S.verify(bytes(bad_meta), buf, crc)
 
 
+def test_block_checksum_catches_flips_in_any_block_and_blocks_out_of_place():
+    block = S.CHECKSUM_BLOCK
+    data = torch.randint(0, 256, (3 * block + 1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    crc = S.checksum(b"meta", data)
+    assert crc == S.checksum(b"meta", data.numpy().tobytes()) == S.checksum(memoryview(b"meta"), memoryview(data.numpy()))
+    for i in (0, 7, block - 1, block + 12345, 3 * block - 8, 3 * block + 999):
+        for bit in (0x01, 0x80):
+            bad = data.clone()
+            bad[i] ^= bit
+            assert S.checksum(b"meta", bad) != crc, (i, bit)
+    swapped = torch.cat([data[block : 2 * block], data[:block], data[2 * block :]])
+    assert S.checksum(b"meta", swapped) != crc, "blocks are placed by the crc32 of their sums"
+    assert S.checksum(b"meta", data[:-1]) != crc
+
+
 def test_truncated_data_and_unsafe_meta_are_refused():
     meta, buf = S.pack({"w": torch.arange(100.0)})
     with pytest.raises(S.SnapshotError, match="does not fit"):

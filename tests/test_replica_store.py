@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from dpagent.protocol import PutSnapshot
-from dpagent.replica_store import ReplicaStore, verify
+from dpagent.replica_store import ReplicaStore
 
 
 def put(rank=0, step=0, generation=0, meta=b"meta", data=b"data", checksum=None, nbytes=None):
@@ -52,9 +52,7 @@ def test_size_mismatch_is_refused_and_the_checksum_is_left_to_the_loader():
     assert store.get(0, 1) is None
     msg, meta, _ = put(0, 1)
     assert store.add(msg, meta, b"dat!") == ""  # same size, other bytes: held (the worker that loads it checks)
-    assert "checksum" in verify(msg, meta, b"dat!")
-    assert verify(*put(0, 1)) == ""
-    assert "checksum" in store.add(*put(0, 2, checksum=12345), verify_checksum=True)
+    assert bytes(store.get(0, 1).data) == b"dat!"
 
 
 def test_fetch_found_missing_and_newest():
