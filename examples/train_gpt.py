@@ -229,6 +229,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op CPU threads; results are bitwise reproducible only for the same count")
+    ap.add_argument("--step-sleep", type=float, default=0.0,
+                    help="seconds to sleep after each step (tests that act on a running job: a longer step, same result)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--summary", default=None, help="rank 0 writes {final_step, loss, params_sha256} here")
     ap.add_argument("--ckpt-dir", default=None,
@@ -301,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             sched.step()
             loss_value = loss.item()
             step.log(loss=loss_value, tokens=x.numel() * job.world_size)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         if step.failure is None:
             last = step.number
             if job.rank == 0:

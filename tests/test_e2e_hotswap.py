@@ -85,7 +85,7 @@ def test_multi_node_mode_survives_a_killed_dprun(procs, tmp_path, reference):
     events = tmp_path / "events.jsonl"
     summary = tmp_path / "summary.json"
     common = ["--rdzv-endpoint", endpoint, "--nnodes", "2", "--spares", "1", "--token-file", token]
-    script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--summary", summary]
+    script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1", "--summary", summary]  # running at the kill
     head = procs.dprun(*common, "--node-rank", "0", "--events-file", events, *script, cwd=tmp_path,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     victim = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path,
