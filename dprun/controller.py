@@ -119,6 +119,7 @@ class Recovery:
     stepped: set = field(default_factory=set)  # ranks that completed a step after the restore step
     retries: int = 0  # generations planned again with no node lost (a rank failed to connect or restore)
     why: str = ""  # what the last rank that asked for a new plan said
+    settle_until: float = 0.0  # a peer error alone: decide no sooner (a dead worker's exit may be on its way)
 
 
 @dataclass
@@ -335,6 +336,8 @@ class Controller:
         # dpstate's rank waits for a new generation: probe (a dead peer is failed) and plan one either way,
         # since with every node alive the error was the rank's own (e.g. a connect that timed out)
         self._replan(now, f"rank {msg.rank}: {msg.detail[:200]}")
+        if not self.pending.failed:  # the peer that broke the collective may be a worker whose exit is in flight
+            self.pending.settle_until = max(self.pending.settle_until, now + self.spec.heartbeat_interval)
 
     def _on_RestoreFailed(self, node: Node, msg: p.RestoreFailed, now: float) -> None:
         holder = next((n.node_id for n in self.table.nodes.values() if n.replica_endpoint == msg.source), None)
@@ -474,6 +477,8 @@ class Controller:
     def _maybe_decide(self, now: float) -> None:
         if self.flush is None or self.flush.waiting:
             return
+        if self.pending is not None and not self.pending.failed and now < self.pending.settle_until:
+            return  # every node answered, but a worker's exit report may still arrive: the next tick decides
         self.flush = None
         if self.pending is not None and not self.finished:
             pending, self.pending = self.pending, None

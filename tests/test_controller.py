@@ -202,16 +202,30 @@ def test_a_peer_error_with_every_node_alive_plans_the_same_layout_again():
     h.msg("a", p.PeerError("a", 0, 0, "PeerConnectError: could not connect to every rank within 10 s"))
     h.msg("b", p.PeerError("b", 0, 1, "PeerConnectError: could not connect to every rank within 10 s"))
     h.pong_all()  # everyone answers: nobody failed, but both ranks wait for a new generation
+    assert h.c.generation == 0, "not before a worker's exit report had the time to arrive"
+    h.feed(Tick(), dt=0.6)
     assert h.c.generation == 1 and h.c.layout == layout, "a retry, not a swap: the spare stays a spare"
     assert not h.named("node_failed") and not h.named("spare_promoted")
     (rc,) = h.sent_to("b", p.Reconfigure)[-1:]
     assert rc.generation == 1
 
 
+def test_a_peer_error_then_the_exit_of_the_worker_behind_it_makes_one_swap_not_a_retry_first():
+    h = formed()
+    h.msg("a", p.PeerError("a", 0, 0, "Connection reset by peer"))
+    h.pong_all()  # b's agent answers: its worker's exit report is a few ms behind
+    h.msg("b", p.WorkerExited("b", 0, 0, 9, -9))
+    h.pong_all()
+    h.feed(Tick(), dt=0.6)
+    assert h.c.generation == 1 and h.c.layout == ["a", "s"]
+    assert len(h.named("reconfigure")) == 1
+
+
 def test_a_peer_error_from_a_replaced_generation_is_dropped():
     h = formed()
     h.msg("a", p.PeerError("a", 0, 0, "boom"))
     h.pong_all()
+    h.feed(Tick(), dt=0.6)
     assert h.c.generation == 1
     h.msg("b", p.PeerError("b", 0, 1, "late news of generation 0"))
     assert h.c.flush is None and h.c.pending is None and h.c.generation == 1
@@ -223,6 +237,7 @@ def test_ranks_that_never_manage_to_connect_end_the_job_with_a_clear_message():
     for attempt in range(4):
         h.msg("a", p.PeerError("a", h.c.generation, 0, "PeerConnectError: wait timeout"))
         h.pong_all()
+        h.feed(Tick(), dt=0.6)
     assert h.finish is not None and h.finish.exit_code == 1
     assert "could not start" in h.finish.message and "DP_CONNECT_TIMEOUT" in h.finish.message
     assert h.c.generation == 3
