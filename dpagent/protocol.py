@@ -19,7 +19,7 @@ controller -> agent : Welcome, Reconfigure, Stop, Ping, Inject
 agent -> worker     : Reconfigure, Stop (relayed)
 worker -> agent     : Hello, WorkerStatus (kept by the agent, summarised in its Heartbeat), Progress,
                       WorkerReady, PeerError, RestoreFailed, RankFinished
-worker -> replica   : PutSnapshot (+ 2 payload frames: meta, data)  ->  SnapshotAck
+worker -> replica   : PutSnapshot (+ 2 payload frames: meta, data; none with held=True)  ->  SnapshotAck
 worker -> replica   : FetchSnapshot  ->  SnapshotData (+ 2 payload frames when found)
 """
 
@@ -277,13 +277,18 @@ class Inject:
 
 @_message
 class PutSnapshot:
-    """Store a snapshot; two payload frames follow: meta (opaque bytes) and data (tensor bytes)."""
+    """Store a snapshot; two payload frames follow: meta (opaque bytes) and data (tensor bytes).
+
+    held=True: no payload; the store already holds this rank's `step` with this checksum (a rank restored
+    from it) and relabels that copy as of `generation` instead of receiving it again; refused when not held.
+    """
 
     rank: int
     step: int
     generation: int
     checksum: int  # dpstate.snapshot.checksum(meta, data): computed and checked by workers only
     nbytes: int
+    held: bool = False
 
 
 @_message

@@ -34,7 +34,9 @@ class ReplicaServer:
 
     def _put(self, incoming: Incoming, put: PutSnapshot) -> None:
         """Store the snapshot (frames kept as received: no copy), ack the sender, tell the controller."""
-        if len(incoming.payload) != 2:
+        if put.held:
+            error = self.store.relabel(put) if not incoming.payload else "a held=True put has no payload"
+        elif len(incoming.payload) != 2:
             error = f"expected 2 payload frames (meta, data), got {len(incoming.payload)}"
         else:
             error = self.store.add(put, *incoming.payload)

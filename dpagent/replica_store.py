@@ -1,7 +1,7 @@
 """The replica store: snapshots of other nodes' ranks, held in memory by this node's agent.
 
-Pure logic, no sockets: frames are kept as given (zero-copy zmq.Frames or bytes). Sizes are checked here; the
-checksum is the workers' (dpstate.snapshot.checksum), checked by the worker that loads a snapshot.
+Pure logic, no sockets: frames are kept as given (zero-copy zmq.Frames or bytes). Sizes are checked on arrival;
+the checksum (dpagent.checksum) by the worker that loads a snapshot, and here when asked to keep a held copy.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .checksum import checksum
 from .protocol import PutSnapshot
 
 KEEP_STEPS = 3
@@ -51,17 +52,43 @@ class ReplicaStore:
         if size != put.nbytes:
             return f"size mismatch: got {size} bytes, expected {put.nbytes}"
         held = self._ranks.setdefault(put.rank, {})
-        if held:
-            newest_gen = max(s.generation for s in held.values())
-            if put.generation < newest_gen:
-                return f"stale generation {put.generation} < {newest_gen} for rank {put.rank}"
-            for step in [s for s, snap in held.items() if snap.generation < put.generation and s >= put.step]:
-                del held[step]
-            if put.step not in held and len(held) >= self.keep and put.step < min(held):
-                return f"step {put.step} is older than the {self.keep} steps kept for rank {put.rank}"
+        error = self._supersede(put, held, from_step=put.step)
+        if error:
+            return error
+        if held and put.step not in held and len(held) >= self.keep and put.step < min(held):
+            return f"step {put.step} is older than the {self.keep} steps kept for rank {put.rank}"
         held[put.step] = Snapshot(put.rank, put.step, put.generation, put.checksum, put.nbytes, meta, data)
         while len(held) > self.keep:
             del held[min(held)]
+        return ""
+
+    def relabel(self, put: PutSnapshot) -> str:
+        """A PutSnapshot with held=True: the copy of put.step already here becomes the current generation's,
+        as if it had been sent again, once its bytes match put.checksum (a corrupt copy is not kept: the
+        sender then sends it whole). Returns "" or why it was refused."""
+        held = self._ranks.get(put.rank, {})
+        snap = held.get(put.step)
+        if snap is None or snap.checksum != put.checksum or snap.nbytes != put.nbytes:
+            return f"step {put.step} of rank {put.rank} is not held here (held: {sorted(held)})"
+        if checksum(_view(snap.meta), _view(snap.data)) != put.checksum:
+            del held[put.step]
+            return f"the copy of step {put.step} of rank {put.rank} held here is corrupt"
+        error = self._supersede(put, held, from_step=put.step + 1)
+        if error:
+            return error
+        held[put.step] = dataclasses.replace(snap, generation=put.generation)
+        return ""
+
+    @staticmethod
+    def _supersede(put: PutSnapshot, held: dict[int, Snapshot], from_step: int) -> str:
+        """Refuse a put from an older generation than held; drop older generations' steps >= from_step."""
+        if not held:
+            return ""
+        newest_gen = max(s.generation for s in held.values())
+        if put.generation < newest_gen:
+            return f"stale generation {put.generation} < {newest_gen} for rank {put.rank}"
+        for step in [s for s, snap in held.items() if snap.generation < put.generation and s >= from_step]:
+            del held[step]
         return ""
 
     def get(self, rank: int, step: int) -> Snapshot | None:

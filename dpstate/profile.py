@@ -32,6 +32,8 @@ class SnapshotStats:
     fetches: int = 0
     fetch_s: float = 0.0  # request until the whole snapshot is received
     fetch_verify_s: float = 0.0
+    relabels: int = 0  # restored snapshots a replica store already held: kept there, not sent again
+    relabel_refused: int = 0  # ... it no longer held them: sent whole after all
 
     def as_dict(self) -> dict:
         out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}

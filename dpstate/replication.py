@@ -6,6 +6,7 @@ fetch() pulls a snapshot back from a replica store and verifies its checksum. Wh
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -61,6 +62,7 @@ class _Job:
     event: Any = None  # CUDA event recorded after the step, waited by the copy stream
     seq: int = 0
     device: int = 0  # the CUDA device of the step (the copy stream is made on it)
+    held_at: frozenset = frozenset()  # replica endpoints that already hold this snapshot: relabel, not resend
 
 
 class Replicator:
@@ -130,11 +132,13 @@ class Replicator:
             self._queue.append(_Job(step, slot, tree, event, self._submitted, device))
             self._cond.notify_all()
 
-    def submit_packed(self, slot: Slot) -> None:
-        """Replicate a slot that already holds a complete snapshot (the state just restored)."""
+    def submit_packed(self, slot: Slot, held_at: Any = ()) -> None:
+        """Replicate a slot that already holds a complete snapshot (the state just restored). Replica stores
+        in `held_at` are said to hold that very copy already: they are asked to keep it for this generation
+        (a message of a few bytes) and sent the whole snapshot only if they no longer hold it."""
         with self._cond:
             self._submitted += 1
-            self._queue.append(_Job(slot.step, slot, seq=self._submitted))
+            self._queue.append(_Job(slot.step, slot, seq=self._submitted, held_at=frozenset(held_at)))
             self._cond.notify_all()
 
     def wait_acked(self, timeout: float | None = None) -> None:
@@ -268,7 +272,7 @@ class Replicator:
                         socks[endpoint] = self.ctx.socket(zmq.DEALER)
                         socks[endpoint].setsockopt(zmq.LINGER, 0)
                         socks[endpoint].connect(endpoint)
-                ok = self._replicate([socks[e] for e in endpoints], job, epoch, generation, rank)
+                ok = self._replicate({e: socks[e] for e in endpoints}, job, epoch, generation, rank)
                 with self._cond:
                     if epoch == self._epoch and ok:
                         self._acked = max(self._acked, job.seq)
@@ -325,17 +329,27 @@ class Replicator:
             slot.step = job.step
         return True
 
-    def _replicate(self, socks: list, job: _Job, epoch: int, generation: int, rank: int) -> bool:
-        """Send the slot to every replica store at once, then wait until each has acked it."""
+    def _replicate(self, socks: dict[str, Any], job: _Job, epoch: int, generation: int, rank: int) -> bool:
+        """Send the slot to every replica store at once (a relabel request to those that hold it already),
+        then wait until each has acked it; a refused relabel is answered with the whole snapshot."""
         slot = job.slot
-        msg = P.PutSnapshot(rank=rank, step=job.step, generation=generation, checksum=slot.checksum,
+        put = P.PutSnapshot(rank=rank, step=job.step, generation=generation, checksum=slot.checksum,
                             nbytes=len(slot.meta) + slot.nbytes)
         data = slot.data.numpy() if slot.nbytes else b""
-        tries = {id(sock): 0 for sock in socks}
-        waiting = list(socks)
+        full = self.codec.encode(put, [slot.meta, data])
+
+        def send(sock: Any, relabel: bool) -> None:
+            if relabel:
+                sock.send_multipart(self.codec.encode(dataclasses.replace(put, held=True)))
+            else:
+                sock.send_multipart(full, copy=False)
+
+        relabeled = {id(sock) for e, sock in socks.items() if e in job.held_at}
+        tries = {id(sock): 0 for sock in socks.values()}
+        waiting = list(socks.values())
         t0 = time.perf_counter()
         for sock in waiting:
-            sock.send_multipart(self.codec.encode(msg, [slot.meta, data]), copy=False)
+            send(sock, id(sock) in relabeled)
         poller = zmq.Poller()
         for sock in waiting:
             poller.register(sock, zmq.POLLIN)
@@ -353,13 +367,19 @@ class Replicator:
                     waiting.remove(sock)
                     poller.unregister(sock)
                     continue
+                if id(sock) in relabeled:  # no longer held there: send it whole
+                    relabeled.discard(id(sock))
+                    self.stats.relabel_refused += 1
+                    send(sock, False)
+                    continue
                 tries[id(sock)] += 1
                 if tries[id(sock)] >= 3:
                     raise ReplicationError(f"the replica store refused rank {rank} step {job.step}: {ack.error}")
-                sock.send_multipart(self.codec.encode(msg, [slot.meta, data]), copy=False)
+                send(sock, False)
         if socks:
             self.stats.sends += 1
             self.stats.send_s += time.perf_counter() - t0
+            self.stats.relabels += len(relabeled)
         return True
 
 

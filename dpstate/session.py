@@ -297,16 +297,21 @@ class Job:
             slot, where = self._fetch_any(reconf, step), "replica"
         self._load(slot, step)
         rep.forget_after(step)
-        rep.submit_packed(slot)
+        # the stores the plan names as holding `step` keep their copy for this generation instead of
+        # receiving it again (they check it first), so the first step after a restore sends one snapshot
+        rep.submit_packed(slot, held_at=self._named_sources(reconf))
         return where
+
+    def _named_sources(self, reconf: P.Reconfigure) -> list[str]:
+        """The replica endpoints the plan names as holding this rank's restore step."""
+        sources = [reconf.restore_from.get(str(self.rank), ""), *reconf.restore_also.get(str(self.rank), [])]
+        return [s for s in sources if s and s != "init"]
 
     def _fetch_any(self, reconf: P.Reconfigure, step: int) -> Slot:
         """The first good copy among the named replica stores; each bad one is reported (RestoreFailed) so
         the controller can plan without it. None good: ReplicationError, and we wait for the next plan."""
-        sources = [reconf.restore_from.get(str(self.rank), ""), *reconf.restore_also.get(str(self.rank), [])]
-        sources = [s for s in sources if s and s != "init"]
         problems = []
-        for source in sources:
+        for source in self._named_sources(reconf):
             try:
                 return self._replicator.fetch(source, self.rank, step)
             except ReplicationError as exc:
@@ -327,7 +332,7 @@ class Job:
                               generation=self.generation, step=self._last_step, activity=activity)
 
     def _load(self, slot: Slot, step: int) -> None:
-        tree = S.unpack(slot.meta, slot.data, clone=True)  # fresh tensors: optimizers may keep them
+        tree = S.unpack(slot.meta, slot.data, clone=False)  # views of the slot: restore() copies into place
         if tree.get("step") != step:
             raise S.SnapshotError(f"the snapshot held for step {step} is of step {tree.get('step')}")
         self._tracked.restore(tree)

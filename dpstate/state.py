@@ -32,6 +32,29 @@ def _clone_tensors(obj: Any) -> Any:
     return obj
 
 
+def _into_live_state(saved: dict, live: dict) -> dict:
+    """An optimizer's saved per-parameter state with each tensor copied into the live tensor of the same
+    shape and dtype (the optimizer keeps what load_state_dict is given), else into a fresh copy."""
+    out: dict = {}
+    with torch.no_grad():
+        for key, entries in saved.items():
+            mine = live.get(key, {})
+            if not isinstance(entries, dict):
+                out[key] = _clone_tensors(entries)
+                continue
+            out[key] = {}
+            for name, value in entries.items():
+                current = mine.get(name)
+                if (isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor)
+                        and current.shape == value.shape and current.dtype == value.dtype):
+                    if current.data_ptr() != value.data_ptr():
+                        current.copy_(value)
+                    out[key][name] = current
+                else:
+                    out[key][name] = _clone_tensors(value)
+    return out
+
+
 def rng_state() -> dict:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -87,16 +110,25 @@ class Tracked:
         return {"step": step, "state": states, "rng": rng_state(), "threads": torch.get_num_threads()}
 
     def restore(self, tree: dict) -> None:
-        """Load a state tree (its tensors must be fresh copies: optimizers may keep them as their state)."""
+        """Load a state tree whose tensors may be views of a snapshot buffer (they are not kept): modules copy
+        into their parameters, optimizers into their existing state tensors (fresh copies where they have
+        none yet, e.g. a spare's), anything else gets copies."""
         missing = set(self.objects) - set(tree["state"])
         if missing:
             raise KeyError(f"the snapshot of step {tree['step']} has no state for {sorted(missing)}")
         for name, obj in self.objects.items():
-            obj.load_state_dict(tree["state"][name])
+            sd = tree["state"][name]
+            if isinstance(obj, torch.optim.Optimizer):
+                sd = dict(sd, state=_into_live_state(sd.get("state", {}), obj.state_dict().get("state", {})))
+            elif not isinstance(obj, nn.Module):
+                sd = _clone_tensors(sd)
+            obj.load_state_dict(sd)
         for module in self.modules():
             for p in module.parameters():
                 p.grad = None
-        set_rng_state(tree["rng"])
+        # copies: torch 2.13's set_rng_state / Generator.set_state read a view with a storage offset from
+        # the start of its storage (a segfault here, measured), and snapshot tensors are views of one buffer
+        set_rng_state(_clone_tensors(tree["rng"]))
         if tree.get("threads", torch.get_num_threads()) != torch.get_num_threads():
             warnings.warn(f"dpstate: the snapshot of step {tree['step']} was taken with {tree['threads']} intra-op "
                           f"threads and this process uses {torch.get_num_threads()}: CPU results will not be "

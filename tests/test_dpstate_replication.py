@@ -84,6 +84,31 @@ def test_ring_keeps_the_newest_nslots_and_rollback_forgets_newer(replica):
     assert replica.store.steps(1)[-1] == 3
 
 
+def test_a_restored_snapshot_is_relabelled_where_held_and_sent_whole_where_not(replica):
+    _, _, tracked = state()
+    rep = replicator()
+    rep.configure(0, replica.replica_endpoint, 1)
+    for step in (3, 4):
+        rep.submit(step, tracked.capture(step))
+        rep.wait_acked(timeout=10)
+    held = replica.store.get(1, 3)
+    rep.forget_after(3)
+    rep.configure(1, replica.replica_endpoint, 1)
+    rep.submit_packed(rep.local(3), held_at=[replica.replica_endpoint])  # the plan says it holds step 3
+    rep.wait_acked(timeout=10)
+    assert replica.store.steps(1) == [3] and replica.store.get(1, 3).generation == 1
+    assert replica.store.get(1, 3).data is held.data  # the same frame: nothing was sent again
+    assert (rep.stats.relabels, rep.stats.relabel_refused) == (1, 0)
+
+    replica.store.corrupt_all()  # now the copy there is bad: the relabel is refused and the copy sent
+    rep.configure(2, replica.replica_endpoint, 1)
+    rep.submit_packed(rep.local(3), held_at=[replica.replica_endpoint])
+    rep.wait_acked(timeout=10)
+    assert (rep.stats.relabels, rep.stats.relabel_refused) == (1, 1)
+    good = replica.store.get(1, 3)
+    assert good.generation == 2 and S.checksum(good.meta, good.data) == good.checksum
+
+
 def test_without_replica_snapshots_stay_local():
     _, _, tracked = state()
     rep = replicator()

@@ -74,6 +74,28 @@ def test_round_trip_continues_bitwise_identically():
     assert fresh[2].state_dict() == sched.state_dict()
 
 
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh-optimizer", "optimizer-with-state"])
+def test_restore_from_buffer_views_copies_into_place_and_keeps_nothing_of_the_buffer(trained):
+    model, opt, sched, data, tracked = make_run(seed=7)
+    train(model, opt, sched, data, 3)
+    meta, buf = S.pack(tracked.capture(3))
+    expected = train(model, opt, sched, data, 4)
+
+    fresh = make_run(seed=99)
+    if trained:
+        train(*fresh[:4], 2)  # a survivor rolling back: its optimizer state exists
+    before = {id(t) for st in fresh[1].state.values() for t in st.values() if isinstance(t, torch.Tensor)}
+    weight_ptr = fresh[0].head.weight.data_ptr()
+    fresh[4].restore(S.unpack(meta, buf, clone=False))  # views of buf, as a fetched snapshot is restored
+    buf.fill_(0x5A)  # the buffer is reused or freed at once: nothing may still point into it
+    after = {id(t) for st in fresh[1].state.values() for t in st.values() if isinstance(t, torch.Tensor)}
+    assert fresh[0].head.weight.data_ptr() == weight_ptr  # parameters are copied into, not replaced
+    assert after == before if trained else len(after) > 0  # an optimizer's own state tensors are reused
+    assert train(*fresh[:4], 4) == expected
+    for a, b in zip(params(model), params(fresh[0])):
+        assert torch.equal(a, b)
+
+
 def test_capture_references_params_but_clones_what_forward_may_change():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -120,3 +120,24 @@ def test_corrupt_all_breaks_every_checksum_so_a_fetch_can_tell():
     assert store.corrupt_all() == 1
     held = store.get(1, 3)
     assert zlib.crc32(bytes(held.data), zlib.crc32(bytes(held.meta))) != held.checksum
+
+
+def test_a_held_copy_is_relabelled_for_a_new_generation_only_if_it_is_intact():
+    from dpagent.checksum import checksum
+
+    store = ReplicaStore()
+    for step in (4, 5, 6):
+        data = bytes([step]) * 3000
+        assert store.add(*put(1, step, meta=b"m", data=data, checksum=checksum(b"m", data))) == ""
+    five = store.get(1, 5)
+    relabel = PutSnapshot(rank=1, step=5, generation=1, checksum=five.checksum, nbytes=five.nbytes, held=True)
+    assert store.relabel(relabel) == ""
+    assert store.steps(1) == [4, 5]  # step 6 belonged to the abandoned timeline of generation 0
+    assert store.get(1, 5).generation == 1 and store.get(1, 5).data is five.data  # kept, not received again
+    assert "stale generation" in store.add(*put(1, 7, generation=0))  # generation 0 is fenced from now on
+
+    assert "not held" in store.relabel(PutSnapshot(1, 9, 1, five.checksum, five.nbytes, held=True))
+    assert "not held" in store.relabel(PutSnapshot(1, 5, 1, five.checksum ^ 1, five.nbytes, held=True))
+    store.corrupt_all()
+    assert "corrupt" in store.relabel(PutSnapshot(1, 4, 1, store.get(1, 4).checksum, store.get(1, 4).nbytes, held=True))
+    assert store.steps(1) == [5]  # the corrupt copy is dropped: the sender sends its own whole
