@@ -34,7 +34,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: PutSnapshot.held (relabel a held copy)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"

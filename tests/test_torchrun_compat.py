@@ -26,8 +26,12 @@ import json, os, sys
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
         "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
         "TORCHELASTIC_USE_AGENT_STORE", "GROUP_WORLD_SIZE"]
-print("OUT rank", os.environ["RANK"], json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
-print("ERR rank", os.environ["RANK"], file=sys.stderr, flush=True)
+# one write per line: unbuffered (PYTHONUNBUFFERED), print() writes each piece on its own, and the console
+# merges stdout and stderr, so "ERR rank" + another line + " 0" can interleave (seen in a full run)
+sys.stdout.write("OUT rank " + os.environ["RANK"] + " " + json.dumps({k: os.environ.get(k) for k in keys}) + "\\n")
+sys.stdout.flush()
+sys.stderr.write("ERR rank " + os.environ["RANK"] + "\\n")
+sys.stderr.flush()
 if "--fail" in sys.argv and os.environ["RANK"] == "1":
     raise ValueError("boom from rank 1")
 '''
