@@ -38,7 +38,6 @@ def main() -> None:
         for s, _ in poller.poll(50):
             for incoming in channel.recv_ready():
                 server.handle(incoming)
-    server.close()
     sock.close(0)
     ctx.term()
 

@@ -169,7 +169,6 @@ class Agent(RestartMode):
             signal_procs(leftovers, signal.SIGKILL)
             psutil.wait_procs(leftovers, timeout=2.0)
         self.workers.drain_output(1.0)  # their last lines reach the console and the log files
-        self.replica.close()
         lost = self.exit_code == EXIT_CONTROLLER_LOST
         self.control.sock.close(linger=0 if lost else 500)  # let the last reports out
         self.worker_ch.sock.close(linger=0)

@@ -56,6 +56,3 @@ class ReplicaServer:
         reply = SnapshotData(snap.rank, snap.step, found=True, checksum=snap.checksum, nbytes=snap.nbytes)
         self.channel.reply(incoming, reply, [snap.meta, snap.data])
         log.info("served snapshot of rank %d step %d (%d bytes)", snap.rank, snap.step, snap.nbytes)
-
-    def close(self) -> None:
-        pass

@@ -248,8 +248,7 @@ def decode_meta(meta: bytes | memoryview) -> dict:
 
 def checksum(meta: Any, data: Any) -> int:
     """dpagent.checksum.checksum of meta and data (bytes-like or a uint8 CPU tensor)."""
-    buf = _as_uint8(data)
-    return _checksum(_mv(meta), buf.numpy() if buf.numel() else b"")
+    return _checksum(_mv(meta), _as_uint8(data).numpy())
 
 
 def verify(meta: Any, data: Any, expected: int) -> None:

@@ -47,8 +47,7 @@ def _into_live_state(saved: dict, live: dict) -> dict:
                 current = mine.get(name)
                 if (isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor)
                         and current.shape == value.shape and current.dtype == value.dtype):
-                    if current.data_ptr() != value.data_ptr():
-                        current.copy_(value)
+                    current.copy_(value)
                     out[key][name] = current
                 else:
                     out[key][name] = _clone_tensors(value)

@@ -107,7 +107,6 @@ class FakeAgents:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
-        self.server.close()
         for sock in self.routers.values():
             sock.close(0)
         self.replica_ch.sock.close(0)
