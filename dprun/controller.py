@@ -549,11 +549,13 @@ class Controller:
         self.ledger.rollback(plan.step)
         self.rank_step = {rank: max(plan.step, 0) for rank in range(self.spec.world_size)}
         self.max_step = plan.step
+        # faults due "during recovery" go out first: a replica corrupted for this plan is damaged before a
+        # promoted spare, which fetches as soon as it hears of the plan, can ask for it
+        self._fire_faults(now, recovering=True)
         self._reconfigure_all(plan.step, plan.sources, reason="recovery")
         self._publish("reconfigure", generation=self.generation, restore_step=plan.step,
                       layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))
         self.recovery = rec
-        self._fire_faults(now, recovering=True)
 
     def _survivor_floors(self) -> dict[int, int]:
         """A replicated step that every surviving rank still holds locally, from what ranks reported.

@@ -20,7 +20,7 @@ KINDS = {
 TRIGGERS = {
     "step=N": "when the job reaches step N (the first rank to report it; faults naming the same step fire together)",
     "t=SECONDS": "SECONDS after training starts",
-    "during-recovery": "as the next recovery begins (the controller has just sent the new generation)",
+    "during-recovery": "as the next recovery begins (the new generation is planned, sent right after the fault)",
 }
 
 _SPEC = re.compile(

@@ -1,5 +1,6 @@
 """dpstate: the worker library of DeadPool (torch lives here).
 
+    model = build(dpstate.local_device())  # before init(): a spare builds it while it waits
     job = dpstate.init(); ddp = job.data_parallel(model); job.track(model=model, optimizer=opt, data=sampler)
     for step in job.steps(total):
         with step: ...   # failures caused by a reconfiguration are swallowed and the loop recovers
@@ -7,6 +8,7 @@
 
 from .abort import ABORT_MARKER, Aborted, AbortSignal, classify
 from .ddp import DataParallel
+from .pgroup import local_device
 from .replication import ReplicationError
 from .session import Job, Step, init
 from .snapshot import SnapshotError
@@ -22,4 +24,5 @@ __all__ = [
     "Step",
     "classify",
     "init",
+    "local_device",
 ]

@@ -110,6 +110,14 @@ def _hook(state, bucket):  # unannotated: DDP checks annotations, which are stri
     return state(bucket)
 
 
+def _stop_if_aborted(abort: AbortSignal):
+    def hook(_param: torch.Tensor) -> None:
+        if abort.is_set():
+            raise abort.error()
+
+    return hook
+
+
 def _ordered_sum(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     out.copy_(rows[0])
     for r in range(1, rows.shape[0]):
@@ -133,6 +141,11 @@ class DataParallel(nn.Module):
         object.__setattr__(self, "_ddp_kwargs", ddp_kwargs)
         object.__setattr__(self, "_ddp", None)
         object.__setattr__(self, "_hook_state", None)
+        # A survivor learns of a failure while it computes; it stops at the next gradient instead of running
+        # the rest of a step whose result is abandoned anyway (the recovery waits for it to join the group).
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(_stop_if_aborted(abort))
 
     @property
     def ddp(self) -> nn.parallel.DistributedDataParallel:
@@ -147,6 +160,7 @@ class DataParallel(nn.Module):
         return self._ddp
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._abort.check()
         ddp = self.ddp
         if not ddp._has_rebuilt_buckets and torch.is_grad_enabled() and self._hook_state.backward_seen:
             self._rebuild_buckets(ddp)

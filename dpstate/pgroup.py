@@ -20,6 +20,17 @@ def default_backend() -> str:
     return os.environ.get("DP_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
 
 
+def local_device():
+    """The device this worker trains on: its CUDA device (LOCAL_RANK modulo the count) when the backend is
+    NCCL, else the CPU. Known before dpstate.init(), so a script can build its model before it (a spare then
+    builds it while idle, not after its promotion)."""
+    import torch
+
+    if torch.cuda.is_available() and default_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def collective_timeout() -> float:
     """Seconds a collective may take before the backend gives up (our abort normally comes first)."""
     return float(os.environ.get("DP_COLLECTIVE_TIMEOUT", "600"))

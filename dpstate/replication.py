@@ -179,6 +179,11 @@ class Replicator:
                 if slot.step > step:
                     slot.step = -1
 
+    def forget(self, slot: Slot) -> None:
+        """Drop one local snapshot (a prefetched copy no plan wants any more)."""
+        with self._cond:
+            slot.step = -1
+
     def local_steps(self) -> list[int]:
         with self._cond:
             return sorted(s.step for s in self.slots if s.step >= 0)

@@ -26,7 +26,8 @@ from . import snapshot as S
 from .abort import AbortSignal, classify
 from .control import Control
 from .ddp import DataParallel
-from .pgroup import GroupManager, default_backend
+from .pgroup import GroupManager, default_backend, local_device
+from .prefetch import Prefetch
 from .interval import POLICY_NAME, SnapshotPolicy
 from .replication import Replicator, ReplicationError, Slot
 from .state import Tracked
@@ -75,11 +76,9 @@ class Job:
         self.generation, self.restore_step = -1, -1
         self.restored_from = ""
         self.backend = default_backend()
-        if torch.cuda.is_available() and self.backend == "nccl":
-            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        self.device = local_device()
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
         self.reconfigure_timeout = float(os.environ.get("DP_RECONFIGURE_TIMEOUT", "120"))
         self._groups = GroupManager(self.backend)
         self._tracked = Tracked()
@@ -87,6 +86,7 @@ class Job:
         self._started = False  # steps() restored or snapshotted a state: the in-memory one is no longer fresh
         self._rebuild_s = 0.0
         self._last_step = 0  # the newest step completed in this generation's timeline
+        self._prefetch: Prefetch | None = None  # a promoted spare's restore snapshot, fetched while its script builds
         self._replicator = None if control is None else Replicator(control.codec, 0, abort, ctx)
         if self._replicator is not None and self._replicator.policy.mode == "auto":
             self._tracked.add(**{POLICY_NAME: self._replicator.policy})  # its decision travels in snapshots
@@ -232,6 +232,9 @@ class Job:
                 error, newer_than = exc, reconf.generation
 
     def _enter(self, reconf: P.Reconfigure, restore: bool) -> None:
+        if self._prefetch is not None and self._prefetch.generation != reconf.generation:
+            self._prefetch.discard()  # for a superseded plan: the abort still set for it stops it at once
+            self._prefetch = None
         self._abort.enter(reconf.generation)
         old_rank = self.rank
         self._apply(reconf)
@@ -243,6 +246,8 @@ class Job:
             self._replicator.quiesce()
             if old_rank != self.rank:
                 self._replicator.forget_after(-1)
+            if not restore:  # the script runs before it restores (init): fetch meanwhile
+                self._start_prefetch(reconf)
             self._groups.build(reconf.generation, reconf.store_endpoint, self.rank, self.world_size, self._abort)
             self._rebuild_s = time.perf_counter() - t0
         if not restore:
@@ -250,10 +255,16 @@ class Job:
         t0 = time.perf_counter()
         self._replicator.quiesce()
         self._replicator.configure(reconf.generation, [reconf.replica_to, *reconf.replica_also], self.rank)
-        self.restored_from = self._restore(reconf)
+        self.restored_from, restored = self._restore(reconf)
         self._started, self._last_step = True, max(reconf.restore_step, 0)
         restore_s = time.perf_counter() - t0
         self.barrier()
+        if restored is not None:
+            # re-replicated once every rank has restored: it would compete with a replacement's fetch.
+            # The stores the plan names as holding this step keep their copy for this generation instead
+            # of receiving it again (they check it first), so a survivor sends it whole only where its
+            # holder died; the first optimizer step waits for it, as for any snapshot.
+            self._replicator.submit_packed(restored, held_at=self._named_sources(reconf))
         self._send(P.WorkerReady(node_id=self.node_id, generation=self.generation, rank=self.rank,
                                  rebuild_s=self._rebuild_s, restore_s=restore_s, restored_from=self.restored_from))
 
@@ -267,8 +278,9 @@ class Job:
                           NODE_RANK=str(self.node_rank), LOCAL_RANK=str(self.local_rank),
                           LOCAL_WORLD_SIZE=str(self.local_world_size), MASTER_ADDR=host, MASTER_PORT=port)
 
-    def _restore(self, reconf: P.Reconfigure) -> str:
-        """Bring the tracked state to reconf.restore_step; returns where it came from."""
+    def _restore(self, reconf: P.Reconfigure) -> tuple[str, Slot | None]:
+        """Bring the tracked state to reconf.restore_step; returns where it came from and the snapshot
+        restored, if any (to be replicated again for this generation)."""
         step, rep = reconf.restore_step, self._replicator
         source = reconf.restore_from.get(str(self.rank), "")
         if step >= 0 and self._started and not rep.policy.enabled:
@@ -283,8 +295,9 @@ class Job:
             self._sync_from_rank0()
             rep.forget_after(-1)
             rep.submit(0, self._tracked.capture(0))
-            return ""
-        slot, where = rep.local(step), "local"
+            return "", None
+        slot, bad_copies = self._take_prefetch(reconf)
+        slot, where = (slot, "replica") if slot is not None else (rep.local(step), "local")
         if slot is None and (source == "init" or (step == 0 and not source)):
             # keep the state before training: this process never started (a spare, or a failure came first)
             if self._started or step != 0:
@@ -292,32 +305,53 @@ class Job:
                                    f"(started: {self._started}, holds {rep.local_steps()})")
             rep.forget_after(-1)
             rep.submit(0, self._tracked.capture(0))
-            return "init"
+            return "init", None
         if slot is None:
-            slot, where = self._fetch_any(reconf, step), "replica"
+            slot, where = self._fetch_any(reconf, step, bad_copies), "replica"
         self._load(slot, step)
         rep.forget_after(step)
-        # the stores the plan names as holding `step` keep their copy for this generation instead of
-        # receiving it again (they check it first), so the first step after a restore sends one snapshot
-        rep.submit_packed(slot, held_at=self._named_sources(reconf))
-        return where
+        return where, slot
+
+    def _start_prefetch(self, reconf: P.Reconfigure) -> None:
+        step, sources = reconf.restore_step, self._named_sources(reconf)
+        if step >= 0 and sources and self._replicator.policy.enabled and self._replicator.local(step) is None:
+            self._prefetch = Prefetch(self._replicator, reconf.generation, self.rank, step, sources)
+
+    def _take_prefetch(self, reconf: P.Reconfigure) -> tuple[Slot | None, dict[str, str]]:
+        """The snapshot prefetched for this plan, if any, and the bad copies it met on the way (reported)."""
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is None:
+            return None, {}
+        slot = prefetch.take(reconf.generation, self.rank, reconf.restore_step)
+        if prefetch.generation != reconf.generation:
+            return None, {}
+        bad = dict(prefetch.problems)
+        for source, reason in bad.items():
+            self._report_bad_copy(reconf, source, reason)
+        return slot, bad
+
+    def _report_bad_copy(self, reconf: P.Reconfigure, source: str, reason: str) -> None:
+        self._send(P.RestoreFailed(node_id=self.node_id, generation=reconf.generation, rank=self.rank,
+                                   step=reconf.restore_step, source=source, reason=reason[:500]))
 
     def _named_sources(self, reconf: P.Reconfigure) -> list[str]:
         """The replica endpoints the plan names as holding this rank's restore step."""
         sources = [reconf.restore_from.get(str(self.rank), ""), *reconf.restore_also.get(str(self.rank), [])]
         return [s for s in sources if s and s != "init"]
 
-    def _fetch_any(self, reconf: P.Reconfigure, step: int) -> Slot:
-        """The first good copy among the named replica stores; each bad one is reported (RestoreFailed) so
-        the controller can plan without it. None good: ReplicationError, and we wait for the next plan."""
-        problems = []
+    def _fetch_any(self, reconf: P.Reconfigure, step: int, known_bad: dict[str, str]) -> Slot:
+        """The first good copy among the named replica stores (but those known bad, already reported); each
+        bad one is reported (RestoreFailed) so the controller can plan without it. None good:
+        ReplicationError, and we wait for the next plan."""
+        problems = [f"{source}: {reason}" for source, reason in known_bad.items()]
         for source in self._named_sources(reconf):
+            if source in known_bad:
+                continue
             try:
                 return self._replicator.fetch(source, self.rank, step)
             except ReplicationError as exc:
                 problems.append(f"{source}: {exc}")
-                self._send(P.RestoreFailed(node_id=self.node_id, generation=reconf.generation, rank=self.rank,
-                                           step=step, source=source, reason=str(exc)[:500]))
+                self._report_bad_copy(reconf, source, str(exc))
         raise ReplicationError(f"rank {self.rank} holds no snapshot of step {step} (holds "
                                f"{self._replicator.local_steps()}) and no replica had a good copy: "
                                + ("; ".join(problems) or "none was named"))

@@ -249,18 +249,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    job = dpstate.init()
+    # Everything that does not depend on the rank comes before dpstate.init(): a spare waits inside init()
+    # until it is promoted, so what it builds before is built while it is idle, not during a recovery.
     text = load_text(args.data, args.max_bytes)
     raw = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     vocab, tokens = torch.unique(raw, return_inverse=True)
     tokens = tokens.to(torch.uint8 if len(vocab) <= 256 else torch.int64)
 
     torch.manual_seed(args.seed)
-    model = GPT(len(vocab), args.block_size, args.n_layer, args.n_embd, args.n_head, args.dropout).to(job.device)
+    device = dpstate.local_device()
+    model = GPT(len(vocab), args.block_size, args.n_layer, args.n_embd, args.n_head, args.dropout).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps)))))
     )
+    job = dpstate.init()
     batches = Batches(tokens, args.block_size, args.batch_size, args.seed, job.rank)
     ddp_model = job.data_parallel(model)
     job.track(model=model, optimizer=opt, scheduler=sched, data=batches)

@@ -13,6 +13,7 @@ import zmq
 from dpagent import protocol as P
 from dpstate import snapshot as S
 from dpstate.abort import Aborted, AbortSignal
+from dpstate.prefetch import Prefetch
 from dpstate.replication import Replicator, ReplicationError
 from dpstate.state import Tracked
 from test_dpstate_harness import TOKEN, FakeAgents
@@ -178,3 +179,40 @@ def test_corrupt_fetch_is_refused_and_a_missing_ack_is_abortable():
         assert rep.local_steps() == [1]  # captured, just not acked
     finally:
         bad.close()
+
+
+def test_a_prefetch_serves_the_restore_it_was_started_for_and_nothing_else(replica):
+    """A promoted spare fetches its restore snapshot while its script builds the model (dpstate.prefetch):
+    the restore of that generation, rank and step takes the very slot; any other plan gets nothing and the
+    slot is given back; a fetch that fails or hangs leaves nothing behind and stops at the abort."""
+    _, _, tracked = state()
+    owner = replicator()
+    owner.configure(0, replica.replica_endpoint, 1)
+    owner.submit(5, tracked.capture(5))
+    owner.wait_acked(timeout=10)
+
+    rep = replicator()
+    slot = Prefetch(rep, 3, 1, 5, [replica.replica_endpoint]).take(3, 1, 5)
+    assert slot is not None and slot.step == 5 and rep.local(5) is slot
+    assert torch.equal(slot.data, owner.local(5).data)
+
+    other = replicator()
+    assert Prefetch(other, 3, 1, 5, [replica.replica_endpoint]).take(4, 1, 5) is None  # a newer plan
+    assert other.local_steps() == []
+    assert Prefetch(other, 3, 1, 4, [replica.replica_endpoint]).take(3, 1, 4) is None  # not held there
+    assert other.local_steps() == []
+
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # takes the request and never answers
+    silent.linger = 0
+    try:
+        abort = AbortSignal()
+        hanging = Prefetch(replicator(abort=abort), 3, 1, 5,
+                           [f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"])
+        threading.Timer(0.2, abort.trigger, args=("a newer generation",)).start()
+        t0 = time.monotonic()
+        assert hanging.take(3, 1, 5) is None
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        silent.close(0)
+        ctx.term()

@@ -164,6 +164,37 @@ def test_standalone_job_is_world_one_and_lets_errors_through(monkeypatch):
         dist.destroy_process_group()
 
 
+def test_a_survivor_stops_computing_as_soon_as_a_reconfiguration_is_asked_for():
+    """DataParallel checks the abort signal before each forward and after each gradient is accumulated, so a
+    survivor leaves a step whose result is abandoned anyway at once instead of finishing its backward."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        abort = AbortSignal()
+        abort.enter(0)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                                    torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        ddp = dpstate.DataParallel(model, abort)
+        ddp(torch.ones(2, 4)).sum().backward()  # not set: a whole step
+        assert all(p.grad is not None for p in model.parameters())
+        model.zero_grad(set_to_none=True)
+
+        # the last layer's bias is the first gradient of a backward: the request arrives right after it
+        model[4].bias.register_post_accumulate_grad_hook(lambda _p: abort.request(1, "node1 failed"))
+        loss = ddp(torch.ones(2, 4)).sum()
+        with pytest.raises(RuntimeError) as failed:
+            loss.backward()
+        assert classify(failed.value, abort) == "abort" and ABORT_MARKER in str(failed.value)
+        assert model[0].weight.grad is None and model[0].bias.grad is None  # the rest was never computed
+        with pytest.raises(Aborted):
+            ddp(torch.ones(2, 4))  # nor does a next forward start
+        ddp.drop()
+        abort.enter(1)
+        ddp(torch.ones(2, 4)).sum().backward()  # the new generation computes again
+    finally:
+        dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- control thread
 
 
@@ -298,7 +329,7 @@ def test_restore_sources_local_init_fresh_and_missing():
     job.track(model=model, optimizer=opt)
     job._apply(_reconf(0, "init"))
     initial = model.weight.detach().clone()
-    assert job._restore(_reconf(0, "init")) == "init"  # a spare keeps its fresh state as step 0
+    assert job._restore(_reconf(0, "init"))[0] == "init"  # a spare keeps its fresh state as step 0
     job._replicator.wait_acked(timeout=5)
     assert job._replicator.local_steps() == [0]
     job._started = True
@@ -314,14 +345,14 @@ def test_restore_sources_local_init_fresh_and_missing():
     opt.step()  # live state at step 4, partly through step 5's backward
     model(torch.ones(1, 3)).sum().backward()
 
-    assert job._restore(_reconf(1, "")) == "local"
+    assert job._restore(_reconf(1, ""))[0] == "local"
     assert torch.equal(model.weight, weights[1]) and model.weight.grad is None
     assert opt.state_dict()["state"][0]["step"].item() == 1
     assert job._replicator.local_steps() == [0, 1]  # the abandoned later steps are forgotten
     with pytest.raises(dpstate.ReplicationError, match="holds no snapshot of step 3"):
         job._restore(_reconf(3, ""))
     # a process that trained never pretends to be fresh: step 0 comes back from its own copy, bit for bit
-    assert job._restore(_reconf(0, "init")) == "local"
+    assert job._restore(_reconf(0, "init"))[0] == "local"
     assert torch.equal(model.weight, initial)
     job._replicator.forget_after(-1)
     with pytest.raises(RuntimeError, match="cannot keep its initial state"):
