@@ -8,128 +8,19 @@ the simulator drive it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
 from dpagent import protocol as p
 
-from .faults import FaultPlan, FaultSpec
-from .ledger import INIT, ReplicaLedger, RestorePlan
+from .controller_io import (  # noqa: F401  (re-exported: the controller's inputs and actions)
+    Finish, Flush, JobSpec, NodeGone, Publish, Received, Recovery, Send, Shutdown, Tick,
+)
+from .faults import FaultPlan
+from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
+from .reconstruction import Reconstruction
 
-
-MAX_REPLANS = 3  # generations planned again in a row with no node lost before the job gives up
 PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
-
-# ----------------------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    nnodes: int
-    spares: int
-    nproc_per_node: int
-    store_endpoint: str
-    job_id: str = "deadpool"
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 5.0
-    probe_timeout: float = 1.0
-    rdzv_timeout: float = 300.0
-    faults: tuple[FaultSpec, ...] = ()
-    replicas: int = 1  # replica stores holding each node's snapshots (ring: node ranks r+1 .. r+replicas)
-    hang_timeout: float = 0.0  # no step anywhere for this long: find the rank that is not waiting on peers
-    on_spare_exhausted: str = "fail"  # or "wait": keep the survivors and wait for a node to join as a spare
-    spare_wait_timeout: float = 1800.0
-    restart_mode: bool = False  # the script does not use dpstate: recover by restarting every worker
-    max_restarts: int = 3  # restart mode: restart recoveries allowed (torchrun's --max-restarts)
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
-
-
-# ----------------------------------------------------------------------------- inputs and actions
-
-
-@dataclass(frozen=True)
-class Received:
-    """A decoded message from the agent whose socket identity is `node_id`."""
-
-    node_id: str
-    msg: Any
-
-
-@dataclass(frozen=True)
-class NodeGone:
-    """The shell saw a node's agent vanish (its process exited, its connection dropped)."""
-
-    node_id: str
-    cause: str
-
-
-@dataclass(frozen=True)
-class Tick:
-    pass
-
-
-@dataclass(frozen=True)
-class Shutdown:
-    """The launcher was told to stop (a signal, a user's Ctrl-C): stop every node and end the job."""
-
-    exit_code: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Send:
-    node_id: str
-    msg: Any
-
-
-@dataclass(frozen=True)
-class Publish:
-    event: dict
-
-
-@dataclass(frozen=True)
-class Finish:
-    exit_code: int
-    message: str
-
-
-# ----------------------------------------------------------------------------- recovery bookkeeping
-
-
-@dataclass
-class Recovery:
-    """One reconstruction, from the first failure it covers to the first step after it."""
-
-    failed: list[str]
-    t_fail: float
-    t_detect: float
-    generation: int = -1
-    t_decide: float = 0.0
-    restore_step: int = -1
-    lost_steps: int = 0
-    peak_step: int = 0  # the newest step any rank had reached when this recovery's first failure came
-    promoted: dict = field(default_factory=dict)  # node rank -> spare node id
-    replan: bool = False  # no node to replace, but the plan must change (holder lost, a copy bad)
-    waiting_since: float | None = None  # on_spare_exhausted=wait: when waiting for a spare began
-    ready: dict = field(default_factory=dict)  # rank -> (rebuild_s, restore_s)
-    stepped: set = field(default_factory=set)  # ranks that completed a step after the restore step
-    retries: int = 0  # generations planned again with no node lost (a rank failed to connect or restore)
-    why: str = ""  # what the last rank that asked for a new plan said
-    settle_until: float = 0.0  # a peer error alone: decide no sooner (a dead worker's exit may be on its way)
-
-
-@dataclass
-class Flush:
-    """A probe round: every node in `waiting` must Pong(seq >= seq) before `deadline`."""
-
-    seq: int
-    deadline: float
-    waiting: set
-
 
 describe_exit = p.describe_exit
 
@@ -137,7 +28,7 @@ describe_exit = p.describe_exit
 # ----------------------------------------------------------------------------- the state machine
 
 
-class Controller:
+class Controller(Reconstruction):
     def __init__(self, spec: JobSpec, now: float):
         if spec.nnodes < 1 or spec.spares < 0 or spec.nproc_per_node < 1:
             raise ValueError("nnodes and nproc_per_node must be at least 1, spares at least 0")
@@ -347,19 +238,6 @@ class Controller:
                       reason=msg.reason[:200])
         self._replan(now, f"restoring rank {msg.rank} from {msg.source} failed: {msg.reason[:200]}")
 
-    def _replan(self, now: float, why: str) -> None:
-        """A new generation is needed even if no node failed: probe every node, then plan it."""
-        if self.pending is None:
-            self.pending = Recovery(failed=[], t_fail=now, t_detect=now, peak_step=self.max_step)
-            if self.recovery is not None:  # the recovery under way is not complete: this one continues it
-                prior, self.recovery = self.recovery, None
-                self.pending.t_fail, self.pending.t_detect = prior.t_fail, prior.t_detect
-                self.pending.failed, self.pending.peak_step = list(prior.failed), prior.peak_step
-                self.pending.retries = prior.retries
-        self.pending.replan, self.pending.why = True, why
-        if self.flush is None:
-            self._start_flush(now)
-
     def _on_RankFinished(self, node: Node, msg: p.RankFinished, now: float) -> None:
         pass  # the job ends when every active worker has exited 0 (as with torchrun)
 
@@ -430,159 +308,6 @@ class Controller:
                 replica_also=[endpoint(h) for h in self.holders[node_rank][1:]], restore_also=restore_also,
                 restart_workers=self.spec.restart_mode,
             ))
-
-    # -- failures --------------------------------------------------------------------------------
-
-    def _node_failed(self, node_id: str, cause: str, now: float) -> None:
-        node = self.table.get(node_id)
-        if node is None or node.role == FAILED:
-            return
-        was = node.role
-        self.table.set_role(node, FAILED)
-        node.cause = cause
-        self.ledger.holder_lost(node_id)
-        self._send(node_id, p.Stop(reason=f"node {node_id} was fenced: {cause}", exit_code=1))
-        self._publish("node_failed", node=node_id, node_rank=node.node_rank if was == ACTIVE else None,
-                      role=was, cause=cause)
-        if self.flush is not None:
-            self.flush.waiting.discard(node_id)
-        if was == SPARE:
-            self._publish("spare_lost", node=node_id, spares_left=len(self.table.with_role(SPARE)))
-            finishing = any(self.table.nodes[n].exited_ok for n in self.layout)
-            if self.generation < 0 or finishing or not any(node_id in held for held in self.holders.values()):
-                return
-        elif self.generation < 0:  # still forming: the slot opens for the next node to register
-            return
-        if self.pending is None:
-            if self.recovery is not None:  # a failure during recovery: one recovery covers both
-                prior, self.recovery = self.recovery, None
-                self.pending = Recovery(failed=list(prior.failed), t_fail=prior.t_fail, t_detect=prior.t_detect,
-                                        peak_step=prior.peak_step)
-            else:
-                self.pending = Recovery(failed=[], t_fail=now, t_detect=now, peak_step=self.max_step)
-        self.pending.failed.append(node_id)
-        self.pending.replan |= was == SPARE
-        if node_id in self.injected_at:
-            self.pending.t_fail = min(self.pending.t_fail, self.injected_at[node_id])
-        self._start_flush(now)
-
-    def _start_flush(self, now: float) -> None:
-        """Ping every live node: a Pong proves it alive and flushes the SnapshotStored it sent before."""
-        self.seq += 1
-        waiting = {n.node_id for n in self.table.live()}
-        self.flush = Flush(seq=self.seq, deadline=now + self.spec.probe_timeout, waiting=waiting)
-        for node_id in sorted(waiting):
-            self._send(node_id, p.Ping(seq=self.seq))
-
-    def _maybe_decide(self, now: float) -> None:
-        if self.flush is None or self.flush.waiting:
-            return
-        if self.pending is not None and not self.pending.failed and now < self.pending.settle_until:
-            return  # every node answered, but a worker's exit report may still arrive: the next tick decides
-        self.flush = None
-        if self.pending is not None and not self.finished:
-            pending, self.pending = self.pending, None
-            self._reconstruct(pending, now)
-
-    def _reconstruct(self, rec: Recovery, now: float) -> None:
-        failed_slots = [i for i, n in enumerate(self.layout) if self.table.nodes[n].role == FAILED]
-        if not failed_slots and not rec.replan:
-            return
-        if not failed_slots and not self.spec.restart_mode:
-            rec.retries += 1
-            if rec.retries > MAX_REPLANS:
-                self._finish(1, f"generation {self.generation} could not start: planned {rec.retries} times with "
-                                f"every node answering probes (last: {rec.why}); check that the nodes reach each "
-                                "other on the Gloo/NCCL ports, or raise DP_CONNECT_TIMEOUT")
-                return
-        if any(self.table.nodes[n].exited_ok for n in self.layout):
-            # a worker exits 0 only after the job's final barrier: training is complete, and the ranks that
-            # exited cannot join a new generation. Say so rather than wait for them.
-            failed = ", ".join(f"{n} ({self.table.nodes[n].cause})" for n in rec.failed) or rec.why
-            self._finish(1, f"training completed (step {self.max_step}), but {failed} failed after other ranks "
-                            "had finished and exited; the final state is complete on the surviving ranks")
-            return
-        spares = self.table.with_role(SPARE)
-        if len(spares) < len(failed_slots):
-            names = ", ".join(f"{self.layout[i]} (node rank {i}: {self.table.nodes[self.layout[i]].cause})"
-                              for i in failed_slots)
-            if self.spec.on_spare_exhausted != "wait":
-                self._finish(1, f"node failure with no spare left: {names}; rerun with more --spares")
-                return
-            if rec.waiting_since is None:
-                rec.waiting_since = now
-                self._publish("waiting_for_spare", needed=len(failed_slots) - len(spares), failed=names,
-                              timeout_s=self.spec.spare_wait_timeout)
-            self.pending = rec  # decided again when a node registers as a spare
-            return
-        if self.spec.restart_mode:
-            if self.restarts >= self.spec.max_restarts:
-                self._finish(1, f"node {', '.join(rec.failed)} failed and --max-restarts {self.spec.max_restarts} "
-                                "restarts are used up: " + "; ".join(self.table.nodes[n].cause for n in rec.failed))
-                return
-            self.restarts += 1
-            plan = RestorePlan(step=p.NO_RANK)  # the script restarts from scratch (or its own checkpoint)
-        else:
-            # a rank whose new node has not restored it yet has its state only on replicas, like a failed one
-            failed_ranks = {r for i in failed_slots for r in self.ranks_of(i)} | self.unrestored
-            plan = self.ledger.plan(self.spec.world_size, failed_ranks, self._survivor_floors())
-        if plan.lost:
-            holders = sorted({self.table.nodes[n].node_id for n in rec.failed})
-            self._finish(1, f"state lost: ranks {plan.lost} had every copy on failed nodes {holders}; "
-                            "rerun with more replicas or restore from disk")
-            return
-        self.unrestored |= {r for i in failed_slots for r in self.ranks_of(i)}
-        for i in failed_slots:
-            spare = spares.pop(0)
-            self.table.set_role(spare, ACTIVE)
-            spare.node_rank = i
-            rec.promoted[i] = spare.node_id
-            self.layout[i] = spare.node_id
-            self._publish("spare_promoted", spare=spare.node_id, node_rank=i, generation=self.generation + 1)
-        self.generation += 1
-        rec.generation = self.generation
-        rec.t_decide = now
-        self.last_progress_at, self.stepped = now, False
-        rec.restore_step = plan.step
-        rec.peak_step = max(rec.peak_step, self.max_step)
-        rec.lost_steps = max(0, rec.peak_step - plan.step)
-        self.ledger.rollback(plan.step)
-        self.rank_step = {rank: max(plan.step, 0) for rank in range(self.spec.world_size)}
-        self.max_step = plan.step
-        # faults due "during recovery" go out first: a replica corrupted for this plan is damaged before a
-        # promoted spare, which fetches as soon as it hears of the plan, can ask for it
-        self._fire_faults(now, recovering=True)
-        self._reconfigure_all(plan.step, plan.sources, reason="recovery")
-        self._publish("reconfigure", generation=self.generation, restore_step=plan.step,
-                      layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))
-        self.recovery = rec
-
-    def _survivor_floors(self) -> dict[int, int]:
-        """A replicated step that every surviving rank still holds locally, from what ranks reported.
-
-        Progress(P) from any rank means every rank passed the all-reduce of step P, so every rank had its
-        snapshot of P-2 acked (the optimizer's pre-step wait); no rank is past P_max+1, and a worker keeps
-        its newest 4 snapshots. So P_max-2 is replicated and held, whatever the replica reports say (those
-        from a holder that died with them can be lost in flight).
-        """
-        top = max(self.rank_step.values(), default=0)
-        return {rank: max(top - 2, 0) for rank in range(self.spec.world_size)}
-
-    def _recovery_complete(self, rec: Recovery, now: float) -> None:
-        rebuild = max((r[0] for r in rec.ready.values()), default=0.0)
-        restore = max((r[1] for r in rec.ready.values()), default=0.0)
-        phases = {
-            "detect_s": round(rec.t_detect - rec.t_fail, 4),
-            "decide_s": round(rec.t_decide - rec.t_detect, 4),
-            "rebuild_s": round(rebuild, 4),
-            "restore_s": round(restore, 4),
-            "total_s": round(now - rec.t_fail, 4),
-        }
-        self._publish("recovery_complete", mode="restart" if self.spec.restart_mode else "hot-swap",
-                      generation=rec.generation, restore_step=rec.restore_step,
-                      lost_steps=rec.lost_steps, failed=rec.failed, promoted=rec.promoted, phases=phases)
-        self.recoveries.append(rec)
-        self.recovery = None
 
     # -- time ------------------------------------------------------------------------------------
 

@@ -103,6 +103,10 @@ class AbortSignal:
     def is_set(self) -> bool:
         return self._stopped is not None or self._target > self._active
 
+    def superseded(self) -> bool:
+        """A newer generation was asked for (not a Stop): the current step's result will be abandoned."""
+        return self._target > self._active
+
     @property
     def reason(self) -> str:
         return self._reason

@@ -110,9 +110,11 @@ def _hook(state, bucket):  # unannotated: DDP checks annotations, which are stri
     return state(bucket)
 
 
-def _stop_if_aborted(abort: AbortSignal):
+def _stop_if_superseded(abort: AbortSignal):
+    """A gradient hook that ends the backward once a newer generation is asked for. Not on a Stop: a script
+    may still evaluate after its last step while the job ends (a Stop releases every wait by itself)."""
     def hook(_param: torch.Tensor) -> None:
-        if abort.is_set():
+        if abort.superseded():
             raise abort.error()
 
     return hook
@@ -145,7 +147,7 @@ class DataParallel(nn.Module):
         # the rest of a step whose result is abandoned anyway (the recovery waits for it to join the group).
         for param in module.parameters():
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(_stop_if_aborted(abort))
+                param.register_post_accumulate_grad_hook(_stop_if_superseded(abort))
 
     @property
     def ddp(self) -> nn.parallel.DistributedDataParallel:
@@ -160,7 +162,8 @@ class DataParallel(nn.Module):
         return self._ddp
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._abort.check()
+        if self._abort.superseded():
+            raise self._abort.error()
         ddp = self.ddp
         if not ddp._has_rebuilt_buckets and torch.is_grad_enabled() and self._hook_state.backward_seen:
             self._rebuild_buckets(ddp)

@@ -23,7 +23,7 @@ from .abort import AbortSignal
 from .interval import SnapshotPolicy
 from .profile import SnapshotStats, write_profile
 
-NSLOTS = 4  # local snapshots kept: a survivor may have to roll back 3 steps (see dprun.controller._survivor_floors)
+NSLOTS = 4  # local snapshots kept: a survivor may have to roll back 3 steps (see dprun.reconstruction._survivor_floors)
 
 
 class ReplicationError(RuntimeError):

@@ -27,9 +27,9 @@ from .abort import AbortSignal, classify
 from .control import Control
 from .ddp import DataParallel
 from .pgroup import GroupManager, default_backend, local_device
-from .prefetch import Prefetch
 from .interval import POLICY_NAME, SnapshotPolicy
 from .replication import Replicator, ReplicationError, Slot
+from .sources import SnapshotSources, named_sources
 from .state import Tracked
 from .watch import WATCHER
 
@@ -86,8 +86,8 @@ class Job:
         self._started = False  # steps() restored or snapshotted a state: the in-memory one is no longer fresh
         self._rebuild_s = 0.0
         self._last_step = 0  # the newest step completed in this generation's timeline
-        self._prefetch: Prefetch | None = None  # a promoted spare's restore snapshot, fetched while its script builds
         self._replicator = None if control is None else Replicator(control.codec, 0, abort, ctx)
+        self._sources = None if control is None else SnapshotSources(self._replicator, self.node_id, self._send)
         if self._replicator is not None and self._replicator.policy.mode == "auto":
             self._tracked.add(**{POLICY_NAME: self._replicator.policy})  # its decision travels in snapshots
         self.activity = "idle"  # compute, snapshot, recovering, idle: see protocol.WorkerStatus
@@ -232,9 +232,7 @@ class Job:
                 error, newer_than = exc, reconf.generation
 
     def _enter(self, reconf: P.Reconfigure, restore: bool) -> None:
-        if self._prefetch is not None and self._prefetch.generation != reconf.generation:
-            self._prefetch.discard()  # for a superseded plan: the abort still set for it stops it at once
-            self._prefetch = None
+        self._sources.drop_stale(reconf.generation)
         self._abort.enter(reconf.generation)
         old_rank = self.rank
         self._apply(reconf)
@@ -246,8 +244,8 @@ class Job:
             self._replicator.quiesce()
             if old_rank != self.rank:
                 self._replicator.forget_after(-1)
-            if not restore:  # the script runs before it restores (init): fetch meanwhile
-                self._start_prefetch(reconf)
+            if not restore:  # the script runs before it restores (a spare in init): fetch meanwhile
+                self._sources.prefetch(reconf, self.rank)
             self._groups.build(reconf.generation, reconf.store_endpoint, self.rank, self.world_size, self._abort)
             self._rebuild_s = time.perf_counter() - t0
         if not restore:
@@ -264,7 +262,7 @@ class Job:
             # The stores the plan names as holding this step keep their copy for this generation instead
             # of receiving it again (they check it first), so a survivor sends it whole only where its
             # holder died; the first optimizer step waits for it, as for any snapshot.
-            self._replicator.submit_packed(restored, held_at=self._named_sources(reconf))
+            self._replicator.submit_packed(restored, held_at=named_sources(reconf, self.rank))
         self._send(P.WorkerReady(node_id=self.node_id, generation=self.generation, rank=self.rank,
                                  rebuild_s=self._rebuild_s, restore_s=restore_s, restored_from=self.restored_from))
 
@@ -296,7 +294,7 @@ class Job:
             rep.forget_after(-1)
             rep.submit(0, self._tracked.capture(0))
             return "", None
-        slot, bad_copies = self._take_prefetch(reconf)
+        slot, bad_copies = self._sources.take_prefetched(reconf, self.rank)
         slot, where = (slot, "replica") if slot is not None else (rep.local(step), "local")
         if slot is None and (source == "init" or (step == 0 and not source)):
             # keep the state before training: this process never started (a spare, or a failure came first)
@@ -307,54 +305,10 @@ class Job:
             rep.submit(0, self._tracked.capture(0))
             return "init", None
         if slot is None:
-            slot, where = self._fetch_any(reconf, step, bad_copies), "replica"
+            slot, where = self._sources.fetch_any(reconf, self.rank, bad_copies), "replica"
         self._load(slot, step)
         rep.forget_after(step)
         return where, slot
-
-    def _start_prefetch(self, reconf: P.Reconfigure) -> None:
-        step, sources = reconf.restore_step, self._named_sources(reconf)
-        if step >= 0 and sources and self._replicator.policy.enabled and self._replicator.local(step) is None:
-            self._prefetch = Prefetch(self._replicator, reconf.generation, self.rank, step, sources)
-
-    def _take_prefetch(self, reconf: P.Reconfigure) -> tuple[Slot | None, dict[str, str]]:
-        """The snapshot prefetched for this plan, if any, and the bad copies it met on the way (reported)."""
-        prefetch, self._prefetch = self._prefetch, None
-        if prefetch is None:
-            return None, {}
-        slot = prefetch.take(reconf.generation, self.rank, reconf.restore_step)
-        if prefetch.generation != reconf.generation:
-            return None, {}
-        bad = dict(prefetch.problems)
-        for source, reason in bad.items():
-            self._report_bad_copy(reconf, source, reason)
-        return slot, bad
-
-    def _report_bad_copy(self, reconf: P.Reconfigure, source: str, reason: str) -> None:
-        self._send(P.RestoreFailed(node_id=self.node_id, generation=reconf.generation, rank=self.rank,
-                                   step=reconf.restore_step, source=source, reason=reason[:500]))
-
-    def _named_sources(self, reconf: P.Reconfigure) -> list[str]:
-        """The replica endpoints the plan names as holding this rank's restore step."""
-        sources = [reconf.restore_from.get(str(self.rank), ""), *reconf.restore_also.get(str(self.rank), [])]
-        return [s for s in sources if s and s != "init"]
-
-    def _fetch_any(self, reconf: P.Reconfigure, step: int, known_bad: dict[str, str]) -> Slot:
-        """The first good copy among the named replica stores (but those known bad, already reported); each
-        bad one is reported (RestoreFailed) so the controller can plan without it. None good:
-        ReplicationError, and we wait for the next plan."""
-        problems = [f"{source}: {reason}" for source, reason in known_bad.items()]
-        for source in self._named_sources(reconf):
-            if source in known_bad:
-                continue
-            try:
-                return self._replicator.fetch(source, self.rank, step)
-            except ReplicationError as exc:
-                problems.append(f"{source}: {exc}")
-                self._report_bad_copy(reconf, source, str(exc))
-        raise ReplicationError(f"rank {self.rank} holds no snapshot of step {step} (holds "
-                               f"{self._replicator.local_steps()}) and no replica had a good copy: "
-                               + ("; ".join(problems) or "none was named"))
 
     def _status(self) -> P.WorkerStatus | None:
         if self._control is None:

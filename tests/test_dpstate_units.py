@@ -191,6 +191,9 @@ def test_a_survivor_stops_computing_as_soon_as_a_reconfiguration_is_asked_for():
         ddp.drop()
         abort.enter(1)
         ddp(torch.ones(2, 4)).sum().backward()  # the new generation computes again
+        abort.stop("job finished")  # a Stop does not break an evaluation after the last step
+        with torch.no_grad():
+            ddp(torch.ones(2, 4))
     finally:
         dist.destroy_process_group()
 

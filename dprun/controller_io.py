@@ -1,0 +1,119 @@
+"""The controller's vocabulary: the job spec, the inputs it handles and the actions it returns (all plain
+dataclasses, so a shell or a simulator can drive it), and the records it keeps of a recovery in progress.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .faults import FaultSpec
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    nnodes: int
+    spares: int
+    nproc_per_node: int
+    store_endpoint: str
+    job_id: str = "deadpool"
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 5.0
+    probe_timeout: float = 1.0
+    rdzv_timeout: float = 300.0
+    faults: tuple[FaultSpec, ...] = ()
+    replicas: int = 1  # replica stores holding each node's snapshots (ring: node ranks r+1 .. r+replicas)
+    hang_timeout: float = 0.0  # no step anywhere for this long: find the rank that is not waiting on peers
+    on_spare_exhausted: str = "fail"  # or "wait": keep the survivors and wait for a node to join as a spare
+    spare_wait_timeout: float = 1800.0
+    restart_mode: bool = False  # the script does not use dpstate: recover by restarting every worker
+    max_restarts: int = 3  # restart mode: restart recoveries allowed (torchrun's --max-restarts)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+# ----------------------------------------------------------------------------- inputs and actions
+
+
+@dataclass(frozen=True)
+class Received:
+    """A decoded message from the agent whose socket identity is `node_id`."""
+
+    node_id: str
+    msg: Any
+
+
+@dataclass(frozen=True)
+class NodeGone:
+    """The shell saw a node's agent vanish (its process exited, its connection dropped)."""
+
+    node_id: str
+    cause: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """The launcher was told to stop (a signal, a user's Ctrl-C): stop every node and end the job."""
+
+    exit_code: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Send:
+    node_id: str
+    msg: Any
+
+
+@dataclass(frozen=True)
+class Publish:
+    event: dict
+
+
+@dataclass(frozen=True)
+class Finish:
+    exit_code: int
+    message: str
+
+
+# ----------------------------------------------------------------------------- recovery bookkeeping
+
+
+@dataclass
+class Recovery:
+    """One reconstruction, from the first failure it covers to the first step after it."""
+
+    failed: list[str]
+    t_fail: float
+    t_detect: float
+    generation: int = -1
+    t_decide: float = 0.0
+    restore_step: int = -1
+    lost_steps: int = 0
+    peak_step: int = 0  # the newest step any rank had reached when this recovery's first failure came
+    promoted: dict = field(default_factory=dict)  # node rank -> spare node id
+    replan: bool = False  # no node to replace, but the plan must change (holder lost, a copy bad)
+    waiting_since: float | None = None  # on_spare_exhausted=wait: when waiting for a spare began
+    ready: dict = field(default_factory=dict)  # rank -> (rebuild_s, restore_s)
+    stepped: set = field(default_factory=set)  # ranks that completed a step after the restore step
+    retries: int = 0  # generations planned again with no node lost (a rank failed to connect or restore)
+    why: str = ""  # what the last rank that asked for a new plan said
+    settle_until: float = 0.0  # a peer error alone: decide no sooner (a dead worker's exit may be on its way)
+
+
+@dataclass
+class Flush:
+    """A probe round: every node in `waiting` must Pong(seq >= seq) before `deadline`."""
+
+    seq: int
+    deadline: float
+    waiting: set

@@ -1,0 +1,183 @@
+"""Reconstruction: what the controller does when a node fails or a plan must change: fence it, probe every
+live node, then plan the next generation (spares promoted, restore step and sources) or end the job saying why.
+
+A part of the Controller state machine (it inherits this), kept apart so each file reads in one sitting.
+"""
+
+from __future__ import annotations
+
+from dpagent import protocol as p
+
+from .controller_io import Flush, Recovery
+from .ledger import RestorePlan
+from .nodes import ACTIVE, FAILED, SPARE
+
+MAX_REPLANS = 3  # generations planned again in a row with no node lost before the job gives up
+
+
+class Reconstruction:
+    """The failure and recovery half of dprun.controller.Controller (its state lives there)."""
+
+    def _replan(self, now: float, why: str) -> None:
+        """A new generation is needed even if no node failed: probe every node, then plan it."""
+        if self.pending is None:
+            self.pending = Recovery(failed=[], t_fail=now, t_detect=now, peak_step=self.max_step)
+            if self.recovery is not None:  # the recovery under way is not complete: this one continues it
+                prior, self.recovery = self.recovery, None
+                self.pending.t_fail, self.pending.t_detect = prior.t_fail, prior.t_detect
+                self.pending.failed, self.pending.peak_step = list(prior.failed), prior.peak_step
+                self.pending.retries = prior.retries
+        self.pending.replan, self.pending.why = True, why
+        if self.flush is None:
+            self._start_flush(now)
+
+    def _node_failed(self, node_id: str, cause: str, now: float) -> None:
+        node = self.table.get(node_id)
+        if node is None or node.role == FAILED:
+            return
+        was = node.role
+        self.table.set_role(node, FAILED)
+        node.cause = cause
+        self.ledger.holder_lost(node_id)
+        self._send(node_id, p.Stop(reason=f"node {node_id} was fenced: {cause}", exit_code=1))
+        self._publish("node_failed", node=node_id, node_rank=node.node_rank if was == ACTIVE else None,
+                      role=was, cause=cause)
+        if self.flush is not None:
+            self.flush.waiting.discard(node_id)
+        if was == SPARE:
+            self._publish("spare_lost", node=node_id, spares_left=len(self.table.with_role(SPARE)))
+            finishing = any(self.table.nodes[n].exited_ok for n in self.layout)
+            if self.generation < 0 or finishing or not any(node_id in held for held in self.holders.values()):
+                return
+        elif self.generation < 0:  # still forming: the slot opens for the next node to register
+            return
+        if self.pending is None:
+            if self.recovery is not None:  # a failure during recovery: one recovery covers both
+                prior, self.recovery = self.recovery, None
+                self.pending = Recovery(failed=list(prior.failed), t_fail=prior.t_fail, t_detect=prior.t_detect,
+                                        peak_step=prior.peak_step)
+            else:
+                self.pending = Recovery(failed=[], t_fail=now, t_detect=now, peak_step=self.max_step)
+        self.pending.failed.append(node_id)
+        self.pending.replan |= was == SPARE
+        if node_id in self.injected_at:
+            self.pending.t_fail = min(self.pending.t_fail, self.injected_at[node_id])
+        self._start_flush(now)
+
+    def _start_flush(self, now: float) -> None:
+        """Ping every live node: a Pong proves it alive and flushes the SnapshotStored it sent before."""
+        self.seq += 1
+        waiting = {n.node_id for n in self.table.live()}
+        self.flush = Flush(seq=self.seq, deadline=now + self.spec.probe_timeout, waiting=waiting)
+        for node_id in sorted(waiting):
+            self._send(node_id, p.Ping(seq=self.seq))
+
+    def _maybe_decide(self, now: float) -> None:
+        if self.flush is None or self.flush.waiting:
+            return
+        if self.pending is not None and not self.pending.failed and now < self.pending.settle_until:
+            return  # every node answered, but a worker's exit report may still arrive: the next tick decides
+        self.flush = None
+        if self.pending is not None and not self.finished:
+            pending, self.pending = self.pending, None
+            self._reconstruct(pending, now)
+
+    def _reconstruct(self, rec: Recovery, now: float) -> None:
+        failed_slots = [i for i, n in enumerate(self.layout) if self.table.nodes[n].role == FAILED]
+        if not failed_slots and not rec.replan:
+            return
+        if not failed_slots and not self.spec.restart_mode:
+            rec.retries += 1
+            if rec.retries > MAX_REPLANS:
+                self._finish(1, f"generation {self.generation} could not start: planned {rec.retries} times with "
+                                f"every node answering probes (last: {rec.why}); check that the nodes reach each "
+                                "other on the Gloo/NCCL ports, or raise DP_CONNECT_TIMEOUT")
+                return
+        if any(self.table.nodes[n].exited_ok for n in self.layout):
+            # a worker exits 0 only after the job's final barrier: training is complete, and the ranks that
+            # exited cannot join a new generation. Say so rather than wait for them.
+            failed = ", ".join(f"{n} ({self.table.nodes[n].cause})" for n in rec.failed) or rec.why
+            self._finish(1, f"training completed (step {self.max_step}), but {failed} failed after other ranks "
+                            "had finished and exited; the final state is complete on the surviving ranks")
+            return
+        spares = self.table.with_role(SPARE)
+        if len(spares) < len(failed_slots):
+            names = ", ".join(f"{self.layout[i]} (node rank {i}: {self.table.nodes[self.layout[i]].cause})"
+                              for i in failed_slots)
+            if self.spec.on_spare_exhausted != "wait":
+                self._finish(1, f"node failure with no spare left: {names}; rerun with more --spares")
+                return
+            if rec.waiting_since is None:
+                rec.waiting_since = now
+                self._publish("waiting_for_spare", needed=len(failed_slots) - len(spares), failed=names,
+                              timeout_s=self.spec.spare_wait_timeout)
+            self.pending = rec  # decided again when a node registers as a spare
+            return
+        if self.spec.restart_mode:
+            if self.restarts >= self.spec.max_restarts:
+                self._finish(1, f"node {', '.join(rec.failed)} failed and --max-restarts {self.spec.max_restarts} "
+                                "restarts are used up: " + "; ".join(self.table.nodes[n].cause for n in rec.failed))
+                return
+            self.restarts += 1
+            plan = RestorePlan(step=p.NO_RANK)  # the script restarts from scratch (or its own checkpoint)
+        else:
+            # a rank whose new node has not restored it yet has its state only on replicas, like a failed one
+            failed_ranks = {r for i in failed_slots for r in self.ranks_of(i)} | self.unrestored
+            plan = self.ledger.plan(self.spec.world_size, failed_ranks, self._survivor_floors())
+        if plan.lost:
+            holders = sorted({self.table.nodes[n].node_id for n in rec.failed})
+            self._finish(1, f"state lost: ranks {plan.lost} had every copy on failed nodes {holders}; "
+                            "rerun with more replicas or restore from disk")
+            return
+        self.unrestored |= {r for i in failed_slots for r in self.ranks_of(i)}
+        for i in failed_slots:
+            spare = spares.pop(0)
+            self.table.set_role(spare, ACTIVE)
+            spare.node_rank = i
+            rec.promoted[i] = spare.node_id
+            self.layout[i] = spare.node_id
+            self._publish("spare_promoted", spare=spare.node_id, node_rank=i, generation=self.generation + 1)
+        self.generation += 1
+        rec.generation = self.generation
+        rec.t_decide = now
+        self.last_progress_at, self.stepped = now, False
+        rec.restore_step = plan.step
+        rec.peak_step = max(rec.peak_step, self.max_step)
+        rec.lost_steps = max(0, rec.peak_step - plan.step)
+        self.ledger.rollback(plan.step)
+        self.rank_step = {rank: max(plan.step, 0) for rank in range(self.spec.world_size)}
+        self.max_step = plan.step
+        # faults due "during recovery" go out first: a replica corrupted for this plan is damaged before a
+        # promoted spare, which fetches as soon as it hears of the plan, can ask for it
+        self._fire_faults(now, recovering=True)
+        self._reconfigure_all(plan.step, plan.sources, reason="recovery")
+        self._publish("reconfigure", generation=self.generation, restore_step=plan.step,
+                      layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))
+        self.recovery = rec
+
+    def _survivor_floors(self) -> dict[int, int]:
+        """A replicated step that every surviving rank still holds locally, from what ranks reported.
+
+        Progress(P) from any rank means every rank passed the all-reduce of step P, so every rank had its
+        snapshot of P-2 acked (the optimizer's pre-step wait); no rank is past P_max+1, and a worker keeps
+        its newest 4 snapshots. So P_max-2 is replicated and held, whatever the replica reports say (those
+        from a holder that died with them can be lost in flight).
+        """
+        top = max(self.rank_step.values(), default=0)
+        return {rank: max(top - 2, 0) for rank in range(self.spec.world_size)}
+
+    def _recovery_complete(self, rec: Recovery, now: float) -> None:
+        rebuild = max((r[0] for r in rec.ready.values()), default=0.0)
+        restore = max((r[1] for r in rec.ready.values()), default=0.0)
+        phases = {
+            "detect_s": round(rec.t_detect - rec.t_fail, 4),
+            "decide_s": round(rec.t_decide - rec.t_detect, 4),
+            "rebuild_s": round(rebuild, 4),
+            "restore_s": round(restore, 4),
+            "total_s": round(now - rec.t_fail, 4),
+        }
+        self._publish("recovery_complete", mode="restart" if self.spec.restart_mode else "hot-swap",
+                      generation=rec.generation, restore_step=rec.restore_step,
+                      lost_steps=rec.lost_steps, failed=rec.failed, promoted=rec.promoted, phases=phases)
+        self.recoveries.append(rec)
+        self.recovery = None
