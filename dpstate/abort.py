@@ -118,6 +118,11 @@ class AbortSignal:
         if self.is_set():
             raise self.error()
 
+    def check_superseded(self) -> None:
+        """check(), but only for a newer generation, not a Stop."""
+        if self.superseded():
+            raise self.error()
+
     # ------------------------------------------------------------------ callbacks
 
     def add_callback(self, fn: Callable[[], Any]) -> int:

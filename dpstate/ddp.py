@@ -110,16 +110,6 @@ def _hook(state, bucket):  # unannotated: DDP checks annotations, which are stri
     return state(bucket)
 
 
-def _stop_if_superseded(abort: AbortSignal):
-    """A gradient hook that ends the backward once a newer generation is asked for. Not on a Stop: a script
-    may still evaluate after its last step while the job ends (a Stop releases every wait by itself)."""
-    def hook(_param: torch.Tensor) -> None:
-        if abort.superseded():
-            raise abort.error()
-
-    return hook
-
-
 def _ordered_sum(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     out.copy_(rows[0])
     for r in range(1, rows.shape[0]):
@@ -145,9 +135,10 @@ class DataParallel(nn.Module):
         object.__setattr__(self, "_hook_state", None)
         # A survivor learns of a failure while it computes; it stops at the next gradient instead of running
         # the rest of a step whose result is abandoned anyway (the recovery waits for it to join the group).
+        # Not on a Stop: a script may still evaluate after its last step while the job ends.
         for param in module.parameters():
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(_stop_if_superseded(abort))
+                param.register_post_accumulate_grad_hook(lambda _param: abort.check_superseded())
 
     @property
     def ddp(self) -> nn.parallel.DistributedDataParallel:
@@ -162,8 +153,7 @@ class DataParallel(nn.Module):
         return self._ddp
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._abort.superseded():
-            raise self._abort.error()
+        self._abort.check_superseded()
         ddp = self.ddp
         if not ddp._has_rebuilt_buckets and torch.is_grad_enabled() and self._hook_state.backward_seen:
             self._rebuild_buckets(ddp)
