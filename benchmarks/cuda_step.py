@@ -17,8 +17,6 @@ JSON: {"device", "state_bytes", "step_s": {"off", "per_step"}, "ratio", "overhea
 from __future__ import annotations
 
 import argparse
-import json
-import secrets
 import statistics
 import subprocess
 import sys

@@ -18,7 +18,6 @@ JSON: {"goodput": {"deadpool", "torchrun"}, "failures": {...}, "final_step": {..
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import signal

@@ -30,9 +30,10 @@ from .protocol import (
     Register, RestoreFailed, Stop, Welcome, WorkerExited, WorkerReady, WorkerStatus,
 )
 from .output import OutputSpec
-from .replica_server import ReplicaServer
+from .replica_server import RelabelChecked, ReplicaServer
 from .replica_store import ReplicaStore
 from .restart import RestartMode
+from .shutdown import Shutdown, ShutdownSequence
 from .workers import WorkerDone, WorkerGroup, describe_exit, worker_env
 
 log = logging.getLogger("dpagent")
@@ -66,15 +67,7 @@ class AgentConfig:
     env: dict = field(default_factory=lambda: dict(os.environ))
 
 
-@dataclass
-class Shutdown:
-    code: int
-    reason: str
-    phase: str  # "stop" (Stop relayed) -> "term" -> "kill"
-    deadline: float
-
-
-class Agent(RestartMode):
+class Agent(RestartMode, ShutdownSequence):
     def __init__(self, cfg: AgentConfig):
         self.cfg = cfg
         self.codec = Codec(cfg.token)
@@ -125,7 +118,7 @@ class Agent(RestartMode):
         self.replica_endpoint = f"tcp://{host}:{port}"
 
         self.workers = WorkerGroup(self.events, cfg.output)
-        self.replica = ReplicaServer(self.replica_ch, ReplicaStore(), cfg.node_id, self._to_controller)
+        self.replica = ReplicaServer(self.replica_ch, ReplicaStore(), cfg.node_id, self._to_controller, self.events)
         self.poller = zmq.Poller()
         for sock in (self.control.sock, self.events.wake, self.worker_ch.sock, self.replica_ch.sock):
             self.poller.register(sock, zmq.POLLIN)
@@ -173,6 +166,7 @@ class Agent(RestartMode):
         self.control.sock.close(linger=0 if lost else 500)  # let the last reports out
         self.worker_ch.sock.close(linger=0)
         self.replica_ch.sock.close(linger=0)
+        self.replica.close()
         self.events.close()
         term = threading.Thread(target=self.ctx.term, daemon=True)
         term.start()
@@ -375,6 +369,8 @@ class Agent(RestartMode):
         for event in self.events.drain():
             if isinstance(event, WorkerDone):
                 self._on_worker_done(event)
+            elif isinstance(event, RelabelChecked):
+                self.replica.relabel_checked(event)
 
     def _on_worker_done(self, done: WorkerDone) -> None:
         if self._retired_exit(done.pid):
@@ -395,44 +391,6 @@ class Agent(RestartMode):
                               log_path=output.log_path if output is not None else "")
         if not self._hold_exit(exited):
             self._to_controller(exited)
-
-    # ------------------------------------------------------------------ shutdown
-
-    def _begin_shutdown(self, code: int, reason: str, phase: str, stop: Stop | None = None) -> None:
-        if self.shutdown is not None:
-            return
-        now = time.monotonic()
-        alive = self.workers.alive()
-        log.info("%s; %d live worker(s); will exit %d", reason, len(alive), code)
-        if phase == "stop":
-            self._to_workers(stop or Stop(reason, code))
-            deadline = now + self.cfg.stop_grace
-        else:
-            self.workers.signal_all(signal.SIGKILL)
-            deadline = now + 2.0
-        self.shutdown = Shutdown(code, reason, phase, deadline)
-        self._advance_shutdown(now)
-
-    def _advance_shutdown(self, now: float) -> None:
-        sd = self.shutdown
-        alive = self.workers.alive()
-        if not alive:
-            self.exit_code = sd.code
-            return
-        if now < sd.deadline:
-            return
-        ranks = ", ".join(str(w.local_rank) for w in alive)
-        if sd.phase == "stop":
-            log.warning("worker(s) %s still running %.1fs after Stop: SIGTERM", ranks, self.cfg.stop_grace)
-            self.workers.signal_all(signal.SIGTERM)
-            sd.phase, sd.deadline = "term", now + self.cfg.term_grace
-        elif sd.phase == "term":
-            log.warning("worker(s) %s still running after SIGTERM: SIGKILL", ranks)
-            self.workers.signal_all(signal.SIGKILL)
-            sd.phase, sd.deadline = "kill", now + 2.0
-        else:
-            log.error("worker(s) %s did not die after SIGKILL; giving up on them", ranks)
-            self.exit_code = sd.code
 
     # ------------------------------------------------------------------ diagnostics
 

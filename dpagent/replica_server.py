@@ -2,26 +2,80 @@
 
 The holder checks sizes only: the checksum is checked end to end by the worker that loads a snapshot (a bad
 copy there is reported and another one used), so a holder spends no CPU per snapshot beyond receiving it.
+The one exception, a relabel (keep a held copy for a new generation), checks the copy in a background thread
+when given the agent's EventPipe: at tens of GB that takes seconds, which the agent's loop (heartbeats) must
+not wait for.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
+import zmq
+
 from .channel import Channel, Incoming
+from .checksum import checksum
+from .events import EventPipe
 from .protocol import FetchSnapshot, PutSnapshot, SnapshotAck, SnapshotData, SnapshotStored
-from .replica_store import ReplicaStore
+from .replica_store import ReplicaStore, Snapshot, frame_view
 
 log = logging.getLogger("dpagent")
 
 
+@dataclass(frozen=True)
+class RelabelChecked:
+    """A held copy's bytes were checked for a relabel (posted to the agent loop)."""
+
+    incoming: Incoming
+    put: PutSnapshot
+    snapshot: Snapshot
+    intact: bool
+
+
+class RelabelChecker:
+    """One thread that checksums held copies for relabels and posts each RelabelChecked to the agent loop."""
+
+    def __init__(self, events: EventPipe, check: Callable[[Any, Any], int] = checksum):
+        self._events, self._check = events, check
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="dpagent-relabel-check", daemon=True)
+        self._thread.start()
+
+    def submit(self, incoming: Incoming, put: PutSnapshot, snap: Snapshot) -> None:
+        self._jobs.put((incoming, put, snap))
+
+    def close(self) -> None:
+        """Stop after the check under way (not waited for: the agent is exiting)."""
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            incoming, put, snap = job
+            try:
+                intact = self._check(frame_view(snap.meta), frame_view(snap.data)) == put.checksum
+            except Exception:  # unreadable: as good as corrupt, the sender sends it whole
+                intact = False
+            try:
+                with self._events.sender() as sender:  # a socket per result: none open while checking
+                    sender.post(RelabelChecked(incoming, put, snap, intact))
+            except zmq.ZMQError:  # the agent's context is closing
+                return
+
+
 class ReplicaServer:
-    def __init__(self, channel: Channel, store: ReplicaStore, node_id: str, report: Callable[[SnapshotStored], Any]):
+    """Without `events`, relabels are checked inline (a holder loop that has nothing else to do)."""
+
+    def __init__(self, channel: Channel, store: ReplicaStore, node_id: str, report: Callable[[SnapshotStored], Any],
+                 events: EventPipe | None = None):
         self.channel = channel
         self.store = store
         self.node_id = node_id
         self._report = report
+        self.checker = RelabelChecker(events) if events is not None else None
 
     def handle(self, incoming: Incoming) -> None:
         msg = incoming.msg
@@ -34,12 +88,29 @@ class ReplicaServer:
 
     def _put(self, incoming: Incoming, put: PutSnapshot) -> None:
         """Store the snapshot (frames kept as received: no copy), ack the sender, tell the controller."""
-        if put.held:
+        if put.held and not incoming.payload and self.checker is not None:
+            candidate = self.store.relabel_candidate(put)
+            if not isinstance(candidate, str):
+                self.checker.submit(incoming, put, candidate)  # answered in relabel_checked()
+                return
+            error = candidate
+        elif put.held:
             error = self.store.relabel(put) if not incoming.payload else "a held=True put has no payload"
         elif len(incoming.payload) != 2:
             error = f"expected 2 payload frames (meta, data), got {len(incoming.payload)}"
         else:
             error = self.store.add(put, *incoming.payload)
+        self._answer(incoming, put, error)
+
+    def relabel_checked(self, done: RelabelChecked) -> None:
+        """The background check of a relabel finished: keep the copy (or not) and answer the sender."""
+        self._answer(done.incoming, done.put, self.store.relabel_checked(done.put, done.snapshot, done.intact))
+
+    def close(self) -> None:
+        if self.checker is not None:
+            self.checker.close()
+
+    def _answer(self, incoming: Incoming, put: PutSnapshot, error: str) -> None:
         self.channel.reply(incoming, SnapshotAck(put.rank, put.step, ok=not error, error=error))
         if error:
             log.warning("refused snapshot of rank %d step %d: %s", put.rank, put.step, error)

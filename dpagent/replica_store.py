@@ -27,7 +27,8 @@ class Snapshot:
     data: Any
 
 
-def _view(frame: Any) -> memoryview:
+def frame_view(frame: Any) -> memoryview:
+    """A memoryview of a received frame (zmq.Frame) or of bytes."""
     return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
 
 
@@ -48,7 +49,7 @@ class ReplicaStore:
         """Stores the snapshot; returns "" or why it was refused."""
         if put.rank < 0 or put.step < 0:
             return f"bad rank/step {put.rank}/{put.step}"
-        size = _view(meta).nbytes + _view(data).nbytes
+        size = frame_view(meta).nbytes + frame_view(data).nbytes
         if size != put.nbytes:
             return f"size mismatch: got {size} bytes, expected {put.nbytes}"
         held = self._ranks.setdefault(put.rank, {})
@@ -65,12 +66,26 @@ class ReplicaStore:
     def relabel(self, put: PutSnapshot) -> str:
         """A PutSnapshot with held=True: the copy of put.step already here becomes the current generation's,
         as if it had been sent again, once its bytes match put.checksum (a corrupt copy is not kept: the
-        sender then sends it whole). Returns "" or why it was refused."""
-        held = self._ranks.get(put.rank, {})
-        snap = held.get(put.step)
+        sender then sends it whole). Returns "" or why it was refused. Checks inline; the agent splits it
+        (relabel_candidate, then relabel_checked) so that its loop does not wait for a large checksum."""
+        snap = self.relabel_candidate(put)
+        if isinstance(snap, str):
+            return snap
+        return self.relabel_checked(put, snap, checksum(frame_view(snap.meta), frame_view(snap.data)) == put.checksum)
+
+    def relabel_candidate(self, put: PutSnapshot) -> Snapshot | str:
+        """The held copy a relabel would keep (its bytes still to be checked), or why there is none."""
+        snap = self._ranks.get(put.rank, {}).get(put.step)
         if snap is None or snap.checksum != put.checksum or snap.nbytes != put.nbytes:
-            return f"step {put.step} of rank {put.rank} is not held here (held: {sorted(held)})"
-        if checksum(_view(snap.meta), _view(snap.data)) != put.checksum:
+            return f"step {put.step} of rank {put.rank} is not held here (held: {self.steps(put.rank)})"
+        return snap
+
+    def relabel_checked(self, put: PutSnapshot, snap: Snapshot, intact: bool) -> str:
+        """Finish a relabel of `snap` once its bytes were checked against put.checksum (`intact`)."""
+        held = self._ranks.get(put.rank, {})
+        if held.get(put.step) is not snap:
+            return f"the copy of step {put.step} of rank {put.rank} changed while it was checked"
+        if not intact:
             del held[put.step]
             return f"the copy of step {put.step} of rank {put.rank} held here is corrupt"
         error = self._supersede(put, held, from_step=put.step + 1)
@@ -115,7 +130,7 @@ class ReplicaStore:
         count = 0
         for snapshots in self._ranks.values():
             for step, snap in list(snapshots.items()):
-                data = bytearray(_view(snap.data))
+                data = bytearray(frame_view(snap.data))
                 if data:
                     data[len(data) // 2] ^= 0xFF
                     snapshots[step] = dataclasses.replace(snap, data=bytes(data))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import signal
 import socket
 import subprocess
 import threading
