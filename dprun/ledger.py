@@ -5,9 +5,11 @@ Pure logic used by the controller when it reconstructs a generation (DESIGN.md, 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 KEEP_PER_HOLDER = 3  # mirrors dpagent.replica_store retention
+KEEP_SNAPSHOT_STEPS = 64  # newest distinct snapshot steps remembered (survivor floors look a few steps back)
 INIT = "init"  # restore source: keep the freshly initialised state (a rank that never had a snapshot)
 
 
@@ -23,6 +25,7 @@ class ReplicaLedger:
         self.keep = keep
         self.held: dict[int, dict[str, list[int]]] = {}  # rank -> holder -> newest steps, ascending
         self.newest_ever: dict[int, int] = {}  # rank -> newest step ever replicated (bounded by its live state)
+        self.snapshot_steps: list[int] = [0]  # steps any rank was snapshotted at, ascending (the interval's grid)
 
     def stored(self, rank: int, step: int, holder: str) -> None:
         steps = self.held.setdefault(rank, {}).setdefault(holder, [])
@@ -31,6 +34,15 @@ class ReplicaLedger:
             steps.sort()
             del steps[: -self.keep]
         self.newest_ever[rank] = max(step, self.newest_ever.get(rank, -1))
+        if step not in self.snapshot_steps:
+            bisect.insort(self.snapshot_steps, step)
+            del self.snapshot_steps[:-KEEP_SNAPSHOT_STEPS]
+
+    def snapshot_step_at_or_before(self, step: int) -> int:
+        """The newest step at or before `step` that snapshots were taken at (every rank snapshots the same
+        steps: every N, or auto's interval decided together), as far as any report tells; 0 if none."""
+        i = bisect.bisect_right(self.snapshot_steps, step)
+        return self.snapshot_steps[i - 1] if i else 0
 
     def holder_lost(self, holder: str) -> None:
         for by_holder in self.held.values():
@@ -43,6 +55,7 @@ class ReplicaLedger:
                 steps[:] = [s for s in steps if s <= step]
             if self.newest_ever.get(rank, -1) > step:
                 self.newest_ever[rank] = step
+        self.snapshot_steps[:] = [s for s in self.snapshot_steps if s <= step] or [0]
 
     def newest_live(self, rank: int) -> int | None:
         steps = [s for held in self.held.get(rank, {}).values() for s in held]

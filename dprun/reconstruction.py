@@ -156,15 +156,18 @@ class Reconstruction:
         self.recovery = rec
 
     def _survivor_floors(self) -> dict[int, int]:
-        """A replicated step that every surviving rank still holds locally, from what ranks reported.
+        """A replicated step that each surviving rank still holds locally, from what ranks reported.
 
-        Progress(P) from any rank means every rank passed the all-reduce of step P, so every rank had its
-        snapshot of P-2 acked (the optimizer's pre-step wait); no rank is past P_max+1, and a worker keeps
-        its newest 4 snapshots. So P_max-2 is replicated and held, whatever the replica reports say (those
-        from a holder that died with them can be lost in flight).
+        A rank's optimizer step waits until its newest snapshot is acked. So Progress(P) from rank r means
+        r's newest snapshot before P is acked, and Progress(P) from any rank means every rank passed the
+        all-reduce of step P, so every rank's newest snapshot before P-1 is acked. Snapshots are taken at
+        the same steps on every rank (the grid the ledger has seen); a worker keeps its newest 4, and no
+        rank is more than a step past what it reported. So those steps are replicated and held, whatever
+        the replica reports say (those from a holder that died with them can be lost in flight).
         """
         top = max(self.rank_step.values(), default=0)
-        return {rank: max(top - 2, 0) for rank in range(self.spec.world_size)}
+        return {rank: self.ledger.snapshot_step_at_or_before(max(self.rank_step.get(rank, 0) - 1, top - 2, 0))
+                for rank in range(self.spec.world_size)}
 
     def _recovery_complete(self, rec: Recovery, now: float) -> None:
         rebuild = max((r[0] for r in rec.ready.values()), default=0.0)

@@ -113,7 +113,8 @@ def test_node_failure_promotes_spare_into_same_node_rank_and_restores_newest_com
     assert h.c.generation == 1
     assert h.c.layout == ["a", "s"]
     (rs,) = h.sent_to("s", p.Reconfigure)
-    assert rs.node_rank == 1 and rs.restore_step == 5
+    # rank 0's report of step 6 died with b, but its Progress(7) proves 6 acked (its optimizer waited for it)
+    assert rs.node_rank == 1 and rs.restore_step == 6
     assert rs.restore_from == {"1": "tcp://a:1"}, "the spare fetches node 1's state from its replica on a"
     ra = h.sent_to("a", p.Reconfigure)[-1]
     assert ra.generation == 1 and ra.restore_from == {"0": ""}, "rank 0's replicas died with b: local copy"
@@ -401,3 +402,23 @@ def test_out_of_spares_with_wait_policy_gives_up_after_its_timeout():
     for _ in range(12):
         h.alive({"a": {}})
     assert h.finish and h.finish.exit_code == 1 and "no node joined as a spare" in h.finish.message
+
+
+def test_snapshots_every_few_steps_a_survivor_whose_reports_died_with_its_holder_restores_a_snapshot_step():
+    """Snapshots at steps 0, 5, 10: rank 0's report of step 10 died with b (its holder). Its Progress(11)
+    proves its snapshot 10 was acked (the optimizer of step 11 waited for it), so it holds 10 locally, and
+    rank 1's copy of 10 lives on a: the plan is 10. A floor from step counts alone (11 - 2 = 9) names a
+    step no one snapshotted: the plan would find no copy of rank 1 at 9 and end the job as state lost."""
+    h = formed()
+    for step in (0, 5, 10):
+        h.msg("a", p.SnapshotStored("a", 1, step, 0))  # rank 1's copies on a
+    for step in (0, 5):
+        h.msg("b", p.SnapshotStored("b", 0, step, 0))  # rank 0's on b; b's report of step 10 never came
+    h.msg("a", p.Progress("a", 0, 0, 11))
+    h.msg("b", p.Progress("b", 0, 1, 11))
+    h.feed(NodeGone("b", "agent process exited"), dt=1)
+    h.pong_all()
+    assert h.finish is None, h.finish
+    (rs,) = h.sent_to("s", p.Reconfigure)
+    assert rs.restore_step == 10 and rs.restore_from == {"1": "tcp://a:1"}
+    assert h.sent_to("a", p.Reconfigure)[-1].restore_from == {"0": ""}

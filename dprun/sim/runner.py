@@ -71,7 +71,8 @@ def run_schedule(schedule: Schedule) -> str:
     rng = random.Random(schedule.seed * 7919 + 1)
     ref: list = []
     observer = _Observer(ref)
-    world = World(schedule.spec(), schedule.nnodes + schedule.spares, schedule.steps, rng, observer=observer)
+    world = World(schedule.spec(), schedule.nnodes + schedule.spares, schedule.steps, rng, observer=observer,
+                  interval=schedule.interval)
     driver = FaultDriver(world, rng)
     ref.append(driver)
     for fault in schedule.faults:

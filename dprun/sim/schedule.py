@@ -33,6 +33,7 @@ class Schedule:
     faults: list = field(default_factory=list)
     replicas: int = 1
     wait_for_spares: bool = False
+    interval: int = 1  # snapshots at step 0 and every multiple of it (dprun --snapshot-interval N)
 
     def spec(self) -> JobSpec:
         return JobSpec(nnodes=self.nnodes, spares=self.spares, nproc_per_node=self.nproc, store_endpoint="sim:0",
@@ -44,10 +45,10 @@ class Schedule:
         faults = ", ".join(f"{f.kind}@{f.at:.2f}" for f in self.faults) or "no faults"
         return (f"seed {self.seed}: {self.nnodes} nodes x {self.nproc} + {self.spares} spares, "
                 f"{self.replicas} replica(s), {'wait' if self.wait_for_spares else 'fail'} when out of spares, "
-                f"{self.steps} steps; {faults}")
+                f"{self.steps} steps, snapshots every {self.interval}; {faults}")
 
 
-def random_schedule(seed: int, max_nodes: int = 4) -> Schedule:
+def random_schedule(seed: int, max_nodes: int = 4, vary_interval: bool = True) -> Schedule:
     rng = random.Random(seed)
     nnodes = rng.randint(1, max_nodes)
     spares = rng.randint(0, 3)
@@ -58,4 +59,6 @@ def random_schedule(seed: int, max_nodes: int = 4) -> Schedule:
               for _ in range(rng.choice([0, 1, 1, 2, 2, 3, 4]))]
     replicas = rng.choice([1, 1, 2])
     wait = rng.random() < 0.3
-    return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait)
+    interval = rng.choice([1, 1, 2, 3, 5]) if vary_interval else 1  # drawn last: earlier draws are unchanged
+    return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
+                    interval)

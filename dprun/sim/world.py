@@ -62,8 +62,9 @@ class World:
 
     def __init__(self, spec: JobSpec, nodes: int, steps: int, rng: random.Random,
                  observer: Callable[["World", Any, list], None] | None = None,
-                 delay: tuple[float, float] = (0.0005, 0.01), hb_interval: float = 0.5):
+                 delay: tuple[float, float] = (0.0005, 0.01), hb_interval: float = 0.5, interval: int = 1):
         self.spec, self.steps, self.rng = spec, steps, rng
+        self.interval = interval  # snapshots at step 0 and every multiple of it
         self.now = 0.0
         self.queue: list = []
         self.seq = itertools.count()
@@ -318,7 +319,7 @@ class World:
             return  # a frozen peer: the all-reduce hangs until the controller reconfigures
         for n, i, w in members:
             if w.phase == "running" and w.state == step - 1:
-                if w.acked >= w.state:
+                if w.acked >= w.state - w.state % self.interval:  # its newest snapshot is acked
                     self._apply_step(n, i)
                 else:
                     w.phase = "blocked"
@@ -327,7 +328,8 @@ class World:
         worker = node.workers[local]
         worker.state += 1
         self._agent_send(node.node_id, p.Progress(node.node_id, worker.generation, worker.rank, worker.state))
-        self._take_snapshot(node, local)
+        if worker.state % self.interval == 0:
+            self._take_snapshot(node, local)
         self.at(self.rng.uniform(0.005, 0.02), self._worker_step, node, local, worker.generation)
 
     def _worker_exit(self, node: SimNode, local: int, code: int, detail: str) -> None:
