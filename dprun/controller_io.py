@@ -108,6 +108,7 @@ class Recovery:
     retries: int = 0  # generations planned again with no node lost (a rank failed to connect or restore)
     why: str = ""  # what the last rank that asked for a new plan said
     settle_until: float = 0.0  # a peer error alone: decide no sooner (a dead worker's exit may be on its way)
+    probed_for_lost: bool = False  # a plan found state lost and every node was probed once more before ending
 
 
 @dataclass

@@ -124,6 +124,13 @@ class Reconstruction:
             # a rank whose new node has not restored it yet has its state only on replicas, like a failed one
             failed_ranks = {r for i in failed_slots for r in self.ranks_of(i)} | self.unrestored
             plan = self.ledger.plan(self.spec.world_size, failed_ranks, self._survivor_floors())
+        if plan.lost and not rec.probed_for_lost:
+            # "lost" ends the job, so first probe every node once more: a copy stored just after its holder
+            # answered the last probe (a restored snapshot re-replicated to a new holder) is reported then
+            rec.probed_for_lost = True
+            self.pending = rec
+            self._start_flush(now)
+            return
         if plan.lost:
             holders = sorted({self.table.nodes[n].node_id for n in rec.failed})
             self._finish(1, f"state lost: ranks {plan.lost} had every copy on failed nodes {holders}; "

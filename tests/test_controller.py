@@ -254,7 +254,32 @@ def test_state_lost_when_a_node_and_its_replica_holder_die_together():
     h.feed(NodeGone("b", "killed"))
     h.feed(NodeGone("c", "killed"))
     h.pong_all()
+    assert h.finish is None and h.c.flush is not None, "before ending, every live node is probed once more"
+    h.pong_all()
     assert h.finish and h.finish.exit_code == 1 and "state lost" in h.finish.message
+
+
+def test_a_copy_reported_after_the_probe_round_still_saves_the_job():
+    """Nodes a and b die together, each the holder of the other's rank; c holds second copies, but its reports
+    of them left c just after it answered the probe. The first plan finds ranks 0 and 1 with no copy; before
+    ending the job the controller probes once more, and c's reports arrive ahead of its second Pong."""
+    h = formed(spec(nnodes=3, spares=2))
+    h.register("c", rank=2)
+    h.register("t", spare=True)
+    h.msg("a", p.SnapshotStored("a", 1, 4, 0))
+    h.msg("b", p.SnapshotStored("b", 0, 4, 0))
+    h.msg("c", p.Progress("c", 0, 2, 5))
+    h.feed(NodeGone("a", "killed"))
+    h.feed(NodeGone("b", "killed"))
+    h.pong_all()
+    assert h.finish is None and h.c.generation == 0 and h.c.flush is not None
+    h.msg("c", p.SnapshotStored("c", 0, 4, 0))
+    h.msg("c", p.SnapshotStored("c", 1, 4, 0))
+    h.pong_all()
+    assert h.finish is None and h.c.generation == 1
+    restore = {m.node_rank: m for node in ("s", "t") for m in h.sent_to(node, p.Reconfigure)}
+    assert {r: m.restore_from for r, m in restore.items()} == {0: {"0": "tcp://c:1"}, 1: {"1": "tcp://c:1"}}
+    assert all(m.restore_step == 4 for m in restore.values())
 
 
 def test_fault_injection_fires_once_on_the_node_holding_that_rank():

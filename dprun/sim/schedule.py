@@ -34,6 +34,7 @@ class Schedule:
     replicas: int = 1
     wait_for_spares: bool = False
     interval: int = 1  # snapshots at step 0 and every multiple of it (dprun --snapshot-interval N)
+    auto: bool = False  # before that, an irregular measuring window as --snapshot-interval auto has
 
     def spec(self) -> JobSpec:
         return JobSpec(nnodes=self.nnodes, spares=self.spares, nproc_per_node=self.nproc, store_endpoint="sim:0",
@@ -45,7 +46,8 @@ class Schedule:
         faults = ", ".join(f"{f.kind}@{f.at:.2f}" for f in self.faults) or "no faults"
         return (f"seed {self.seed}: {self.nnodes} nodes x {self.nproc} + {self.spares} spares, "
                 f"{self.replicas} replica(s), {'wait' if self.wait_for_spares else 'fail'} when out of spares, "
-                f"{self.steps} steps, snapshots every {self.interval}; {faults}")
+                f"{self.steps} steps, snapshots every {self.interval}{' after a measuring window' if self.auto else ''}; "
+                f"{faults}")
 
 
 def random_schedule(seed: int, max_nodes: int = 4, vary_interval: bool = True) -> Schedule:
@@ -59,6 +61,8 @@ def random_schedule(seed: int, max_nodes: int = 4, vary_interval: bool = True) -
               for _ in range(rng.choice([0, 1, 1, 2, 2, 3, 4]))]
     replicas = rng.choice([1, 1, 2])
     wait = rng.random() < 0.3
-    interval = rng.choice([1, 1, 2, 3, 5]) if vary_interval else 1  # drawn last: earlier draws are unchanged
+    # drawn last: the earlier draws, and so the schedules regression seeds name, are unchanged
+    interval = rng.choice([1, 1, 2, 3, 5]) if vary_interval else 1
+    auto = vary_interval and rng.random() < 0.3
     return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
-                    interval)
+                    interval, auto)

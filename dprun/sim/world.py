@@ -62,9 +62,11 @@ class World:
 
     def __init__(self, spec: JobSpec, nodes: int, steps: int, rng: random.Random,
                  observer: Callable[["World", Any, list], None] | None = None,
-                 delay: tuple[float, float] = (0.0005, 0.01), hb_interval: float = 0.5, interval: int = 1):
+                 delay: tuple[float, float] = (0.0005, 0.01), hb_interval: float = 0.5, interval: int = 1,
+                 measure_until: int = 0):
         self.spec, self.steps, self.rng = spec, steps, rng
-        self.interval = interval  # snapshots at step 0 and every multiple of it
+        self.interval = interval  # snapshots at step 0 and every multiple of it ...
+        self.measure_until = measure_until  # ... after an auto-like measuring window (see snapshotted)
         self.now = 0.0
         self.queue: list = []
         self.seq = itertools.count()
@@ -319,7 +321,7 @@ class World:
             return  # a frozen peer: the all-reduce hangs until the controller reconfigures
         for n, i, w in members:
             if w.phase == "running" and w.state == step - 1:
-                if w.acked >= w.state - w.state % self.interval:  # its newest snapshot is acked
+                if w.acked >= self.newest_snapshot(w.state):  # the optimizer's pre-step wait
                     self._apply_step(n, i)
                 else:
                     w.phase = "blocked"
@@ -328,9 +330,23 @@ class World:
         worker = node.workers[local]
         worker.state += 1
         self._agent_send(node.node_id, p.Progress(node.node_id, worker.generation, worker.rank, worker.state))
-        if worker.state % self.interval == 0:
+        if self.snapshotted(worker.state):
             self._take_snapshot(node, local)
         self.at(self.rng.uniform(0.005, 0.02), self._worker_step, node, local, worker.generation)
+
+    def snapshotted(self, step: int) -> bool:
+        """Which steps every rank snapshots, as dpstate's policy: step 0; in an auto-like measuring window
+        (steps below measure_until) steps 1-3, then every other step; then the multiples of the interval."""
+        if step <= 0:
+            return True
+        if step < self.measure_until:
+            return step < 4 or step % 2 == 0
+        return step % self.interval == 0
+
+    def newest_snapshot(self, step: int) -> int:
+        while not self.snapshotted(step):
+            step -= 1
+        return step
 
     def _worker_exit(self, node: SimNode, local: int, code: int, detail: str) -> None:
         worker = node.workers[local]
