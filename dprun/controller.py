@@ -232,11 +232,13 @@ class Controller(Reconstruction):
 
     def _on_RestoreFailed(self, node: Node, msg: p.RestoreFailed, now: float) -> None:
         holder = next((n.node_id for n in self.table.nodes.values() if n.replica_endpoint == msg.source), None)
-        if holder is not None:
-            self.ledger.discard(msg.rank, msg.step, holder)
+        dropped = holder is not None and self.ledger.discard(msg.rank, msg.step, holder)
         self._publish("restore_failed", node=node.node_id, rank=msg.rank, step=msg.step, source=msg.source,
                       reason=msg.reason[:200])
         self._replan(now, f"restoring rank {msg.rank} from {msg.source} failed: {msg.reason[:200]}")
+        self.pending.bad_copies.append(f"rank {msg.rank} step {msg.step} on {holder or msg.source}: {msg.reason[:80]}")
+        if dropped:  # each such plan has one copy fewer to choose from: they end, with a plan or "state lost"
+            self.pending.free_replans += 1
 
     def _on_RankFinished(self, node: Node, msg: p.RankFinished, now: float) -> None:
         pass  # the job ends when every active worker has exited 0 (as with torchrun)

@@ -109,6 +109,14 @@ class Recovery:
     why: str = ""  # what the last rank that asked for a new plan said
     settle_until: float = 0.0  # a peer error alone: decide no sooner (a dead worker's exit may be on its way)
     probed_for_lost: bool = False  # a plan found state lost and every node was probed once more before ending
+    bad_copies: list = field(default_factory=list)  # "rank R step S on NODE: why", as workers reported them
+    free_replans: int = 0  # replans owed to a dropped bad copy: they do not count against MAX_REPLANS
+
+    def continued(self) -> "Recovery":
+        """A new pending recovery that carries this one on (a failure or a replan before it completed)."""
+        return Recovery(failed=list(self.failed), t_fail=self.t_fail, t_detect=self.t_detect,
+                        peak_step=self.peak_step, retries=self.retries, bad_copies=list(self.bad_copies),
+                        probed_for_lost=self.probed_for_lost)
 
 
 @dataclass

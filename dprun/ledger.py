@@ -68,11 +68,13 @@ class ReplicaLedger:
         holders = self.holders_of(rank, step)
         return holders[0] if holders else None
 
-    def discard(self, rank: int, step: int, holder: str) -> None:
-        """That copy turned out missing or corrupt."""
+    def discard(self, rank: int, step: int, holder: str) -> bool:
+        """That copy turned out missing or corrupt. False if it was not listed (nothing changes)."""
         steps = self.held.get(rank, {}).get(holder)
         if steps and step in steps:
             steps.remove(step)
+            return True
+        return False
 
     def plan(self, world_size: int, failed_ranks: set[int], floors: dict[int, int] | None = None) -> RestorePlan:
         """The newest step every rank can come back to; failed nodes must already be `holder_lost`.

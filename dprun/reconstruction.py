@@ -21,12 +21,11 @@ class Reconstruction:
     def _replan(self, now: float, why: str) -> None:
         """A new generation is needed even if no node failed: probe every node, then plan it."""
         if self.pending is None:
-            self.pending = Recovery(failed=[], t_fail=now, t_detect=now, peak_step=self.max_step)
             if self.recovery is not None:  # the recovery under way is not complete: this one continues it
                 prior, self.recovery = self.recovery, None
-                self.pending.t_fail, self.pending.t_detect = prior.t_fail, prior.t_detect
-                self.pending.failed, self.pending.peak_step = list(prior.failed), prior.peak_step
-                self.pending.retries = prior.retries
+                self.pending = prior.continued()
+            else:
+                self.pending = Recovery(failed=[], t_fail=now, t_detect=now, peak_step=self.max_step)
         self.pending.replan, self.pending.why = True, why
         if self.flush is None:
             self._start_flush(now)
@@ -54,8 +53,9 @@ class Reconstruction:
         if self.pending is None:
             if self.recovery is not None:  # a failure during recovery: one recovery covers both
                 prior, self.recovery = self.recovery, None
-                self.pending = Recovery(failed=list(prior.failed), t_fail=prior.t_fail, t_detect=prior.t_detect,
-                                        peak_step=prior.peak_step)
+                self.pending = prior.continued()
+                # a node was lost: planning again is progress, not a retry, and a new situation to probe
+                self.pending.retries, self.pending.probed_for_lost = 0, False
             else:
                 self.pending = Recovery(failed=[], t_fail=now, t_detect=now, peak_step=self.max_step)
         self.pending.failed.append(node_id)
@@ -86,7 +86,9 @@ class Reconstruction:
         failed_slots = [i for i, n in enumerate(self.layout) if self.table.nodes[n].role == FAILED]
         if not failed_slots and not rec.replan:
             return
-        if not failed_slots and not self.spec.restart_mode:
+        if not failed_slots and not self.spec.restart_mode and rec.free_replans:
+            rec.free_replans -= 1
+        elif not failed_slots and not self.spec.restart_mode:
             rec.retries += 1
             if rec.retries > MAX_REPLANS:
                 self._finish(1, f"generation {self.generation} could not start: planned {rec.retries} times with "
@@ -133,7 +135,8 @@ class Reconstruction:
             return
         if plan.lost:
             holders = sorted({self.table.nodes[n].node_id for n in rec.failed})
-            self._finish(1, f"state lost: ranks {plan.lost} had every copy on failed nodes {holders}; "
+            bad = f"; copies found bad: {'; '.join(rec.bad_copies[-6:])}" if rec.bad_copies else ""
+            self._finish(1, f"state lost: ranks {plan.lost} have no usable copy left (failed nodes {holders}{bad}); "
                             "rerun with more replicas or restore from disk")
             return
         self.unrestored |= {r for i in failed_slots for r in self.ranks_of(i)}

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from dpagent import protocol as p
 from dprun.ledger import ReplicaLedger, RestorePlan
 from dprun.sim.invariants import InvariantViolation
 from dprun.sim.runner import run_schedule
@@ -44,7 +45,7 @@ def test_thousands_of_random_fault_schedules_keep_every_invariant():
 
 @pytest.mark.parametrize("seed", sorted(REGRESSIONS))
 def test_regression_seeds(seed):
-    run_schedule(random_schedule(seed, vary_interval=False))  # as they were found: every step snapshotted
+    run_schedule(random_schedule(seed, extended=False))  # as they were found: every step snapshotted
 
 
 def test_same_seed_replays_identically():
@@ -89,3 +90,24 @@ def test_a_wrong_restore_step_is_caught(monkeypatch):
     schedule = Schedule(seed=1, nnodes=2, spares=1, nproc=1, steps=30, faults=[Fault(0.5, "kill-node", 0.9)])
     with pytest.raises(InvariantViolation, match="invariant 3"):
         run_schedule(schedule)
+
+
+def test_a_corrupt_copy_met_during_recovery_is_reported_and_an_older_one_restored(monkeypatch):
+    """The store holding the dead node's rank damages that rank's newest copy as the recovery starts: the
+    promoted spare's restore reports it (RestoreFailed), the controller drops it and plans the next older
+    step, and the job completes."""
+    from dprun.sim import world
+
+    reported = []
+    original = world.World._controller_input
+
+    def spy(self, event):
+        if isinstance(getattr(event, "msg", None), p.RestoreFailed):
+            reported.append(event.msg)
+        original(self, event)
+
+    monkeypatch.setattr(world.World, "_controller_input", spy)
+    schedule = Schedule(seed=3, nnodes=2, spares=1, nproc=1, steps=30,
+                        faults=[Fault(0.3, "corrupt-during-recovery", 0.0), Fault(0.5, "kill-node", 0.9)])
+    assert run_schedule(schedule) == "completed"
+    assert reported and all(m.reason == "corrupt" for m in reported)

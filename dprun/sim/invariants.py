@@ -120,7 +120,17 @@ def judge_outcome(world) -> str:
         # a copy on a node the controller fenced is gone by design (the node is stopped, its store with it)
         usable = [n for n in world.nodes.values()
                   if n.running and (c.table.get(n.node_id) is None or c.table.get(n.node_id).role != FAILED)]
-        gone = [r for r in failed_ranks if not any(n.store.get(r) for n in usable)]
+        good = {r: {step for n in usable for step in n.store.get(r, []) if (r, step) not in n.corrupt}
+                for r in failed_ranks}
+        gone = [r for r in failed_ranks if not good[r]]
+        if not gone and any(n.corrupt for n in world.nodes.values()):
+            # bad copies were met: walking back past them can leave good copies only at steps that no cut
+            # can use any more (survivors dropped them when they restored an older one): lost is the truth
+            # when no step has a good copy of every failed rank and a local copy on every survivor
+            survivors = [w for node_id in c.layout if world.nodes[node_id].running
+                         for w in world.nodes[node_id].workers if w.rank not in failed_ranks]
+            cut = set.intersection(*good.values(), *({s for s in w.local if s <= w.state} for w in survivors))
+            gone = [] if cut else sorted(failed_ranks)
         if not gone:
             raise InvariantViolation(f"invariant 5: state reported lost while every rank has a live copy: "
                                      f"{finish.message}")

@@ -14,6 +14,9 @@ from .world import World
 SIM_SECONDS = 120.0
 
 
+CORRUPT = {"corrupt-replicas": "all", "corrupt-newest": "newest", "corrupt-all-but-oldest": "all-but-oldest"}
+
+
 class FaultDriver:
     """Applies a schedule's faults to the world at their times (or at the next reconfiguration)."""
 
@@ -24,11 +27,16 @@ class FaultDriver:
     def fire(self, fault: Fault) -> None:
         w = self.world
         c = w.controller
-        if fault.kind == "kill-during-recovery":
+        if fault.kind in ("kill-during-recovery", "corrupt-during-recovery"):
             self.armed.append(fault)
             return
         if fault.kind == "join-spare":
             w.join_node()
+            return
+        if fault.kind in CORRUPT:
+            holders = [n for n in w.nodes.values() if n.running and any(n.store.values())]
+            if holders:
+                w.corrupt_replicas(holders[int(fault.pick * len(holders)) % len(holders)].node_id, CORRUPT[fault.kind])
             return
         if fault.kind == "kill-spare":
             candidates = [n for n in w.nodes.values() if n.running and n.node_id not in c.layout]
@@ -52,7 +60,10 @@ class FaultDriver:
     def on_reconfigure(self) -> None:
         while self.armed:
             fault = self.armed.pop(0)
-            self.world.at(self.rng.uniform(0.0, 0.05), self.fire, Fault(0, "kill-node", fault.pick))
+            if fault.kind == "corrupt-during-recovery":  # before the restores fetch (as dprun's @during-recovery)
+                self.fire(Fault(0, "corrupt-all-but-oldest", fault.pick))
+            else:
+                self.world.at(self.rng.uniform(0.0, 0.05), self.fire, Fault(0, "kill-node", fault.pick))
 
 
 class _Observer(Checker):

@@ -1,7 +1,7 @@
 """Random fault schedules for the simulator, reproducible from one seed.
 
-A schedule is a job shape plus timed faults: kills, freezes, wake-ups, worker kills, spare kills, and
-faults armed to strike while a recovery is under way.
+A schedule is a job shape plus timed faults: kills, freezes, wake-ups, worker kills, spare kills, bit rot
+in a replica store, and faults armed to strike while a recovery is under way.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ class Schedule:
                 f"{faults}")
 
 
-def random_schedule(seed: int, max_nodes: int = 4, vary_interval: bool = True) -> Schedule:
+def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True) -> Schedule:
+    """extended=False: the schedule as it was before snapshot intervals and corrupt replicas were drawn too
+    (what the regression seeds name)."""
     rng = random.Random(seed)
     nnodes = rng.randint(1, max_nodes)
     spares = rng.randint(0, 3)
@@ -62,7 +64,11 @@ def random_schedule(seed: int, max_nodes: int = 4, vary_interval: bool = True) -
     replicas = rng.choice([1, 1, 2])
     wait = rng.random() < 0.3
     # drawn last: the earlier draws, and so the schedules regression seeds name, are unchanged
-    interval = rng.choice([1, 1, 2, 3, 5]) if vary_interval else 1
-    auto = vary_interval and rng.random() < 0.3
+    interval = rng.choice([1, 1, 2, 3, 5]) if extended else 1
+    auto = extended and rng.random() < 0.3
+    if extended and rng.random() < 0.3:  # bit rot in one store: a restore finds it, reports it, falls back
+        faults.append(Fault(at=rng.uniform(0.2, 3.0), kind=rng.choice(["corrupt-replicas", "corrupt-newest",
+                                                                            "corrupt-during-recovery"]),
+                            pick=rng.random()))
     return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
                     interval, auto)

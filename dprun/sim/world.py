@@ -44,6 +44,7 @@ class SimNode:
     node_rank: int = -1
     replica_to: list = field(default_factory=list)
     store: dict = field(default_factory=dict)  # rank -> sorted steps held
+    corrupt: set = field(default_factory=set)  # (rank, step) held but damaged (a loading worker finds out)
     workers: list = field(default_factory=list)
     inbox_while_frozen: list = field(default_factory=list)
     deferred: list = field(default_factory=list)  # its own work that came due while it was frozen
@@ -212,14 +213,9 @@ class World:
             worker.state, worker.local, worker.acked = 0, [], -1
         elif step in worker.local and worker.state >= step:
             worker.state = step
+        elif not self._fetch(node, worker, msg, generation):
+            return
         else:
-            holder = self.node_of(source) if source not in ("", "init") else None
-            if holder is None or not holder.running or step not in holder.store.get(worker.rank, []):
-                # the source is gone: not this node's fault; say so and wait for the next reconfiguration
-                worker.phase = "restore-failed"
-                self._agent_send(node.node_id, p.PeerError(node.node_id, generation, worker.rank,
-                                                           f"snapshot of rank {worker.rank} at step {step} not found"))
-                return
             worker.state = step
         worker.local = [s for s in worker.local if s < worker.state] + [worker.state]  # the restored copy
         worker.acked = min(worker.acked, worker.state)
@@ -227,6 +223,32 @@ class World:
         self.ready.setdefault(generation, set()).add(worker.rank)
         self._agent_send(node.node_id, p.WorkerReady(node.node_id, generation, worker.rank, 0.01, 0.01, "sim"))
         self._try_release_barrier(generation)
+
+    def _fetch(self, node: SimNode, worker: SimWorker, msg: p.Reconfigure, generation: int) -> bool:
+        """As dpstate's restore: the first good copy among the stores the plan names; a missing or corrupt
+        one is reported (RestoreFailed) and the next tried. None good: wait for the next reconfiguration."""
+        rank, step = worker.rank, msg.restore_step
+        sources = [msg.restore_from.get(str(rank), ""), *msg.restore_also.get(str(rank), [])]
+        for source in [s for s in sources if s and s != "init"]:
+            holder = self.node_of(source)
+            if holder is None or not holder.running:
+                continue  # a dead store: the fetch fails (a live one may still be named next)
+            if step in holder.store.get(rank, []) and (rank, step) not in holder.corrupt:
+                return True
+            why = "corrupt" if step in holder.store.get(rank, []) else "not held"
+            self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, source, why))
+        worker.phase = "restore-failed"
+        self._agent_send(node.node_id, p.PeerError(node.node_id, generation, rank,
+                                                   f"snapshot of rank {rank} at step {step} not found"))
+        return False
+
+    def corrupt_replicas(self, node_id: str, which: str = "all") -> None:
+        """Fault: copies this node's store holds now are damaged: "all" (as the agent's corrupt-replicas),
+        each rank's "newest", or "all-but-oldest" (the restore falls back copy by copy to the oldest)."""
+        node = self.nodes[node_id]
+        self.log.append(f"{self.now:.3f} corrupt {which} on {node_id}")
+        pick = {"all": slice(None), "newest": slice(-1, None), "all-but-oldest": slice(1, None)}[which]
+        node.corrupt |= {(rank, step) for rank, steps in node.store.items() for step in steps[pick]}
 
     def _try_release_barrier(self, generation: int) -> None:
         if len(self.ready.get(generation, ())) < self.spec.world_size:
@@ -254,6 +276,7 @@ class World:
             return  # the sender waits forever for the ack; recovery will abort it
         rank, step, generation = put
         self.replicated.add((rank, step))
+        holder.corrupt.discard((rank, step))  # a whole new copy replaces a damaged one
         steps = holder.store.setdefault(rank, [])
         if step not in steps:
             steps.append(step)
