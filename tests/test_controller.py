@@ -447,3 +447,37 @@ def test_snapshots_every_few_steps_a_survivor_whose_reports_died_with_its_holder
     (rs,) = h.sent_to("s", p.Reconfigure)
     assert rs.restore_step == 10 and rs.restore_from == {"1": "tcp://a:1"}
     assert h.sent_to("a", p.Reconfigure)[-1].restore_from == {"0": ""}
+
+
+def test_bad_copies_walk_the_plan_back_copy_by_copy_past_the_replan_limit():
+    """Rank 1 has copies of steps 2, 3, 4 on a and on c. Its node dies and four copies in a row turn out bad:
+    each report drops one and plans again (more than MAX_REPLANS times: these replans make progress); the
+    fifth plan restores step 2 from a. Then the last copies go bad too: state lost, naming them."""
+    h = Harness(spec(nnodes=3, spares=1, replicas=2))
+    for node, rank in (("a", 0), ("b", 1), ("c", 2)):
+        h.register(node, rank=rank)
+    h.register("s", spare=True)
+    for step in (2, 3, 4):
+        for holder in "ac":
+            h.msg(holder, p.SnapshotStored(holder, 1, step, 0))
+        for rank, holders in ((0, "bc"), (2, "ab")):
+            for holder in holders:
+                h.msg(holder, p.SnapshotStored(holder, rank, step, 0))
+    h.feed(NodeGone("b", "killed"))
+    h.pong_all()
+    tried = []
+    for _ in range(4):
+        rs = h.sent_to("s", p.Reconfigure)[-1]
+        tried.append((rs.restore_step, rs.restore_from["1"]))
+        h.msg("s", p.RestoreFailed("s", rs.generation, 1, rs.restore_step, rs.restore_from["1"], "checksum mismatch"))
+        h.pong_all()
+        assert h.finish is None, h.finish
+    rs = h.sent_to("s", p.Reconfigure)[-1]
+    assert tried == [(4, "tcp://a:1"), (4, "tcp://c:1"), (3, "tcp://a:1"), (3, "tcp://c:1")]
+    assert (rs.restore_step, rs.restore_from["1"]) == (2, "tcp://a:1")
+    for _ in range(2):
+        rs = h.sent_to("s", p.Reconfigure)[-1]
+        h.msg("s", p.RestoreFailed("s", rs.generation, 1, 2, rs.restore_from["1"], "checksum mismatch"))
+        h.pong_all()
+    h.pong_all()  # the probe before "state lost"
+    assert h.finish and "state lost" in h.finish.message and "rank 1 step 2 on c: checksum mismatch" in h.finish.message
