@@ -54,10 +54,24 @@ def _kill_group(pid: int) -> None:
             pass
 
 
+_SCRATCH: list[Path] = []  # TMPDIR of every run (short: agents' ipc paths live there), removed on exit
+
+
+def _scratch() -> Path:
+    """One temporary folder that the runs use as TMPDIR: what a killed dprun, agent or torchrun leaves in it
+    (run folders, torchelastic_*) goes when the benchmark ends."""
+    if not _SCRATCH:
+        _SCRATCH.append(Path(tempfile.mkdtemp(prefix="dpb-")))
+    return _SCRATCH[0]
+
+
 def _cleanup_all(*_args) -> None:
     for pid in list(_LIVE):
         _kill_group(pid)
     _LIVE.clear()
+    for path in _SCRATCH:
+        shutil.rmtree(path, ignore_errors=True)
+    _SCRATCH.clear()
 
 
 def install_cleanup() -> None:
@@ -175,7 +189,7 @@ class RunResult:
 def run(name: str, cmd: Sequence[str], *, folder: Path, env: dict[str, str] | None = None, timeout: float = 600,
         sample_s: float = 0.25, quiet: bool = True) -> RunResult:
     """Run `cmd` in `folder` in its own session; sample peak RSS and per-thread CPU of every descendant."""
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1")
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(_scratch()))
     full_env.update(env or {})
     log = open(folder / "output.log", "wb")
     busy0 = machine_busy_s()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -22,14 +24,20 @@ def free_port() -> int:
 
 
 class Processes:
-    """Starts commands in their own session and kills every descendant at teardown."""
+    """Starts commands in their own session and kills every descendant at teardown.
+
+    Each gets TMPDIR (and dprun's status records) in a folder of its own, removed by kill_all(): a dprun or
+    agent killed by SIGKILL cannot remove its run folder itself."""
 
     def __init__(self):
         self.started: list[subprocess.Popen] = []
+        self.scratch = Path(tempfile.mkdtemp(prefix="dptest-"))
 
     def popen(self, args, **kwargs) -> subprocess.Popen:
         kwargs.setdefault("start_new_session", True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.scratch.mkdir(exist_ok=True)  # again, if kill_all() ran in between
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(self.scratch),
+                   DPRUN_STATE_DIR=str(self.scratch / "dprun-state"))
         env.update(kwargs.pop("env", {}) or {})
         proc = subprocess.Popen(args, env=env, **kwargs)
         self.started.append(proc)
@@ -58,6 +66,7 @@ class Processes:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _our_descendants() -> list[psutil.Process]:
