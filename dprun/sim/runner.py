@@ -36,7 +36,8 @@ class FaultDriver:
         if fault.kind in CORRUPT:
             holders = [n for n in w.nodes.values() if n.running and any(n.store.values())]
             if holders:
-                w.corrupt_replicas(holders[int(fault.pick * len(holders)) % len(holders)].node_id, CORRUPT[fault.kind])
+                node = holders[int(fault.pick * len(holders)) % len(holders)]
+                w.corrupt_replicas(node.node_id, CORRUPT[fault.kind])
             return
         if fault.kind == "kill-spare":
             candidates = [n for n in w.nodes.values() if n.running and n.node_id not in c.layout]

@@ -46,8 +46,8 @@ class Schedule:
         faults = ", ".join(f"{f.kind}@{f.at:.2f}" for f in self.faults) or "no faults"
         return (f"seed {self.seed}: {self.nnodes} nodes x {self.nproc} + {self.spares} spares, "
                 f"{self.replicas} replica(s), {'wait' if self.wait_for_spares else 'fail'} when out of spares, "
-                f"{self.steps} steps, snapshots every {self.interval}{' after a measuring window' if self.auto else ''}; "
-                f"{faults}")
+                f"{self.steps} steps, snapshots every {self.interval}"
+                f"{' after a measuring window' if self.auto else ''}; {faults}")
 
 
 def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True) -> Schedule:

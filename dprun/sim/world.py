@@ -211,12 +211,10 @@ class World:
             worker.state, worker.local, worker.acked = 0, [], -1
         elif source == "init" and step == 0:
             worker.state, worker.local, worker.acked = 0, [], -1
-        elif step in worker.local and worker.state >= step:
+        elif step in worker.local and worker.state >= step or self._fetch(node, worker, msg, generation):
             worker.state = step
-        elif not self._fetch(node, worker, msg, generation):
-            return
         else:
-            worker.state = step
+            return
         worker.local = [s for s in worker.local if s < worker.state] + [worker.state]  # the restored copy
         worker.acked = min(worker.acked, worker.state)
         worker.phase = "ready"
