@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import time
-import uuid
 
 import psutil
 import pytest
@@ -26,14 +25,15 @@ WIDTH, HEIGHT = 80, 40
 
 
 class Tmux:
-    """A private tmux server (its own socket), killed with everything under it at the end."""
+    """A private tmux server (its own socket, in the test's folder: not left in /tmp/tmux-UID), killed with
+    everything under it at the end."""
 
     def __init__(self, cwd):
-        self.socket = f"dptest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.socket = str(cwd / "tmux.sock")
         self.cwd = cwd
 
     def __call__(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", *args], check=True,
+        return subprocess.run(["tmux", "-S", self.socket, "-f", "/dev/null", *args], check=True,
                               capture_output=True, text=True, timeout=20).stdout
 
     def shell(self, command: list[str], env: dict[str, str], done_marker: str) -> str:
@@ -74,7 +74,7 @@ class Tmux:
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
-        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=20)
+        subprocess.run(["tmux", "-S", self.socket, "kill-server"], capture_output=True, timeout=20)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(_running(p) for p in tree):
             time.sleep(0.05)
