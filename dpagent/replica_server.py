@@ -21,7 +21,7 @@ from .channel import Channel, Incoming
 from .checksum import checksum
 from .events import EventPipe
 from .protocol import FetchSnapshot, PutSnapshot, SnapshotAck, SnapshotData, SnapshotStored
-from .replica_store import ReplicaStore, Snapshot, frame_view
+from .replica_store import ReplicaStore, Snapshot, intact
 
 log = logging.getLogger("dpagent")
 
@@ -56,12 +56,12 @@ class RelabelChecker:
         while (job := self._jobs.get()) is not None:
             incoming, put, snap = job
             try:
-                intact = self._check(frame_view(snap.meta), frame_view(snap.data)) == put.checksum
+                ok = intact(snap, self._check)  # snap.checksum == put.checksum: relabel_candidate checked it
             except Exception:  # unreadable: as good as corrupt, the sender sends it whole
-                intact = False
+                ok = False
             try:
                 with self._events.sender() as sender:  # a socket per result: none open while checking
-                    sender.post(RelabelChecked(incoming, put, snap, intact))
+                    sender.post(RelabelChecked(incoming, put, snap, ok))
             except zmq.ZMQError:  # the agent's context is closing
                 return
 

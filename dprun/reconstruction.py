@@ -18,14 +18,21 @@ MAX_REPLANS = 3  # generations planned again in a row with no node lost before t
 class Reconstruction:
     """The failure and recovery half of dprun.controller.Controller (its state lives there)."""
 
+    def _open_pending(self, now: float) -> bool:
+        """Make sure a recovery is pending: a new one, or one that carries on the recovery under way (not
+        complete yet). True if it carries one on."""
+        if self.pending is not None:
+            return False
+        if self.recovery is None:
+            self.pending = Recovery(failed=[], t_fail=now, t_detect=now, peak_step=self.max_step)
+            return False
+        prior, self.recovery = self.recovery, None
+        self.pending = prior.continued()
+        return True
+
     def _replan(self, now: float, why: str) -> None:
         """A new generation is needed even if no node failed: probe every node, then plan it."""
-        if self.pending is None:
-            if self.recovery is not None:  # the recovery under way is not complete: this one continues it
-                prior, self.recovery = self.recovery, None
-                self.pending = prior.continued()
-            else:
-                self.pending = Recovery(failed=[], t_fail=now, t_detect=now, peak_step=self.max_step)
+        self._open_pending(now)
         self.pending.replan, self.pending.why = True, why
         if self.flush is None:
             self._start_flush(now)
@@ -50,14 +57,9 @@ class Reconstruction:
                 return
         elif self.generation < 0:  # still forming: the slot opens for the next node to register
             return
-        if self.pending is None:
-            if self.recovery is not None:  # a failure during recovery: one recovery covers both
-                prior, self.recovery = self.recovery, None
-                self.pending = prior.continued()
-                # a node was lost: planning again is progress, not a retry, and a new situation to probe
-                self.pending.retries, self.pending.probed_for_lost = 0, False
-            else:
-                self.pending = Recovery(failed=[], t_fail=now, t_detect=now, peak_step=self.max_step)
+        if self._open_pending(now):  # a failure during recovery: one recovery covers both
+            # a node was lost: planning again is progress, not a retry, and a new situation to probe
+            self.pending.retries, self.pending.probed_for_lost = 0, False
         self.pending.failed.append(node_id)
         self.pending.replan |= was == SPARE
         if node_id in self.injected_at:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from .replication import ReplicationError, Replicator, Slot
+from .replication import Replicator, Slot
 
 
 class Prefetch:
@@ -25,14 +25,11 @@ class Prefetch:
         self._thread.start()
 
     def _run(self) -> None:
-        for source in self._sources:
-            try:
-                self._slot = self._replicator.fetch(source, self.rank, self.step)
-                return
-            except ReplicationError as exc:  # missing or corrupt there: try the next one
-                self.problems.append((source, str(exc)))
-            except Exception:  # aborted (a newer plan) or broken: the restore fetches by itself
-                return
+        try:
+            self._slot = self._replicator.fetch_first(self._sources, self.rank, self.step,
+                                                      lambda source, why: self.problems.append((source, why)))
+        except Exception:  # aborted (a newer plan) or broken: the restore fetches by itself
+            pass
 
     def take(self, generation: int, rank: int, step: int) -> Slot | None:
         """The fetched slot if it is the one asked for; waits for the fetch (bounded by its timeout, and

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import zmq
@@ -248,6 +248,17 @@ class Replicator:
             return slot
         finally:
             sock.close(0)
+
+    def fetch_first(self, sources: list[str], rank: int, step: int,
+                    on_bad: Callable[[str, str], None]) -> Slot | None:
+        """fetch() from each store in turn until one has a good copy; on_bad(store, why) for each that has
+        not (missing, corrupt). None if none has."""
+        for source in sources:
+            try:
+                return self.fetch(source, rank, step)
+            except ReplicationError as exc:
+                on_bad(source, str(exc))
+        return None
 
     # ------------------------------------------------------------------ thread
 

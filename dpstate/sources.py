@@ -55,14 +55,15 @@ class SnapshotSources:
         reported so the controller can plan without it. None good: ReplicationError (wait for the next plan)."""
         step = reconf.restore_step
         problems = [f"{source}: {reason}" for source, reason in known_bad.items()]
-        for source in named_sources(reconf, rank):
-            if source in known_bad:
-                continue
-            try:
-                return self._replicator.fetch(source, rank, step)
-            except ReplicationError as exc:
-                problems.append(f"{source}: {exc}")
-                self._report(reconf, rank, source, str(exc))
+
+        def bad(source: str, why: str) -> None:
+            problems.append(f"{source}: {why}")
+            self._report(reconf, rank, source, why)
+
+        sources = [s for s in named_sources(reconf, rank) if s not in known_bad]
+        slot = self._replicator.fetch_first(sources, rank, step, bad)
+        if slot is not None:
+            return slot
         raise ReplicationError(f"rank {rank} holds no snapshot of step {step} (holds "
                                f"{self._replicator.local_steps()}) and no replica had a good copy: "
                                + ("; ".join(problems) or "none was named"))
