@@ -15,6 +15,7 @@ import logging
 log = logging.getLogger("dpagent")
 
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # from glibc's malloc.h
+NEVER_TRIM = 2**31 - 1  # mallopt's value is a C int: a larger Python int is masked (1 << 62 became 0: trim always)
 
 
 def reuse_freed_memory() -> bool:
@@ -27,7 +28,7 @@ def reuse_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    ok = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, 1 << 62) == 1
+    ok = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, NEVER_TRIM) == 1
     mallopt(M_ARENA_MAX, 1)  # ZeroMQ's I/O thread allocates in the same (reused) heap
     if not ok:
         log.debug("mallopt refused; big snapshots are received into fresh pages")

@@ -23,7 +23,9 @@ from .abort import AbortSignal
 from .interval import SnapshotPolicy
 from .profile import SnapshotStats, write_profile
 
-NSLOTS = 4  # local snapshots kept: a survivor may have to roll back 3 steps (see dprun.reconstruction._survivor_floors)
+# Local snapshots kept: a survivor may have to roll back 2 steps while it captures the next one
+# (see dprun.reconstruction._survivor_floors); an older step comes from its replica holder.
+NSLOTS = 3
 
 
 class ReplicationError(RuntimeError):

@@ -74,10 +74,10 @@ def test_ring_keeps_the_newest_nslots_and_rollback_forgets_newer(replica):
     for step in range(6):
         rep.submit(step, tracked.capture(step))
         rep.wait_acked(timeout=10)  # what the optimizer pre-step hook does
-    assert rep.local_steps() == [2, 3, 4, 5]  # NSLOTS = 4 local copies
+    assert rep.local_steps() == [3, 4, 5]  # NSLOTS = 3 local copies
     assert replica.store.steps(1) == [3, 4, 5]  # the replica store keeps 3
     rep.forget_after(3)
-    assert rep.local_steps() == [2, 3]
+    assert rep.local_steps() == [3]
     slot = rep.local(3)
     rep.configure(1, replica.replica_endpoint, 1)
     rep.submit_packed(slot)  # re-replicate the restored state in the new generation
