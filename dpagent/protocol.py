@@ -34,7 +34,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-PROTOCOL_VERSION = 2  # 2: PutSnapshot.held (relabel a held copy)
+PROTOCOL_VERSION = 3  # 2: PutSnapshot.held (relabel a held copy); 3: ReserveSnapshot
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -289,6 +289,24 @@ class PutSnapshot:
     checksum: int  # dpstate.snapshot.checksum(meta, data): computed and checked by workers only
     nbytes: int
     held: bool = False
+
+
+@_message
+class ReserveSnapshot:
+    """Sent ahead of a PutSnapshot of `step` (the sender's optimizer is past step-1): the holder drops that
+    rank's oldest copy now if it is full, so the snapshot on its way is received into that copy's memory
+    instead of a buffer of its own. Answered with SnapshotReserved, before which the sender sends nothing."""
+
+    rank: int
+    step: int
+    generation: int
+
+
+@_message
+class SnapshotReserved:
+    rank: int
+    step: int
+    dropped: list = field(default_factory=list)  # steps of the rank that made room
 
 
 @_message

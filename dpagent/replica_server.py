@@ -1,4 +1,5 @@
-"""Serves the replica store on the agent's replica ROUTER: PutSnapshot -> SnapshotAck, FetchSnapshot -> SnapshotData.
+"""Serves the replica store on the agent's replica ROUTER: PutSnapshot -> SnapshotAck, FetchSnapshot -> SnapshotData,
+ReserveSnapshot -> SnapshotReserved (room made for a snapshot on its way).
 
 The holder checks sizes only: the checksum is checked end to end by the worker that loads a snapshot (a bad
 copy there is reported and another one used), so a holder spends no CPU per snapshot beyond receiving it.
@@ -20,7 +21,8 @@ import zmq
 from .channel import Channel, Incoming
 from .checksum import checksum
 from .events import EventPipe
-from .protocol import FetchSnapshot, PutSnapshot, SnapshotAck, SnapshotData, SnapshotStored
+from .protocol import (FetchSnapshot, PutSnapshot, ReserveSnapshot, SnapshotAck, SnapshotData, SnapshotReserved,
+                       SnapshotStored)
 from .replica_store import ReplicaStore, Snapshot, intact
 
 log = logging.getLogger("dpagent")
@@ -81,6 +83,9 @@ class ReplicaServer:
         msg = incoming.msg
         if isinstance(msg, PutSnapshot):
             self._put(incoming, msg)
+        elif isinstance(msg, ReserveSnapshot):
+            dropped = self.store.make_room(msg.rank, msg.step, msg.generation)
+            self.channel.reply(incoming, SnapshotReserved(msg.rank, msg.step, dropped))
         elif isinstance(msg, FetchSnapshot):
             self._fetch(incoming, msg)
         else:

@@ -68,6 +68,20 @@ class ReplicaStore:
             del held[min(held)]
         return ""
 
+    def make_room(self, rank: int, step: int, generation: int) -> list[int]:
+        """A snapshot of `step` is on its way (ReserveSnapshot): when `keep` steps of `rank` are held, drop the
+        oldest, older than `step`, so that it takes that copy's memory. Returns the steps dropped. Safe: its
+        sender finished optimizer step `step`, so no rank is before step-1 and no restore goes back past
+        step-2 (see dprun.reconstruction._survivor_floors); the copies of step-2 and step-1 stay."""
+        held = self._ranks.get(rank, {})
+        if step in held or not held or generation < max(s.generation for s in held.values()):
+            return []  # a relabel or a re-put of a step held (no new memory), or a fenced sender
+        dropped = []
+        while len(held) >= self.keep and min(held) < step:
+            dropped.append(min(held))
+            del held[dropped[-1]]
+        return dropped
+
     def relabel(self, put: PutSnapshot) -> str:
         """A PutSnapshot with held=True: the copy of put.step already here becomes the current generation's,
         as if it had been sent again, once its bytes match put.checksum (a corrupt copy is not kept: the

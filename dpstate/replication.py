@@ -277,12 +277,6 @@ class Replicator:
                 endpoints, generation, rank = list(self.endpoints), self.generation, self.rank
                 self._busy, self._active = True, job
             try:
-                if job.tree is not None:
-                    if job.event is not None and (copy_stream is None or copy_stream.device.index != job.device):
-                        torch.cuda.set_device(job.device)  # this thread's current device: the worker's
-                        copy_stream = torch.cuda.Stream(device=job.device)
-                    if not self._capture(job, epoch, copy_stream):
-                        continue
                 for gone in set(socks) - set(endpoints):
                     socks.pop(gone).close(0)
                 for endpoint in endpoints:
@@ -290,6 +284,17 @@ class Replicator:
                         socks[endpoint] = self.ctx.socket(zmq.DEALER)
                         socks[endpoint].setsockopt(zmq.LINGER, 0)
                         socks[endpoint].connect(endpoint)
+                # holders make room while we capture: the snapshot then lands in their oldest copy's memory
+                reserve = P.ReserveSnapshot(rank=rank, step=job.step, generation=generation)
+                for endpoint in endpoints:
+                    if endpoint not in job.held_at:
+                        socks[endpoint].send_multipart(self.codec.encode(reserve))
+                if job.tree is not None:
+                    if job.event is not None and (copy_stream is None or copy_stream.device.index != job.device):
+                        torch.cuda.set_device(job.device)  # this thread's current device: the worker's
+                        copy_stream = torch.cuda.Stream(device=job.device)
+                    if not self._capture(job, epoch, copy_stream):
+                        continue
                 ok = self._replicate({e: socks[e] for e in endpoints}, job, epoch, generation, rank)
                 with self._cond:
                     if epoch == self._epoch and ok:
@@ -348,8 +353,9 @@ class Replicator:
         return True
 
     def _replicate(self, socks: dict[str, Any], job: _Job, epoch: int, generation: int, rank: int) -> bool:
-        """Send the slot to every replica store at once (a relabel request to those that hold it already),
-        then wait until each has acked it; a refused relabel is answered with the whole snapshot."""
+        """Send the slot to every replica store (a relabel request to those that hold it already; the whole
+        snapshot to the others once they answer the ReserveSnapshot sent before the capture), then wait until
+        each has acked it; a refused relabel is answered with the whole snapshot."""
         slot = job.slot
         put = P.PutSnapshot(rank=rank, step=job.step, generation=generation, checksum=slot.checksum,
                             nbytes=len(slot.meta) + slot.nbytes)
@@ -363,11 +369,13 @@ class Replicator:
                 sock.send_multipart(full, copy=False)
 
         relabeled = {id(sock) for e, sock in socks.items() if e in job.held_at}
+        reserving = {id(sock) for sock in socks.values()} - relabeled
         tries = {id(sock): 0 for sock in socks.values()}
         waiting = list(socks.values())
         t0 = time.perf_counter()
         for sock in waiting:
-            send(sock, id(sock) in relabeled)
+            if id(sock) in relabeled:
+                send(sock, True)
         poller = zmq.Poller()
         for sock in waiting:
             poller.register(sock, zmq.POLLIN)
@@ -378,6 +386,11 @@ class Replicator:
                 try:
                     ack, _ = self.codec.decode(sock.recv_multipart())
                 except P.ProtocolError:
+                    continue
+                if (isinstance(ack, P.SnapshotReserved) and id(sock) in reserving and ack.rank == rank
+                        and ack.step == job.step):
+                    reserving.discard(id(sock))
+                    send(sock, False)
                     continue
                 if not (isinstance(ack, P.SnapshotAck) and ack.rank == rank and ack.step == job.step):
                     continue

@@ -76,13 +76,25 @@ def test_ring_keeps_the_newest_nslots_and_rollback_forgets_newer(replica):
         rep.wait_acked(timeout=10)  # what the optimizer pre-step hook does
     assert rep.local_steps() == [3, 4, 5]  # NSLOTS = 3 local copies
     assert replica.store.steps(1) == [3, 4, 5]  # the replica store keeps 3
-    rep.forget_after(3)
-    assert rep.local_steps() == [3]
-    slot = rep.local(3)
+    sock = zmq.Context.instance().socket(zmq.DEALER)  # what a worker sends before its next capture
+    sock.linger = 0
+    sock.connect(replica.replica_endpoint)
+    codec = P.Codec(TOKEN)
+    sock.send_multipart(codec.encode(P.ReserveSnapshot(rank=1, step=6, generation=0)))
+    assert sock.poll(10_000)
+    assert codec.decode(sock.recv_multipart())[0] == P.SnapshotReserved(1, 6, [3])
+    sock.close(0)
+    assert replica.store.steps(1) == [4, 5]  # step 6 will take step 3's memory
+    rep.submit(6, tracked.capture(6))
+    rep.wait_acked(timeout=10)
+    assert replica.store.steps(1) == [4, 5, 6]
+    rep.forget_after(4)
+    assert rep.local_steps() == [4]
+    slot = rep.local(4)
     rep.configure(1, replica.replica_endpoint, 1)
     rep.submit_packed(slot)  # re-replicate the restored state in the new generation
     rep.wait_acked(timeout=10)
-    assert replica.store.steps(1)[-1] == 3
+    assert replica.store.steps(1)[-1] == 4
 
 
 def test_a_restored_snapshot_is_relabelled_where_held_and_sent_whole_where_not(replica):
@@ -120,7 +132,8 @@ def test_without_replica_snapshots_stay_local():
 
 
 class BadStore:
-    """A ROUTER that never acks puts and answers every fetch with data that fails its checksum."""
+    """A ROUTER that makes room for every put but never acks one, and answers every fetch with data that
+    fails its checksum."""
 
     def __init__(self):
         self.ctx = zmq.Context()
@@ -141,6 +154,8 @@ class BadStore:
             msg, _ = self.codec.decode(frames)
             if isinstance(msg, P.PutSnapshot):
                 self.puts += 1
+            elif isinstance(msg, P.ReserveSnapshot):
+                self.sock.send_multipart([ident] + self.codec.encode(P.SnapshotReserved(msg.rank, msg.step)))
             elif isinstance(msg, P.FetchSnapshot):
                 meta, data = b"meta", b"data"
                 reply = P.SnapshotData(msg.rank, msg.step, True, checksum=12345, nbytes=8)

@@ -141,3 +141,19 @@ def test_a_held_copy_is_relabelled_for_a_new_generation_only_if_it_is_intact():
     store.corrupt_all()
     assert "corrupt" in store.relabel(PutSnapshot(1, 4, 1, store.get(1, 4).checksum, store.get(1, 4).nbytes, held=True))
     assert store.steps(1) == [5]  # the corrupt copy is dropped: the sender sends its own whole
+
+
+def test_a_reserve_drops_the_oldest_copy_of_a_full_rank_only():
+    """ReserveSnapshot: the snapshot on its way takes the oldest copy's memory; nothing else is dropped."""
+    store = ReplicaStore()
+    for step in range(3):
+        assert store.add(*put(0, step, generation=1)) == ""
+    assert store.add(*put(1, 0, generation=1)) == ""
+    assert store.make_room(0, 3, generation=1) == [0]
+    assert store.steps(0) == [1, 2] and store.steps(1) == [0]  # other ranks keep theirs
+    assert store.make_room(0, 3, generation=1) == []  # not full any more
+    assert store.add(*put(0, 3, generation=1)) == ""
+    assert store.make_room(0, 3, generation=2) == []  # step 3 held: a relabel or a re-put, no new memory
+    assert store.make_room(0, 4, generation=0) == []  # a fenced sender makes no room
+    assert store.make_room(1, 1, generation=1) == []  # room to spare
+    assert store.steps(0) == [1, 2, 3]

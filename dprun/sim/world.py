@@ -264,8 +264,20 @@ class World:
         holders = [h for h in map(self.node_of, node.replica_to) if h is not None]
         worker.awaiting[worker.state] = len(holders)
         put = (worker.rank, worker.state, worker.generation)
-        for holder in holders:
-            self.at(self._link_delay(node.node_id, holder.node_id), self._store_put, holder, node, local, put)
+        for holder in holders:  # ReserveSnapshot just ahead of the snapshot on the same connection
+            delay = self._link_delay(node.node_id, holder.node_id)
+            self.at(delay - 1e-7, self._store_reserve, holder, put)
+            self.at(delay, self._store_put, holder, node, local, put)
+
+    def _store_reserve(self, holder: SimNode, put) -> None:
+        """The holder makes room for the snapshot on its way: its oldest copies of that rank go first."""
+        if self._frozen(holder, self._store_reserve, holder, put):
+            return
+        if holder.running:
+            rank, step, _ = put
+            steps = holder.store.setdefault(rank, [])
+            while len(steps) >= KEEP_REPLICA and steps[0] < step and step not in steps:
+                holder.corrupt.discard((rank, steps.pop(0)))
 
     def _store_put(self, holder: SimNode, sender: SimNode, local: int, put) -> None:
         if self._frozen(holder, self._store_put, holder, sender, local, put):
