@@ -68,9 +68,10 @@ class ReplicaStore:
             del held[min(held)]
         return ""
 
-    def make_room(self, rank: int, step: int, generation: int) -> list[int]:
+    def make_room(self, rank: int, step: int, generation: int) -> list[Snapshot]:
         """A snapshot of `step` is on its way (ReserveSnapshot): when `keep` steps of `rank` are held, drop the
-        oldest, older than `step`, so that it takes that copy's memory. Returns the steps dropped. Safe: its
+        oldest, older than `step`, so that it takes that copy's memory. Returns the copies dropped (their
+        memory is freed when the caller lets go of them). Safe: its
         sender finished optimizer step `step`, so no rank is before step-1 and no restore goes back past
         step-2 (see dprun.reconstruction._survivor_floors); the copies of step-2 and step-1 stay."""
         held = self._ranks.get(rank, {})
@@ -78,8 +79,7 @@ class ReplicaStore:
             return []  # a relabel or a re-put of a step held (no new memory), or a fenced sender
         dropped = []
         while len(held) >= self.keep and min(held) < step:
-            dropped.append(min(held))
-            del held[dropped[-1]]
+            dropped.append(held.pop(min(held)))
         return dropped
 
     def relabel(self, put: PutSnapshot) -> str:
