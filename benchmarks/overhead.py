@@ -51,12 +51,13 @@ def command(config: str, args, folder: Path) -> tuple[list[str], dict[str, str]]
 
 
 def auto_window(summary: dict | None, steps: int, decided_default: int) -> tuple[int, int]:
-    """Whole snapshot intervals after the auto decision (each holds one snapshot), else what follows it."""
+    """Whole snapshot intervals after the first auto decision (each holds one snapshot), else what follows it.
+    The first decision, not the last: auto decides again every few snapshots (summary's snapshot_decided_at
+    is the latest), and a window from there held 3 steps in one run."""
     decided = decided_default
     interval = 1
     if summary:
         interval = int(summary.get("snapshot_interval") or 1)
-        decided = int(summary.get("snapshot_decided_at") or decided_default)
     first = (decided // interval + 1) * interval
     last = steps // interval * interval
     if last - first >= interval and last > first:

@@ -86,7 +86,7 @@ class ReplicaServer:
         elif isinstance(msg, ReserveSnapshot):
             dropped = self.store.make_room(msg.rank, msg.step, msg.generation)
             self.channel.reply(incoming, SnapshotReserved(msg.rank, msg.step, [s.step for s in dropped]))
-            del dropped  # freed after the reply's small allocations: fewer of them land in the freed block
+            del dropped  # the copies' memory is freed here, after the reply is queued
         elif isinstance(msg, FetchSnapshot):
             self._fetch(incoming, msg)
         else:
