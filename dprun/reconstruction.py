@@ -173,11 +173,9 @@ class Reconstruction:
         A rank's optimizer step waits until its newest snapshot is acked. So Progress(P) from rank r means
         r's newest snapshot before P is acked, and Progress(P) from any rank means every rank passed the
         all-reduce of step P, so every rank's newest snapshot before P-1 is acked. Snapshots are taken at
-        the same steps on every rank (the grid the ledger has seen), and no rank is more than a step past
-        what it reported: a rank at live step L reported L-1 at least, so its floor is L-2 or L-1, which
-        are among the newest 3 a worker keeps (dpstate NSLOTS) even while it captures L. So those steps
-        are replicated and held, whatever the replica reports say (those from a holder that died with
-        them can be lost in flight). A plan older than a survivor's floor names its replica holder.
+        the same steps on every rank (the grid the ledger has seen); a worker keeps its newest 4, and no
+        rank is more than a step past what it reported. So those steps are replicated and held, whatever
+        the replica reports say (those from a holder that died with them can be lost in flight).
         """
         top = max(self.rank_step.values(), default=0)
         return {rank: self.ledger.snapshot_step_at_or_before(max(self.rank_step.get(rank, 0) - 1, top - 2, 0))

@@ -23,9 +23,11 @@ from .abort import AbortSignal
 from .interval import SnapshotPolicy
 from .profile import SnapshotStats, write_profile
 
-# Local snapshots kept: a survivor may have to roll back 2 steps while it captures the next one
-# (see dprun.reconstruction._survivor_floors); an older step comes from its replica holder.
-NSLOTS = 3
+# Local snapshots kept. A survivor rolls back at most 2 steps while it captures the next one when the dead
+# ranks' newest copies are good (dprun.reconstruction._survivor_floors), so 3 would do there; the 4th covers
+# the walk back past bad copies of a dead rank (its holder keeps 3) when the survivor's own holder died too
+# (a 2-node ring): with 3, that walk asked a survivor for a step it no longer held.
+NSLOTS = 4
 
 
 class ReplicationError(RuntimeError):

@@ -17,7 +17,7 @@ from dprun.controller import Controller, Finish, JobSpec, NodeGone, Publish, Rec
 
 CONTROLLER = "controller"
 KEEP_REPLICA = 3
-KEEP_LOCAL = 3  # as dpstate.replication.NSLOTS
+KEEP_LOCAL = 4  # as dpstate.replication.NSLOTS
 
 
 @dataclass
