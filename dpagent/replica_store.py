@@ -69,17 +69,19 @@ class ReplicaStore:
         return ""
 
     def make_room(self, rank: int, step: int, generation: int) -> list[Snapshot]:
-        """A snapshot of `step` is on its way (ReserveSnapshot): when `keep` steps of `rank` are held, drop the
-        oldest, older than `step`, so that it takes that copy's memory. Returns the copies dropped (their
-        memory is freed when the caller lets go of them). Safe: its
-        sender finished optimizer step `step`, so no rank is before step-1 and no restore goes back past
-        step-2 (see dprun.reconstruction._survivor_floors); the copies of step-2 and step-1 stay."""
+        """A snapshot of `step` is on its way (ReserveSnapshot): when `keep` steps of `rank` would be held with
+        it, drop the oldest, so that it takes that copy's memory. Returns the copies dropped (their memory is
+        freed when the caller lets go of them). Safe: its sender finished optimizer step `step`, so every rank
+        acked step-2 and no restore goes back past it (see dprun.reconstruction._survivor_floors); the copies
+        of step-2 and step-1 stay. Steps the snapshot will supersede (newer ones of an older generation) do
+        not count: they go when it is stored."""
         held = self._ranks.get(rank, {})
         if step in held or not held or generation < max(s.generation for s in held.values()):
             return []  # a relabel or a re-put of a step held (no new memory), or a fenced sender
+        kept = sorted(s for s, snap in held.items() if s < step or snap.generation >= generation)
         dropped = []
-        while len(held) >= self.keep and min(held) < step:
-            dropped.append(held.pop(min(held)))
+        while len(kept) >= self.keep and kept[0] < step:
+            dropped.append(held.pop(kept.pop(0)))
         return dropped
 
     def relabel(self, put: PutSnapshot) -> str:

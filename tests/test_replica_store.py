@@ -157,3 +157,8 @@ def test_a_reserve_drops_the_oldest_copy_of_a_full_rank_only():
     assert store.make_room(0, 4, generation=0) == []  # a fenced sender makes no room
     assert store.make_room(1, 1, generation=1) == []  # room to spare
     assert store.steps(0) == [1, 2, 3]
+    rolled = ReplicaStore()
+    for step in (0, 2, 3):
+        assert rolled.add(*put(0, step, generation=1)) == ""
+    assert rolled.make_room(0, 1, generation=2) == []  # a rollback's re-put supersedes steps 2 and 3
+    assert rolled.steps(0) == [0, 2, 3]
