@@ -50,14 +50,11 @@ def command(config: str, args, folder: Path) -> tuple[list[str], dict[str, str]]
             "--events-file", "events.jsonl", *script], env
 
 
-def auto_window(summary: dict | None, steps: int, decided_default: int) -> tuple[int, int]:
-    """Whole snapshot intervals after the first auto decision (each holds one snapshot), else what follows it.
-    The first decision, not the last: auto decides again every few snapshots (summary's snapshot_decided_at
-    is the latest), and a window from there held 3 steps in one run."""
-    decided = decided_default
-    interval = 1
-    if summary:
-        interval = int(summary.get("snapshot_interval") or 1)
+def auto_window(summary: dict | None, steps: int, decided: int) -> tuple[int, int]:
+    """Whole snapshot intervals after the first auto decision, at step `decided` (each holds one snapshot),
+    else what follows it. The first decision, not the last: auto decides again every few snapshots
+    (summary's snapshot_decided_at is the latest), and a window from there held 3 steps in one run."""
+    interval = int(summary.get("snapshot_interval") or 1) if summary else 1
     first = (decided // interval + 1) * interval
     last = steps // interval * interval
     if last - first >= interval and last > first:
@@ -101,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (30 if args.quick else 60)
     args.auto_steps = "2,3" if args.quick else AUTO_STEPS
     warm, pairs = (int(x) for x in args.auto_steps.split(","))
-    decided_default = 1 + warm + 2 * pairs
+    first_decision = 1 + warm + 2 * pairs  # the step at which auto first decides (dpstate.interval)
     configs = [c for c in args.configs.split(",") if c]
     C.install_cleanup()
     work = C.Workdir("overhead", keep=args.keep)
@@ -129,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = None
         for rep in range(args.reps):
             auto = results.get((rep, "auto"))
-            lo, hi = auto_window(auto.json_file("stats.json") if auto else None, args.steps, decided_default)
+            lo, hi = auto_window(auto.json_file("stats.json") if auto else None, args.steps, first_decision)
             for config in configs:
                 res = results[(rep, config)]
                 summary = {**(res.json_file("summary.json") or {}), **(res.json_file("stats.json") or {})}
