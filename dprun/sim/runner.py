@@ -15,6 +15,10 @@ SIM_SECONDS = 120.0
 
 
 CORRUPT = {"corrupt-replicas": "all", "corrupt-newest": "newest", "corrupt-all-but-oldest": "all-but-oldest"}
+# faults armed for the next reconfiguration -> what strikes then (before the restores fetch, as dprun's
+# @during-recovery); the corruptions strike the store the pick names, the kill one of the layout's nodes
+ARMED = {"kill-during-recovery": "kill-node", "corrupt-during-recovery": "corrupt-all-but-oldest",
+         "corrupt-all-during-recovery": "corrupt-replicas"}
 
 
 class FaultDriver:
@@ -27,7 +31,7 @@ class FaultDriver:
     def fire(self, fault: Fault) -> None:
         w = self.world
         c = w.controller
-        if fault.kind in ("kill-during-recovery", "corrupt-during-recovery"):
+        if fault.kind in ARMED:
             self.armed.append(fault)
             return
         if fault.kind == "join-spare":
@@ -61,10 +65,11 @@ class FaultDriver:
     def on_reconfigure(self) -> None:
         while self.armed:
             fault = self.armed.pop(0)
-            if fault.kind == "corrupt-during-recovery":  # before the restores fetch (as dprun's @during-recovery)
-                self.fire(Fault(0, "corrupt-all-but-oldest", fault.pick))
+            strike = Fault(0, ARMED[fault.kind], fault.pick)
+            if strike.kind in CORRUPT:
+                self.fire(strike)
             else:
-                self.world.at(self.rng.uniform(0.0, 0.05), self.fire, Fault(0, "kill-node", fault.pick))
+                self.world.at(self.rng.uniform(0.0, 0.05), self.fire, strike)
 
 
 class _Observer(Checker):

@@ -13,6 +13,8 @@ from dprun.controller import JobSpec
 
 KINDS = ["kill-node", "kill-node-silent", "kill-worker", "freeze-node", "freeze-wake", "kill-spare",
          "kill-during-recovery", "join-spare"]
+# bit rot in one store, now or armed for the next recovery (every copy there, or all but the oldest)
+CORRUPTIONS = ["corrupt-replicas", "corrupt-newest", "corrupt-during-recovery", "corrupt-all-during-recovery"]
 
 
 @dataclass
@@ -67,8 +69,6 @@ def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True) -> Sch
     interval = rng.choice([1, 1, 2, 3, 5]) if extended else 1
     auto = extended and rng.random() < 0.3
     if extended and rng.random() < 0.3:  # bit rot in one store: a restore finds it, reports it, falls back
-        faults.append(Fault(at=rng.uniform(0.2, 3.0), kind=rng.choice(["corrupt-replicas", "corrupt-newest",
-                                                                            "corrupt-during-recovery"]),
-                            pick=rng.random()))
+        faults.append(Fault(at=rng.uniform(0.2, 3.0), kind=rng.choice(CORRUPTIONS), pick=rng.random()))
     return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
                     interval, auto)

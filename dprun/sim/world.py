@@ -44,6 +44,7 @@ class SimNode:
     node_rank: int = -1
     replica_to: list = field(default_factory=list)
     store: dict = field(default_factory=dict)  # rank -> sorted steps held
+    store_gen: dict = field(default_factory=dict)  # (rank, step) held -> generation of its put
     corrupt: set = field(default_factory=set)  # (rank, step) held but damaged (a loading worker finds out)
     workers: list = field(default_factory=list)
     inbox_while_frozen: list = field(default_factory=list)
@@ -83,6 +84,11 @@ class World:
         self.ready: dict[int, set] = {}  # generation -> ranks at the post-restore barrier
         self.log: list[str] = []
         self.replicated: set = set()  # (rank, step) ever stored on a replica: the truth invariants check
+        # (holder, rank, step) a store dropped -> (holder, rank, step, generation) of the put that made it drop
+        # it; and the SnapshotStored reports the controller took in (not stale): a copy dropped by a put whose
+        # report it never took in (still on its way, lost, or from a fenced generation) may still be planned
+        self.dropped_by: dict[tuple, tuple] = {}
+        self.reported: set = set()
         self.failures = 0  # nodes that failed by a fault (killed, frozen, a worker killed)
         for i, node in enumerate(self.nodes.values()):
             node.workers = [SimWorker() for _ in range(node.nproc)]
@@ -117,6 +123,9 @@ class World:
     def _controller_input(self, event) -> None:
         if self.finish is not None:
             return
+        msg = getattr(event, "msg", None)
+        if isinstance(msg, p.SnapshotStored) and msg.generation >= self.controller.generation:
+            self.reported.add((msg.node_id, msg.rank, msg.step, msg.generation))
         if self.observer is not None and hasattr(self.observer, "before_input"):
             self.observer.before_input(self, event)
         actions = self.controller.handle(event, self.now)
@@ -270,30 +279,54 @@ class World:
             self.at(delay, self._store_put, holder, node, local, put)
 
     def _store_reserve(self, holder: SimNode, put) -> None:
-        """The holder makes room for the snapshot on its way: its oldest copies of that rank go first."""
+        """The holder makes room for the snapshot on its way, as ReplicaStore.make_room: its oldest copies of
+        that rank go first; steps the snapshot will supersede do not count; a fenced sender's is ignored."""
         if self._frozen(holder, self._store_reserve, holder, put):
             return
-        if holder.running:
-            rank, step, _ = put
-            steps = holder.store.setdefault(rank, [])
-            while len(steps) >= KEEP_REPLICA and steps[0] < step and step not in steps:
-                holder.corrupt.discard((rank, steps.pop(0)))
+        rank, step, generation = put
+        steps = holder.store.get(rank, [])
+        if not holder.running or step in steps or not steps or generation < self._newest_generation(holder, rank):
+            return
+        kept = [s for s in steps if s < step or holder.store_gen[(rank, s)] >= generation]
+        while len(kept) >= KEEP_REPLICA and kept[0] < step:
+            self._store_drop(holder, rank, kept.pop(0), put)
 
     def _store_put(self, holder: SimNode, sender: SimNode, local: int, put) -> None:
+        """As ReplicaStore.add: a put from an older generation than held for its rank is refused (a fenced
+        sender: never acked), a newer one replaces that rank's steps it supersedes (same or later ones)."""
         if self._frozen(holder, self._store_put, holder, sender, local, put):
             return
         if not holder.running:
             return  # the sender waits forever for the ack; recovery will abort it
         rank, step, generation = put
+        steps = holder.store.setdefault(rank, [])
+        if steps and generation < self._newest_generation(holder, rank):
+            self.log.append(f"{self.now:.3f} {holder.node_id} refuses rank {rank} step {step} of generation "
+                            f"{generation}")
+            return
+        for old in [s for s in steps if s >= step and holder.store_gen[(rank, s)] < generation]:
+            self._store_drop(holder, rank, old, put)
         self.replicated.add((rank, step))
         holder.corrupt.discard((rank, step))  # a whole new copy replaces a damaged one
-        steps = holder.store.setdefault(rank, [])
         if step not in steps:
             steps.append(step)
             steps.sort()
-            del steps[:-KEEP_REPLICA]
+        holder.store_gen[(rank, step)] = generation
+        self.dropped_by.pop((holder.node_id, rank, step), None)
+        while len(steps) > KEEP_REPLICA:
+            self._store_drop(holder, rank, steps[0], put)
         self._agent_send(holder.node_id, p.SnapshotStored(holder.node_id, rank, step, generation))
         self.at(self._link_delay(holder.node_id, sender.node_id), self._snapshot_acked, sender, local, generation, step)
+
+    @staticmethod
+    def _newest_generation(holder: SimNode, rank: int) -> int:
+        return max(holder.store_gen[(rank, s)] for s in holder.store.get(rank, []))
+
+    def _store_drop(self, holder: SimNode, rank: int, step: int, put) -> None:
+        self.dropped_by[(holder.node_id, rank, step)] = (holder.node_id, *put)
+        holder.store[rank].remove(step)
+        holder.store_gen.pop((rank, step), None)
+        holder.corrupt.discard((rank, step))
 
     def _snapshot_acked(self, node: SimNode, local: int, generation: int, step: int) -> None:
         if self._frozen(node, self._snapshot_acked, node, local, generation, step):
@@ -434,11 +467,12 @@ class World:
             return
         self.log.append(f"{self.now:.3f} wake {node_id}")
         node.frozen = False
-        # it speaks before it reads what was said while it slept: stale heartbeats and progress first
+        # it speaks before it reads what was said while it slept: stale heartbeats and progress first (the
+        # step it last applied: a worker never reports a step whose optimizer step waits for an ack)
         self._agent_send(node_id, p.Heartbeat(node_id, node.generation))
         for worker in node.workers:
             if worker.phase in ("running", "ready", "blocked") and worker.rank >= 0:
-                self._agent_send(node_id, p.Progress(node_id, worker.generation, worker.rank, worker.state + 1))
+                self._agent_send(node_id, p.Progress(node_id, worker.generation, worker.rank, worker.state))
         pending, node.inbox_while_frozen = node.inbox_while_frozen, []
         for msg in pending:
             self._agent_receive(node_id, msg)
