@@ -231,14 +231,19 @@ class Controller(Reconstruction):
             self.pending.settle_until = max(self.pending.settle_until, now + self.spec.heartbeat_interval)
 
     def _on_RestoreFailed(self, node: Node, msg: p.RestoreFailed, now: float) -> None:
-        holder = next((n.node_id for n in self.table.nodes.values() if n.replica_endpoint == msg.source), None)
-        dropped = holder is not None and self.ledger.discard(msg.rank, msg.step, holder)
         self._publish("restore_failed", node=node.node_id, rank=msg.rank, step=msg.step, source=msg.source,
                       reason=msg.reason[:200])
-        self._replan(now, f"restoring rank {msg.rank} from {msg.source} failed: {msg.reason[:200]}")
-        self.pending.bad_copies.append(f"rank {msg.rank} step {msg.step} on {holder or msg.source}: {msg.reason[:80]}")
+        self._replan(now, f"restoring rank {msg.rank} from {msg.source or 'its local copy'} failed: {msg.reason[:200]}")
+        rec = self.pending
+        if msg.source:
+            holder = next((n.node_id for n in self.table.nodes.values() if n.replica_endpoint == msg.source), None)
+            dropped = holder is not None and self.ledger.discard(msg.rank, msg.step, holder)
+        else:  # the rank's own copy: it holds only newer steps (a survivor asked to walk back past its ring)
+            holder, dropped = f"{node.node_id} (local)", rec.no_local.get(msg.rank, -1) < msg.step
+            rec.no_local[msg.rank] = max(rec.no_local.get(msg.rank, -1), msg.step)
+        rec.bad_copies.append(f"rank {msg.rank} step {msg.step} on {holder or msg.source}: {msg.reason[:80]}")
         if dropped:  # each such plan has one copy fewer to choose from: they end, with a plan or "state lost"
-            self.pending.free_replans += 1
+            rec.free_replans += 1
 
     def _on_RankFinished(self, node: Node, msg: p.RankFinished, now: float) -> None:
         pass  # the job ends when every active worker has exited 0 (as with torchrun)

@@ -111,12 +111,13 @@ class Recovery:
     probed_for_lost: bool = False  # a plan found state lost and every node was probed once more before ending
     bad_copies: list = field(default_factory=list)  # "rank R step S on NODE: why", as workers reported them
     free_replans: int = 0  # replans owed to a dropped bad copy: they do not count against MAX_REPLANS
+    no_local: dict = field(default_factory=dict)  # rank -> a step it reported no local copy of (nor older)
 
     def continued(self) -> "Recovery":
         """A new pending recovery that carries this one on (a failure or a replan before it completed)."""
         return Recovery(failed=list(self.failed), t_fail=self.t_fail, t_detect=self.t_detect,
                         peak_step=self.peak_step, retries=self.retries, bad_copies=list(self.bad_copies),
-                        probed_for_lost=self.probed_for_lost)
+                        probed_for_lost=self.probed_for_lost, no_local=dict(self.no_local))
 
 
 @dataclass

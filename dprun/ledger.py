@@ -76,15 +76,17 @@ class ReplicaLedger:
             return True
         return False
 
-    def plan(self, world_size: int, failed_ranks: set[int], floors: dict[int, int] | None = None) -> RestorePlan:
+    def plan(self, world_size: int, failed_ranks: set[int], floors: dict[int, int] | None = None,
+             no_local: dict[int, int] | None = None) -> RestorePlan:
         """The newest step every rank can come back to; failed nodes must already be `holder_lost`.
 
         A failed rank comes back from a live replica; one that never had a snapshot comes back from its
         fresh initial state at step 0; one whose every copy is gone is lost. A surviving rank is bounded
         by its newest replicated step, or by `floors` (a step it is known to hold locally) where higher:
-        replica reports from a holder that died with them can be lost.
+        replica reports from a holder that died with them can be lost. It comes back from its local copy
+        where no replica holds the step, unless it said it has none at or before `no_local[rank]`: lost.
         """
-        floors = floors or {}
+        floors, no_local = floors or {}, no_local or {}
         bounds: dict[int, int] = {}
         lost = []
         for rank in range(world_size):
@@ -111,6 +113,8 @@ class ReplicaLedger:
                     sources[rank] = INIT
                 else:
                     lost.append(rank)
+            elif holder is None and step <= no_local.get(rank, -1):
+                lost.append(rank)
             else:
                 sources[rank] = holder or ""
         if lost:

@@ -127,7 +127,7 @@ class Reconstruction:
         else:
             # a rank whose new node has not restored it yet has its state only on replicas, like a failed one
             failed_ranks = {r for i in failed_slots for r in self.ranks_of(i)} | self.unrestored
-            plan = self.ledger.plan(self.spec.world_size, failed_ranks, self._survivor_floors())
+            plan = self.ledger.plan(self.spec.world_size, failed_ranks, self._survivor_floors(), rec.no_local)
         if plan.lost and not rec.probed_for_lost:
             # "lost" ends the job, so first probe every node once more: a copy stored just after its holder
             # answered the last probe (a restored snapshot re-replicated to a new holder) is reported then
@@ -173,7 +173,7 @@ class Reconstruction:
         A rank's optimizer step waits until its newest snapshot is acked. So Progress(P) from rank r means
         r's newest snapshot before P is acked, and Progress(P) from any rank means every rank passed the
         all-reduce of step P, so every rank's newest snapshot before P-1 is acked. Snapshots are taken at
-        the same steps on every rank (the grid the ledger has seen); a worker keeps its newest 4, and no
+        the same steps on every rank (the grid the ledger has seen); a worker keeps its newest 3, and no
         rank is more than a step past what it reported. So those steps are replicated and held, whatever
         the replica reports say (those from a holder that died with them can be lost in flight).
         """

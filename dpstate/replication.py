@@ -24,10 +24,10 @@ from .interval import SnapshotPolicy
 from .profile import SnapshotStats, write_profile
 
 # Local snapshots kept. A survivor rolls back at most 2 steps while it captures the next one when the dead
-# ranks' newest copies are good (dprun.reconstruction._survivor_floors), so 3 would do there; the 4th covers
-# the walk back past bad copies of a dead rank (its holder keeps 3) when the survivor's own holder died too
-# (a 2-node ring): with 3, that walk asked a survivor for a step it no longer held.
-NSLOTS = 4
+# ranks' newest copies are good (dprun.reconstruction._survivor_floors). A walk back past bad copies of a dead
+# rank can go further; a survivor then reports its missing copy (RestoreFailed, source "") and the plan for
+# that step has no cut: "state lost" (the dead rank's copies at newer steps were bad).
+NSLOTS = 3
 
 
 class ReplicationError(RuntimeError):

@@ -1,5 +1,6 @@
 """Where a rank's restore snapshot comes from: a copy prefetched while the script was getting ready, else the
-first good copy among the replica stores the plan names. Every bad copy met is reported (RestoreFailed).
+first good copy among the replica stores the plan names. Every bad copy met is reported (RestoreFailed), and
+so is a missing local copy that the plan counted on (source "").
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class SnapshotSources:
         slot = self._replicator.fetch_first(sources, rank, step, bad)
         if slot is not None:
             return slot
+        if not reconf.restore_from.get(str(rank)):  # the plan counted on this worker's own copy (source "")
+            # its ring keeps the newest few steps: the plan must not bring it back to this step or older
+            self._report(reconf, rank, "", f"no local copy of step {step} (holds {self._replicator.local_steps()})")
         raise ReplicationError(f"rank {rank} holds no snapshot of step {step} (holds "
                                f"{self._replicator.local_steps()}) and no replica had a good copy: "
                                + ("; ".join(problems) or "none was named"))

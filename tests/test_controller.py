@@ -353,6 +353,36 @@ def test_two_replicas_survive_a_node_and_its_first_holder_dying_together():
     assert restore == {"1": "tcp://a:1", "2": "tcp://a:1"}, "both dead ranks come back from a, their second copy"
 
 
+def test_a_survivor_without_the_local_copy_a_walk_back_reaches_ends_the_job_as_state_lost():
+    """A 2-node ring: rank 1's copies (steps 2-4 on a) turn out bad one by one, and the plan walks back to
+    step 2, which survivor rank 0 no longer holds (its ring keeps 3 steps; its own holder was b). Its report
+    (RestoreFailed, source "": its local copy) ends the job as state lost, naming it; it is not taken for
+    a connection problem and planned again until the replan limit."""
+    h = Harness(spec(nnodes=2, spares=1))
+    h.register("a", rank=0)
+    h.register("b", rank=1)
+    h.register("s", spare=True)
+    for step in (2, 3, 4):
+        h.msg("a", p.SnapshotStored("a", 1, step, 0))
+        h.msg("b", p.SnapshotStored("b", 0, step, 0))
+    h.msg("a", p.Progress("a", 0, 0, 5))
+    h.feed(NodeGone("b", "killed"))
+    h.pong_all()
+    for step in (4, 3):
+        rs = h.sent_to("s", p.Reconfigure)[-1]
+        assert (rs.restore_step, rs.restore_from) == (step, {"1": "tcp://a:1"})
+        h.msg("s", p.RestoreFailed("s", rs.generation, 1, step, "tcp://a:1", "checksum mismatch"))
+        h.pong_all()
+    ra = h.sent_to("a", p.Reconfigure)[-1]
+    assert (ra.restore_step, ra.restore_from) == (2, {"0": ""})
+    h.msg("a", p.RestoreFailed("a", ra.generation, 0, 2, "", "no local copy of step 2 (holds [3, 4, 5])"))
+    h.pong_all()
+    h.pong_all()  # the probe before "state lost"
+    assert h.finish and h.finish.exit_code == 1
+    assert "state lost: ranks [0]" in h.finish.message and "rank 0 step 2 on a (local)" in h.finish.message
+    assert h.named("restore_failed")[-1]["source"] == ""
+
+
 def test_a_corrupt_copy_is_dropped_and_the_next_one_used():
     h = Harness(spec(nnodes=3, spares=1, replicas=2))
     for node, rank in (("a", 0), ("b", 1), ("c", 2)):

@@ -340,13 +340,12 @@ def test_restore_sources_local_init_fresh_and_missing():
     for step in (1, 2, 3):
         model(torch.ones(1, 3)).sum().backward()
         opt.step()
-        job._replicator.submit(step, job._tracked.capture(step))
-        job._replicator.wait_acked(timeout=5)
+        if step < 3:
+            job._replicator.submit(step, job._tracked.capture(step))
+            job._replicator.wait_acked(timeout=5)
         weights[step] = model.weight.detach().clone()
-    assert job._replicator.local_steps() == [0, 1, 2, 3]  # the ring holds NSLOTS (4)
-    model(torch.ones(1, 3)).sum().backward()
-    opt.step()  # live state at step 4, partly through step 5's backward
-    model(torch.ones(1, 3)).sum().backward()
+    assert job._replicator.local_steps() == [0, 1, 2]  # the ring holds NSLOTS (3)
+    model(torch.ones(1, 3)).sum().backward()  # live state at step 3, partly through step 4's backward
 
     assert job._restore(_reconf(1, ""))[0] == "local"
     assert torch.equal(model.weight, weights[1]) and model.weight.grad is None
@@ -354,6 +353,8 @@ def test_restore_sources_local_init_fresh_and_missing():
     assert job._replicator.local_steps() == [0, 1]  # the abandoned later steps are forgotten
     with pytest.raises(dpstate.ReplicationError, match="holds no snapshot of step 3"):
         job._restore(_reconf(3, ""))
+    # no store named and no local copy: reported, so that the plan knows this rank cannot come back to it
+    assert [(m.step, m.source) for m in job._control.sent if isinstance(m, P.RestoreFailed)] == [(3, "")]
     # a process that trained never pretends to be fresh: step 0 comes back from its own copy, bit for bit
     assert job._restore(_reconf(0, "init"))[0] == "local"
     assert torch.equal(model.weight, initial)

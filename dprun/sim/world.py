@@ -17,7 +17,7 @@ from dprun.controller import Controller, Finish, JobSpec, NodeGone, Publish, Rec
 
 CONTROLLER = "controller"
 KEEP_REPLICA = 3
-KEEP_LOCAL = 4  # as dpstate.replication.NSLOTS
+KEEP_LOCAL = 3  # as dpstate.replication.NSLOTS
 
 
 @dataclass
@@ -233,7 +233,8 @@ class World:
 
     def _fetch(self, node: SimNode, worker: SimWorker, msg: p.Reconfigure, generation: int) -> bool:
         """As dpstate's restore: the first good copy among the stores the plan names; a missing or corrupt
-        one is reported (RestoreFailed) and the next tried. None good: wait for the next reconfiguration."""
+        one is reported (RestoreFailed) and the next tried. None good: its missing local copy is reported too,
+        and it waits for the next reconfiguration."""
         rank, step = worker.rank, msg.restore_step
         sources = [msg.restore_from.get(str(rank), ""), *msg.restore_also.get(str(rank), [])]
         for source in [s for s in sources if s and s != "init"]:
@@ -244,6 +245,9 @@ class World:
                 return True
             why = "corrupt" if step in holder.store.get(rank, []) else "not held"
             self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, source, why))
+        if not msg.restore_from.get(str(rank)) and step not in worker.local:
+            # as dpstate: the local copy that the plan counted on (source "") is gone too
+            self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, "", "no local copy"))
         worker.phase = "restore-failed"
         self._agent_send(node.node_id, p.PeerError(node.node_id, generation, rank,
                                                    f"snapshot of rank {rank} at step {step} not found"))
