@@ -34,7 +34,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-PROTOCOL_VERSION = 3  # 2: PutSnapshot.held (relabel a held copy); 3: ReserveSnapshot
+PROTOCOL_VERSION = 4  # 2: PutSnapshot.held (relabel a held copy); 3: ReserveSnapshot; 4: Progress.snapshot
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -137,13 +137,16 @@ class Hello:
 
 @_message
 class Progress:
-    """A rank completed training step `step` in `generation`."""
+    """A rank completed training step `step` in `generation`; `snapshot`: it snapshots that step (its capture
+    has begun). The controller learns the snapshot grid from these too, not only from replica reports, which
+    die with their holder."""
 
     node_id: str
     generation: int
     rank: int
     step: int
     metrics: dict = field(default_factory=dict)
+    snapshot: bool = False
 
 
 @_message

@@ -192,6 +192,8 @@ class Controller(Reconstruction):
     def _on_Progress(self, node: Node, msg: p.Progress, now: float) -> None:
         node.last_step = max(node.last_step, msg.step)
         self.rank_step[msg.rank] = max(self.rank_step.get(msg.rank, 0), msg.step)
+        if msg.snapshot:
+            self.ledger.snapshot_taken(msg.step)
         if msg.step > self.max_step or not self.stepped:
             self.max_step = max(self.max_step, msg.step)
             self.last_progress_at = now

@@ -34,6 +34,11 @@ class ReplicaLedger:
             steps.sort()
             del steps[: -self.keep]
         self.newest_ever[rank] = max(step, self.newest_ever.get(rank, -1))
+        self.snapshot_taken(step)
+
+    def snapshot_taken(self, step: int) -> None:
+        """A rank said it snapshots `step` (Progress): a step on the grid even if no replica report of it
+        ever arrives (its holder died with the reports in flight)."""
         if step not in self.snapshot_steps:
             bisect.insort(self.snapshot_steps, step)
             del self.snapshot_steps[:-KEEP_SNAPSHOT_STEPS]
@@ -83,8 +88,10 @@ class ReplicaLedger:
         A failed rank comes back from a live replica; one that never had a snapshot comes back from its
         fresh initial state at step 0; one whose every copy is gone is lost. A surviving rank is bounded
         by its newest replicated step, or by `floors` (a step it is known to hold locally) where higher:
-        replica reports from a holder that died with them can be lost. It comes back from its local copy
-        where no replica holds the step, unless it said it has none at or before `no_local[rank]`: lost.
+        replica reports from a holder that died with them can be lost. It comes back from a replica that
+        holds the step, else from its local copy, unless it said it has none at or before `no_local[rank]`.
+        Where some rank has no copy of the newest such step (copies found bad, a survivor's ring passed),
+        the plan goes down the snapshot grid to the newest step that every rank has a copy of.
         """
         floors, no_local = floors or {}, no_local or {}
         bounds: dict[int, int] = {}
@@ -102,8 +109,20 @@ class ReplicaLedger:
                 bounds[rank] = max(self.newest_ever.get(rank, 0), floors.get(rank, 0), 0)
         if lost:
             return RestorePlan(step=-1, lost=lost)
-        step = min(bounds.values()) if bounds else 0
+        newest = min(bounds.values()) if bounds else 0
+        first_lost: list[int] | None = None
+        for step in [newest, *(s for s in reversed(self.snapshot_steps) if s < newest)]:
+            sources, lost = self._sources_at(step, world_size, failed_ranks, no_local)
+            if not lost:
+                return RestorePlan(step=step, sources=sources)
+            first_lost = lost if first_lost is None else first_lost
+        return RestorePlan(step=-1, lost=first_lost or [])
+
+    def _sources_at(self, step: int, world_size: int, failed_ranks: set[int],
+                    no_local: dict[int, int]) -> tuple[dict[int, str], list[int]]:
+        """Where each rank's copy of `step` comes from, and the ranks that have none."""
         sources: dict[int, str] = {}
+        lost = []
         for rank in range(world_size):
             holder = self.holder_of(rank, step)
             if rank in failed_ranks:
@@ -117,6 +136,4 @@ class ReplicaLedger:
                 lost.append(rank)
             else:
                 sources[rank] = holder or ""
-        if lost:
-            return RestorePlan(step=-1, lost=lost)
-        return RestorePlan(step=step, sources=sources)
+        return sources, lost

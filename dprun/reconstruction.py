@@ -173,9 +173,11 @@ class Reconstruction:
         A rank's optimizer step waits until its newest snapshot is acked. So Progress(P) from rank r means
         r's newest snapshot before P is acked, and Progress(P) from any rank means every rank passed the
         all-reduce of step P, so every rank's newest snapshot before P-1 is acked. Snapshots are taken at
-        the same steps on every rank (the grid the ledger has seen); a worker keeps its newest 3, and no
-        rank is more than a step past what it reported. So those steps are replicated and held, whatever
-        the replica reports say (those from a holder that died with them can be lost in flight).
+        the same steps on every rank (the grid: Progress says which steps are snapshotted, as do replica
+        reports); a worker keeps its newest 3, and no rank is more than a step past what it reported. So
+        those steps are replicated and held, whatever the replica reports say (those from a holder that
+        died with them can be lost in flight; a grid known only from them lagged, and a survivor was sent
+        to a step its ring had dropped: simulator seed 217749).
         """
         top = max(self.rank_step.values(), default=0)
         return {rank: self.ledger.snapshot_step_at_or_before(max(self.rank_step.get(rank, 0) - 1, top - 2, 0))

@@ -185,11 +185,12 @@ class Job:
             policy.decide_from(self.all_reduce(local, dist.ReduceOp.MAX).tolist(), step.number)
             if self.rank == 0:
                 print(f"dpstate: snapshot interval {policy.describe()}", file=sys.stderr, flush=True)
-        if policy.wants(step.number):
+        snapshot = policy.wants(step.number)
+        if snapshot:
             self._replicator.submit(step.number, self._tracked.capture(step.number))
         metrics = {k: _jsonable(v) for k, v in step.metrics.items()}
         self._send(P.Progress(node_id=self.node_id, generation=self.generation, rank=self.rank,
-                              step=step.number, metrics=metrics))
+                              step=step.number, metrics=metrics, snapshot=snapshot))
 
     def _finish(self, last: int) -> None:
         self._replicator.wait_acked()

@@ -7,6 +7,7 @@ import pytest
 from dpagent import protocol as p
 from dprun.controller import Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
 from dprun.faults import parse_fault
+from dprun.ledger import ReplicaLedger
 
 
 def spec(**kw) -> JobSpec:
@@ -459,6 +460,25 @@ def test_out_of_spares_with_wait_policy_gives_up_after_its_timeout():
     assert h.finish and h.finish.exit_code == 1 and "no node joined as a spare" in h.finish.message
 
 
+def test_a_survivor_whose_holder_died_with_its_last_reports_restores_a_step_its_ring_still_holds():
+    """Simulator seed 217749: one node + a spare that holds its snapshots. Snapshots every step; the spare
+    dies with its reports of steps 32 and 33 in flight. Rank 0 reported Progress(33) and may be at step 34,
+    holding 32, 33 and 34 in its ring of 3. The grid of snapshot steps comes from Progress too, so the plan
+    is 32 (its floor: 33 - 1); from the replica reports alone it was 31, which the ring had dropped, and the
+    job ended as state lost."""
+    h = Harness(spec(nnodes=1, spares=1))
+    h.register("a", rank=0)
+    h.register("s", spare=True)
+    for step in range(26, 34):
+        if step <= 31:
+            h.msg("s", p.SnapshotStored("s", 0, step, 0))
+        h.msg("a", p.Progress("a", 0, 0, step, snapshot=True))
+    h.feed(NodeGone("s", "killed"))
+    h.pong_all()
+    (ra,) = h.sent_to("a", p.Reconfigure)[-1:]
+    assert (ra.restore_step, ra.restore_from) == (32, {"0": ""}), ra
+
+
 def test_snapshots_every_few_steps_a_survivor_whose_reports_died_with_its_holder_restores_a_snapshot_step():
     """Snapshots at steps 0, 5, 10: rank 0's report of step 10 died with b (its holder). Its Progress(11)
     proves its snapshot 10 was acked (the optimizer of step 11 waited for it), so it holds 10 locally, and
@@ -511,3 +531,19 @@ def test_bad_copies_walk_the_plan_back_copy_by_copy_past_the_replan_limit():
         h.pong_all()
     h.pong_all()  # the probe before "state lost"
     assert h.finish and "state lost" in h.finish.message and "rank 1 step 2 on c: checksum mismatch" in h.finish.message
+
+
+def test_a_plan_goes_down_the_grid_to_the_newest_step_every_rank_has_a_copy_of():
+    """Simulator seed 43769, in the ledger: rank 0 failed, its copy of 9 was bad; rank 1's copy of 6 on x was
+    bad, and rank 1 (restored earlier in this recovery, so its ring holds only 9) said it has no local copy
+    at or before 6. No copy of 6 for rank 1, but both have 3 on x: the plan is 3, not "state lost"."""
+    ledger = ReplicaLedger()
+    for step in (3, 6, 9):
+        ledger.stored(0, step, "x")
+        ledger.stored(1, step, "x")
+    ledger.discard(0, 9, "x")
+    ledger.discard(1, 6, "x")
+    plan = ledger.plan(2, failed_ranks={0}, floors={1: 9}, no_local={1: 6})
+    assert (plan.step, plan.sources, plan.lost) == (3, {0: "x", 1: "x"}, [])
+    ledger.discard(1, 3, "x")  # and with that copy bad too, no step has a copy of both: lost, naming rank 1
+    assert ledger.plan(2, failed_ranks={0}, floors={1: 9}, no_local={1: 6}).lost == [1]

@@ -37,6 +37,10 @@ REGRESSIONS = {
 EXTENDED_REGRESSIONS = {
     6522: "a fenced node's late snapshot displaces a copy the walk back past bad copies then asks for",
     39055: "a node that wakes reports the step it applied, not the one whose ack it waits for",
+    6064: "the restore barrier completes while a node is frozen: it goes on when it wakes",
+    175628: "a survivor's ring of local copies holds a restored step once; a lost survivor copy is judged too",
+    217749: "a holder dies with its last reports: the snapshot grid from Progress keeps survivors in their ring",
+    43769: "a rank restored in this recovery holds only that step: the plan goes down to one every rank has",
 }
 
 
@@ -122,3 +126,25 @@ def test_a_corrupt_copy_met_during_recovery_is_reported_and_an_older_one_restore
                         faults=[Fault(0.3, "corrupt-during-recovery", 0.0), Fault(0.5, "kill-node", 0.9)])
     assert run_schedule(schedule) == "completed"
     assert reported and all(m.reason == "corrupt" for m in reported)
+
+
+def test_a_walk_back_past_a_survivors_local_copies_ends_as_state_lost(monkeypatch):
+    """A 2-node ring: every copy in the store holding the dead node's rank goes bad as the recovery starts.
+    While the promoted spare is still fetching the third-newest, the survivor (whose own holder was the dead
+    node) finds it holds no local copy of that step and says so (RestoreFailed, source ""): the job ends
+    as state lost, naming that copy, instead of planning the same step until the replan limit."""
+    from dprun.sim import world
+
+    reported = []
+    original = world.World._controller_input
+
+    def spy(self, event):
+        if isinstance(getattr(event, "msg", None), p.RestoreFailed):
+            reported.append(event.msg)
+        original(self, event)
+
+    monkeypatch.setattr(world.World, "_controller_input", spy)
+    schedule = Schedule(seed=12, nnodes=2, spares=1, nproc=1, steps=30,
+                        faults=[Fault(0.3, "corrupt-all-during-recovery", 0.0), Fault(0.5, "kill-node", 0.9)])
+    assert run_schedule(schedule) == "state-lost"
+    assert [(m.rank, m.source) for m in reported][-1] == (0, ""), reported

@@ -130,16 +130,19 @@ def judge_outcome(world) -> str:
         usable = [n for n in world.nodes.values()
                   if n.running and (c.table.get(n.node_id) is None or c.table.get(n.node_id).role != FAILED)]
         good = {r: {step for n in usable for step in n.store.get(r, []) if (r, step) not in n.corrupt}
-                for r in failed_ranks}
+                for r in range(c.spec.world_size)}
         gone = [r for r in failed_ranks if not good[r]]
         if not gone and any(n.corrupt for n in world.nodes.values()):
             # bad copies were met: walking back past them can leave good copies only at steps that no cut
-            # can use any more (survivors dropped them when they restored an older one): lost is the truth
-            # when no step has a good copy of every failed rank and a local copy on every survivor
-            survivors = [w for node_id in c.layout if world.nodes[node_id].running
-                         for w in world.nodes[node_id].workers if w.rank not in failed_ranks]
-            cut = set.intersection(*good.values(), *({s for s in w.local if s <= w.state} for w in survivors))
-            gone = [] if cut else sorted(failed_ranks)
+            # can use any more (survivors dropped them when they restored an older one, or their rings of
+            # local copies never reached back that far): lost is the truth when no step has a good copy of
+            # every failed rank and a good replica or a local copy of every survivor
+            for node_id in c.layout:
+                for w in world.nodes[node_id].workers if world.nodes[node_id].running else []:
+                    if w.rank >= 0 and w.rank not in failed_ranks:
+                        good[w.rank] |= {s for s in w.local if s <= w.state}
+            cut = set.intersection(*good.values())
+            gone = [] if cut else sorted(failed_ranks) or ["no step every rank holds"]
         if not gone:
             raise InvariantViolation(f"invariant 5: state reported lost while every rank has a live copy: "
                                      f"{finish.message}")

@@ -220,10 +220,16 @@ class World:
             worker.state, worker.local, worker.acked = 0, [], -1
         elif source == "init" and step == 0:
             worker.state, worker.local, worker.acked = 0, [], -1
-        elif step in worker.local and worker.state >= step or self._fetch(node, worker, msg, generation):
+        elif step in worker.local and worker.state >= step:
             worker.state = step
         else:
+            sources = [source, *msg.restore_also.get(str(worker.rank), [])]
+            self._fetch(node, local, generation, [s for s in sources if s and s != "init"])
             return
+        self._restored(node, local, generation)
+
+    def _restored(self, node: SimNode, local: int, generation: int) -> None:
+        worker = node.workers[local]
         worker.local = [s for s in worker.local if s < worker.state] + [worker.state]  # the restored copy
         worker.acked = min(worker.acked, worker.state)
         worker.phase = "ready"
@@ -231,27 +237,52 @@ class World:
         self._agent_send(node.node_id, p.WorkerReady(node.node_id, generation, worker.rank, 0.01, 0.01, "sim"))
         self._try_release_barrier(generation)
 
-    def _fetch(self, node: SimNode, worker: SimWorker, msg: p.Reconfigure, generation: int) -> bool:
-        """As dpstate's restore: the first good copy among the stores the plan names; a missing or corrupt
-        one is reported (RestoreFailed) and the next tried. None good: its missing local copy is reported too,
-        and it waits for the next reconfiguration."""
+    def _fetch(self, node: SimNode, local: int, generation: int, sources: list) -> None:
+        """As dpstate's restore: fetch from the first store the plan names. A store without the copy says so at
+        once; a copy takes a while to arrive and the loading worker finds it corrupt only then; either is
+        reported (RestoreFailed) and the next store tried. A dead store never answers (the fetch waits for a
+        new plan), a frozen one answers when it wakes. None good: its missing local copy is reported too if
+        the plan counted on it, and it waits for the next reconfiguration."""
+        worker = node.workers[local]
+        if not node.running or worker.generation != generation or worker.phase != "recovering":
+            return
+        msg = worker.restore
         rank, step = worker.rank, msg.restore_step
-        sources = [msg.restore_from.get(str(rank), ""), *msg.restore_also.get(str(rank), [])]
-        for source in [s for s in sources if s and s != "init"]:
+        while sources:
+            source, sources = sources[0], sources[1:]
             holder = self.node_of(source)
-            if holder is None or not holder.running:
-                continue  # a dead store: the fetch fails (a live one may still be named next)
-            if step in holder.store.get(rank, []) and (rank, step) not in holder.corrupt:
-                return True
-            why = "corrupt" if step in holder.store.get(rank, []) else "not held"
-            self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, source, why))
+            if holder is None or not holder.alive:
+                return  # no answer: the fetch waits until its timeout, or a new plan aborts it
+            if self._frozen(holder, self._fetch, node, local, generation, [source, *sources]):
+                return
+            if step in holder.store.get(rank, []):
+                bad = (rank, step) in holder.corrupt  # the frames sent are the copy as it is now
+                self.at(self.rng.uniform(0.01, 0.25), self._fetched, node, local, generation, holder, sources, bad)
+                return
+            self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, source, "not held"))
         if not msg.restore_from.get(str(rank)) and step not in worker.local:
             # as dpstate: the local copy that the plan counted on (source "") is gone too
             self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, "", "no local copy"))
         worker.phase = "restore-failed"
         self._agent_send(node.node_id, p.PeerError(node.node_id, generation, rank,
                                                    f"snapshot of rank {rank} at step {step} not found"))
-        return False
+
+    def _fetched(self, node: SimNode, local: int, generation: int, holder: SimNode, rest: list, bad: bool) -> None:
+        """A fetched copy arrived (a holder frozen mid-transfer holds it up; a dead one breaks it off)."""
+        if self._frozen(holder, self._fetched, node, local, generation, holder, rest, bad) or \
+                self._frozen(node, self._fetched, node, local, generation, holder, rest, bad):
+            return
+        worker = node.workers[local]
+        if not node.running or not holder.alive or worker.generation != generation or worker.phase != "recovering":
+            return
+        rank, step = worker.rank, worker.restore.restore_step
+        if bad or (rank, step) in holder.corrupt:  # damaged before or while it was sent
+            self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, holder.endpoint,
+                                                           "corrupt"))
+            self._fetch(node, local, generation, rest)
+            return
+        worker.state = step
+        self._restored(node, local, generation)
 
     def corrupt_replicas(self, node_id: str, which: str = "all") -> None:
         """Fault: copies this node's store holds now are damaged: "all" (as the agent's corrupt-replicas),
@@ -266,14 +297,23 @@ class World:
             return
         for node in self.nodes.values():
             for local, worker in enumerate(node.workers):
-                if worker.generation == generation and worker.phase == "ready" and node.running:
-                    worker.phase = "running"
-                    self._take_snapshot(node, local)
-                    self.at(self.rng.uniform(0.005, 0.02), self._worker_step, node, local, generation)
+                if worker.generation == generation and worker.phase == "ready":
+                    self._leave_barrier(node, local, generation)
+
+    def _leave_barrier(self, node: SimNode, local: int, generation: int) -> None:
+        """The last rank arrived: this one goes on (a frozen node when it wakes: the barrier's bytes wait)."""
+        if self._frozen(node, self._leave_barrier, node, local, generation):
+            return
+        worker = node.workers[local]
+        if node.running and worker.generation == generation and worker.phase == "ready":
+            worker.phase = "running"
+            self._take_snapshot(node, local)
+            self.at(self.rng.uniform(0.005, 0.02), self._worker_step, node, local, generation)
 
     def _take_snapshot(self, node: SimNode, local: int) -> None:
         worker = node.workers[local]
-        worker.local = (worker.local + [worker.state])[-KEEP_LOCAL:]
+        if worker.local[-1:] != [worker.state]:  # a restored snapshot is sent again from its own slot
+            worker.local = (worker.local + [worker.state])[-KEEP_LOCAL:]
         holders = [h for h in map(self.node_of, node.replica_to) if h is not None]
         worker.awaiting[worker.state] = len(holders)
         put = (worker.rank, worker.state, worker.generation)
@@ -399,7 +439,8 @@ class World:
     def _apply_step(self, node: SimNode, local: int) -> None:
         worker = node.workers[local]
         worker.state += 1
-        self._agent_send(node.node_id, p.Progress(node.node_id, worker.generation, worker.rank, worker.state))
+        self._agent_send(node.node_id, p.Progress(node.node_id, worker.generation, worker.rank, worker.state,
+                                                  snapshot=self.snapshotted(worker.state)))
         if self.snapshotted(worker.state):
             self._take_snapshot(node, local)
         self.at(self.rng.uniform(0.005, 0.02), self._worker_step, node, local, worker.generation)
@@ -476,7 +517,8 @@ class World:
         self._agent_send(node_id, p.Heartbeat(node_id, node.generation))
         for worker in node.workers:
             if worker.phase in ("running", "ready", "blocked") and worker.rank >= 0:
-                self._agent_send(node_id, p.Progress(node_id, worker.generation, worker.rank, worker.state))
+                self._agent_send(node_id, p.Progress(node_id, worker.generation, worker.rank, worker.state,
+                                                     snapshot=self.snapshotted(worker.state)))
         pending, node.inbox_while_frozen = node.inbox_while_frozen, []
         for msg in pending:
             self._agent_receive(node_id, msg)
