@@ -107,10 +107,8 @@ def test_a_wrong_restore_step_is_caught(monkeypatch):
         run_schedule(schedule)
 
 
-def test_a_corrupt_copy_met_during_recovery_is_reported_and_an_older_one_restored(monkeypatch):
-    """The store holding the dead node's rank damages that rank's newest copy as the recovery starts: the
-    promoted spare's restore reports it (RestoreFailed), the controller drops it and plans the next older
-    step, and the job completes."""
+def restore_failures_reported(monkeypatch) -> list:
+    """The RestoreFailed messages the controller will be handed in this test, in order."""
     from dprun.sim import world
 
     reported = []
@@ -122,6 +120,14 @@ def test_a_corrupt_copy_met_during_recovery_is_reported_and_an_older_one_restore
         original(self, event)
 
     monkeypatch.setattr(world.World, "_controller_input", spy)
+    return reported
+
+
+def test_a_corrupt_copy_met_during_recovery_is_reported_and_an_older_one_restored(monkeypatch):
+    """The store holding the dead node's rank damages that rank's newest copy as the recovery starts: the
+    promoted spare's restore reports it (RestoreFailed), the controller drops it and plans the next older
+    step, and the job completes."""
+    reported = restore_failures_reported(monkeypatch)
     schedule = Schedule(seed=3, nnodes=2, spares=1, nproc=1, steps=30,
                         faults=[Fault(0.3, "corrupt-during-recovery", 0.0), Fault(0.5, "kill-node", 0.9)])
     assert run_schedule(schedule) == "completed"
@@ -133,17 +139,7 @@ def test_a_walk_back_past_a_survivors_local_copies_ends_as_state_lost(monkeypatc
     While the promoted spare is still fetching the third-newest, the survivor (whose own holder was the dead
     node) finds it holds no local copy of that step and says so (RestoreFailed, source ""): the job ends
     as state lost, naming that copy, instead of planning the same step until the replan limit."""
-    from dprun.sim import world
-
-    reported = []
-    original = world.World._controller_input
-
-    def spy(self, event):
-        if isinstance(getattr(event, "msg", None), p.RestoreFailed):
-            reported.append(event.msg)
-        original(self, event)
-
-    monkeypatch.setattr(world.World, "_controller_input", spy)
+    reported = restore_failures_reported(monkeypatch)
     schedule = Schedule(seed=12, nnodes=2, spares=1, nproc=1, steps=30,
                         faults=[Fault(0.3, "corrupt-all-during-recovery", 0.0), Fault(0.5, "kill-node", 0.9)])
     assert run_schedule(schedule) == "state-lost"

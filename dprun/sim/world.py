@@ -439,9 +439,10 @@ class World:
     def _apply_step(self, node: SimNode, local: int) -> None:
         worker = node.workers[local]
         worker.state += 1
+        snapshot = self.snapshotted(worker.state)
         self._agent_send(node.node_id, p.Progress(node.node_id, worker.generation, worker.rank, worker.state,
-                                                  snapshot=self.snapshotted(worker.state)))
-        if self.snapshotted(worker.state):
+                                                  snapshot=snapshot))
+        if snapshot:
             self._take_snapshot(node, local)
         self.at(self.rng.uniform(0.005, 0.02), self._worker_step, node, local, worker.generation)
 
