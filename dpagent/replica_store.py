@@ -13,7 +13,7 @@ from typing import Any, Callable
 from .checksum import checksum
 from .protocol import PutSnapshot
 
-KEEP_STEPS = 3
+KEEP_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,9 @@ class ReplicaStore:
     def make_room(self, rank: int, step: int, generation: int) -> list[Snapshot]:
         """A snapshot of `step` is on its way (ReserveSnapshot): when `keep` steps of `rank` would be held with
         it, drop the oldest, so that it takes that copy's memory. Returns the copies dropped (their memory is
-        freed when the caller lets go of them). Safe: its sender finished optimizer step `step`, so every rank
-        acked step-2 and no restore goes back past it (see dprun.reconstruction._survivor_floors); the copies
-        of step-2 and step-1 stay. Steps the snapshot will supersede (newer ones of an older generation) do
+        freed when the caller lets go of them). Safe: its sender finished optimizer step `step`, past the
+        snapshot gate, so every rank's snapshot before `step` is acked and no restore goes back past it (see
+        dprun.reconstruction._survivor_floors); the copy of that snapshot stays. Steps the snapshot will supersede (newer ones of an older generation) do
         not count: they go when it is stored."""
         held = self._ranks.get(rank, {})
         if step in held or not held or generation < max(s.generation for s in held.values()):

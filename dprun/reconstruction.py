@@ -168,19 +168,20 @@ class Reconstruction:
         self.recovery = rec
 
     def _survivor_floors(self) -> dict[int, int]:
-        """A replicated step that each surviving rank still holds locally, from what ranks reported.
+        """A step that each surviving rank still holds locally, from what ranks reported.
 
-        A rank's optimizer step waits until its newest snapshot is acked. So Progress(P) from rank r means
-        r's newest snapshot before P is acked, and Progress(P) from any rank means every rank passed the
-        all-reduce of step P, so every rank's newest snapshot before P-1 is acked. Snapshots are taken at
-        the same steps on every rank (the grid: Progress says which steps are snapshotted, as do replica
-        reports); a worker keeps its newest 3, and no rank is more than a step past what it reported. So
-        those steps are replicated and held, whatever the replica reports say (those from a holder that
-        died with them can be lost in flight; a grid known only from them lagged, and a survivor was sent
-        to a step its ring had dropped: simulator seed 217749).
+        Every rank passes the snapshot gate (dpstate's Job._gate) before the last collective of a step, so
+        Progress(P) from any rank means every rank's snapshots before P are acked, and every rank is at P-1
+        or later. A worker keeps its newest 2 snapshots, captures every step it submits before it reports
+        it (Progress), even when a reconfiguration comes, and is at most a step past what it reported. So
+        it holds the snapshot at or before what it reported, and the one at or before P-1: the floor is the
+        newer of the two. Snapshots are taken at the same steps on every rank (the grid: Progress says which
+        steps are snapshotted, as do replica reports): these hold whatever the replica reports say (those
+        from a holder that died with them can be lost in flight; a grid known only from them lagged, and a
+        survivor was sent to a step its ring had dropped: simulator seed 217749).
         """
         top = max(self.rank_step.values(), default=0)
-        return {rank: self.ledger.snapshot_step_at_or_before(max(self.rank_step.get(rank, 0) - 1, top - 2, 0))
+        return {rank: self.ledger.snapshot_step_at_or_before(max(self.rank_step.get(rank, 0), top - 1, 0))
                 for rank in range(self.spec.world_size)}
 
     def _recovery_complete(self, rec: Recovery, now: float) -> None:

@@ -1,6 +1,8 @@
 """DataParallel: an nn.Module proxy over a torch DDP that is rebuilt for every generation's process group.
 
-Gradients go through an abortable comm hook: an abort completes its pending futures with an exception.
+Gradients go through an abortable comm hook: an abort completes its pending futures with an exception. The
+last bucket of a backward first passes the job's snapshot gate (see Job._gate): no rank's optimizer step S+1
+runs before every rank's snapshot of step S is acked.
 
 Bitwise identity: the hook divides by the world size and then sums. For two ranks an all-reduce is exact
 (a + b == b + a). For three or more, Gloo's ring all-reduce sums an element in an order that depends on
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -35,8 +37,9 @@ class AbortableHook:
     """DDP comm hook state: issues the reduction async and completes its own Future, or fails it on abort.
     The backend future is polled by the watcher thread (see watch.py), never given a Python callback."""
 
-    def __init__(self, abort: AbortSignal, group: Any, deterministic: bool):
+    def __init__(self, abort: AbortSignal, group: Any, deterministic: bool, gate: Callable[[], None] | None = None):
         self.abort = abort
+        self.gate = gate  # called before the last bucket's collective: waits (abortably) for the snapshot acks
         self.group = group
         self.world = dist.get_world_size(group)
         self.ordered = deterministic and self.world > 2
@@ -78,6 +81,8 @@ class AbortableHook:
         tensor = bucket.buffer()
         tensor.div_(self.world)
         try:
+            if self.gate is not None and bucket.is_last():
+                self.gate()
             if self.ordered:
                 gathered = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
                 work = _all_gather(gathered, tensor, group=self.group, async_op=True)
@@ -85,7 +90,7 @@ class AbortableHook:
             else:
                 work = dist.all_reduce(tensor, group=self.group, async_op=True)
                 done = lambda: tensor  # noqa: E731
-        except Exception as exc:  # the group is already broken
+        except Exception as exc:  # the group is already broken, an abort came at the gate, replication failed
             self._finish(fut, error=exc)
             return fut
 
@@ -120,10 +125,12 @@ def _ordered_sum(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 class DataParallel(nn.Module):
     """ddp_model = job.data_parallel(model): call it like the model; DDP is (re)built lazily per generation."""
 
-    def __init__(self, module: nn.Module, abort: AbortSignal, deterministic: bool = True, **ddp_kwargs: Any):
+    def __init__(self, module: nn.Module, abort: AbortSignal, deterministic: bool = True,
+                 gate: Callable[[], None] | None = None, **ddp_kwargs: Any):
         super().__init__()
         self.module = module
         object.__setattr__(self, "_abort", abort)
+        object.__setattr__(self, "_gate", gate)
         object.__setattr__(self, "_deterministic", deterministic)
         # DDP's own collectives outside the hook (buffer broadcast each forward, init sync) would not be
         # abortable; dpstate syncs parameters itself on a fresh start and restores them on recovery.
@@ -146,7 +153,7 @@ class DataParallel(nn.Module):
         if self._ddp is None:
             group = dist.group.WORLD
             ddp = nn.parallel.DistributedDataParallel(self.module, process_group=group, **self._ddp_kwargs)
-            state = AbortableHook(self._abort, group, self._deterministic)
+            state = AbortableHook(self._abort, group, self._deterministic, self._gate)
             ddp.register_comm_hook(state, _hook)
             object.__setattr__(self, "_ddp", ddp)
             object.__setattr__(self, "_hook_state", state)

@@ -17,7 +17,7 @@ class SnapshotStats:
     """Where snapshot time goes in this worker (seconds summed over snapshots). The background thread's:
     meta (flatten + layout + torch.save of the skeleton), copy (tensors into the host buffer), crc (checksum),
     send (PutSnapshot handed to ZeroMQ until every SnapshotAck: the socket writes, the holder's receive, verify
-    and store). The main thread's: wait (the optimizer pre-step hook blocked on the previous snapshot)."""
+    and store). The main thread's: wait (blocked at the snapshot gate on the previous snapshot)."""
 
     captures: int = 0
     bytes: int = 0

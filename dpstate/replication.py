@@ -23,11 +23,13 @@ from .abort import AbortSignal
 from .interval import SnapshotPolicy
 from .profile import SnapshotStats, write_profile
 
-# Local snapshots kept. A survivor rolls back at most 2 steps while it captures the next one when the dead
-# ranks' newest copies are good (dprun.reconstruction._survivor_floors). A walk back past bad copies of a dead
-# rank can go further; a survivor then reports its missing copy (RestoreFailed, source "") and the plan for
-# that step has no cut: "state lost" (the dead rank's copies at newer steps were bad).
-NSLOTS = 3
+# Local snapshots kept. The snapshot gate (dpstate.session.Job._gate) makes a survivor roll back at most one
+# snapshot while it captures the next one when the dead ranks' newest copies are good; every step submitted is
+# captured, even across a reconfiguration (quiesce), so a rank holds the step it last reported
+# (dprun.reconstruction._survivor_floors). A walk back past bad copies of a dead rank can go further; a
+# survivor then reports its missing copy (RestoreFailed, source "") and the plan for that step has no cut:
+# "state lost" (the dead rank's copies at newer steps were bad).
+NSLOTS = 2
 
 
 class ReplicationError(RuntimeError):
@@ -67,10 +69,11 @@ class _Job:
     seq: int = 0
     device: int = 0  # the CUDA device of the step (the copy stream is made on it)
     held_at: frozenset = frozenset()  # replica endpoints that already hold this snapshot: relabel, not resend
+    replicate: bool = True  # False once a reconfiguration dropped it: captured (kept locally), never sent
 
 
 class Replicator:
-    """Owned by the session; its thread captures and replicates, the main thread waits in the pre-step hook.
+    """Owned by the session; its thread captures and replicates, the main thread waits at the snapshot gate.
     `ctx` is accepted for older callers and not used: the snapshot traffic has a ZeroMQ context of its own."""
 
     def __init__(self, codec: P.Codec, rank: int, abort: AbortSignal, ctx: zmq.Context | None = None):
@@ -120,7 +123,7 @@ class Replicator:
 
     def submit(self, step: int, tree: Any) -> None:
         """Capture `tree` (the state after `step`) in the background and replicate it. Its containers must be
-        its own and its tensors unchanged until wait_acked() returns (the optimizer pre-step hook).
+        its own and its tensors unchanged until wait_acked() returns (the snapshot gate, before the optimizer step).
         With snapshots off (policy), nothing is taken."""
         if not self.policy.enabled:
             return
@@ -145,6 +148,11 @@ class Replicator:
             self._queue.append(_Job(slot.step, slot, seq=self._submitted, held_at=frozenset(held_at)))
             self._cond.notify_all()
 
+    @property
+    def submitted(self) -> int:
+        """How many snapshots were handed over so far (captures and re-puts)."""
+        return self._submitted
+
     def wait_acked(self, timeout: float | None = None) -> None:
         """Block (abortably) until every submitted snapshot is captured and acked by the replica holder."""
         if self._acked < self._submitted:
@@ -159,14 +167,18 @@ class Replicator:
             raise self._error
 
     def quiesce(self) -> None:
-        """Drop queued work and wait until the thread stopped touching tensors (bounded by one tensor copy)."""
+        """Stop replicating (a reconfiguration): queued and running sends are dropped, but every capture
+        submitted is finished and kept locally, since the controller counts on a rank holding the step it
+        reported; returns when the thread no longer touches tensors (at most the captures still to do)."""
         with self._cond:
             self._epoch += 1
-            self._queue.clear()
+            self._queue = [j for j in self._queue if j.tree is not None]
+            for job in self._queue + ([self._active] if self._active is not None else []):
+                job.replicate = False
             self._acked = self._submitted
             self._error = None
             self._cond.notify_all()
-            self._cond.wait_for(lambda: not self._busy)
+            self._cond.wait_for(lambda: not self._busy and not self._queue)
 
     def local(self, step: int) -> Slot | None:
         """The complete local snapshot of `step`, if still held."""
@@ -289,27 +301,30 @@ class Replicator:
                 # holders make room while we capture: the snapshot then lands in their oldest copy's memory
                 reserve = P.ReserveSnapshot(rank=rank, step=job.step, generation=generation)
                 for endpoint in endpoints:
-                    if endpoint not in job.held_at:
+                    if endpoint not in job.held_at and job.replicate:  # dropped while queued: capture only
                         socks[endpoint].send_multipart(self.codec.encode(reserve))
                 if job.tree is not None:
                     if job.event is not None and (copy_stream is None or copy_stream.device.index != job.device):
                         torch.cuda.set_device(job.device)  # this thread's current device: the worker's
                         copy_stream = torch.cuda.Stream(device=job.device)
-                    if not self._capture(job, epoch, copy_stream):
-                        continue
+                    self._capture(job, copy_stream)
+                    with self._cond:
+                        if not job.replicate:
+                            continue
                 ok = self._replicate({e: socks[e] for e in endpoints}, job, epoch, generation, rank)
                 with self._cond:
                     if epoch == self._epoch and ok:
                         self._acked = max(self._acked, job.seq)
                         self._cond.notify_all()
-            except BaseException as exc:  # keep the thread alive; the pre-step hook reports the error
+            except BaseException as exc:  # keep the thread alive; the snapshot gate reports the error
                 with self._cond:
                     if epoch == self._epoch:
                         self._error = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
                         self._cond.notify_all()
 
-    def _capture(self, job: _Job, epoch: int, stream: Any) -> bool:
-        """Pack job.tree into its slot: meta first, then each tensor copied and checksummed while in cache."""
+    def _capture(self, job: _Job, stream: Any) -> None:
+        """Pack job.tree into its slot: meta first, then the tensors copied in batches, then checksummed.
+        Not interrupted by quiesce(): a reconfiguration waits for it (see NSLOTS)."""
         t0 = time.perf_counter()
         stats = self.stats
         skeleton, tensors = S.flatten(job.tree)
@@ -334,9 +349,7 @@ class Replicator:
             stats.crc_s += time.perf_counter() - t2
         else:
             ta = time.perf_counter()
-            for _ in S.copy_batches(tensors, specs, slot.buffer):
-                if epoch != self._epoch:  # between batches: quiesce() waits for one batch at most
-                    return False
+            S.copy_into(tensors, specs, slot.buffer)
             tb = time.perf_counter()
             crc = S.checksum(meta, slot.buffer[:nbytes])  # padding included: every byte that is sent
             stats.copy_s += tb - ta
@@ -348,11 +361,7 @@ class Replicator:
         stats.capture_s += slot.capture_s
         stats.bytes += nbytes + len(meta)
         with self._cond:
-            if epoch != self._epoch:
-                slot.step = -1
-                return False
             slot.step = job.step
-        return True
 
     def _replicate(self, socks: dict[str, Any], job: _Job, epoch: int, generation: int, rank: int) -> bool:
         """Send the slot to every replica store (a relabel request to those that hold it already; the whole
@@ -417,7 +426,7 @@ class Replicator:
 
 
 # A lower priority for the snapshot threads does not make their work smaller: where training keeps every core
-# busy, the step waits for it in the optimizer pre-step hook anyway. Seen on a 2-core host shared with other
+# busy, the step waits for it at the snapshot gate anyway. Seen on a 2-core host shared with other
 # jobs at nice 10: a 5 MB capture took 150 ms of wall time for 10 ms of CPU (other processes went first)
 # while training waited. So by default they run as training does; DP_SNAPSHOT_NICE=N to try otherwise.
 SNAPSHOT_NICE = int(os.environ.get("DP_SNAPSHOT_NICE", "0"))

@@ -86,6 +86,7 @@ class Job:
         self._started = False  # steps() restored or snapshotted a state: the in-memory one is no longer fresh
         self._rebuild_s = 0.0
         self._last_step = 0  # the newest step completed in this generation's timeline
+        self._gated = 0  # the replicator's submission count that the snapshot gate last waited for
         self._replicator = None if control is None else Replicator(control.codec, 0, abort, ctx)
         self._sources = None if control is None else SnapshotSources(self._replicator, self.node_id, self._send)
         if self._replicator is not None and self._replicator.policy.mode == "auto":
@@ -102,13 +103,14 @@ class Job:
 
     def data_parallel(self, module: torch.nn.Module, deterministic: bool = True, **ddp_kwargs: Any) -> DataParallel:
         """A DDP proxy over the current generation's group, rebuilt after every reconfiguration."""
-        proxy = DataParallel(module, self._abort, deterministic=deterministic, **ddp_kwargs)
+        gate = None if self._standalone else self._gate
+        proxy = DataParallel(module, self._abort, deterministic=deterministic, gate=gate, **ddp_kwargs)
         self._proxies.append(proxy)
         return proxy
 
     def track(self, **objects: Any) -> None:
         """Objects (with state_dict/load_state_dict) that every snapshot holds; optimizers get a pre-step hook
-        that waits until the previous snapshot is captured and acked by the replica holder."""
+        that makes sure the step passed the snapshot gate (see _gate)."""
         new = {k: v for k, v in objects.items() if self._tracked.objects.get(k) is not v}
         self._tracked.add(**new)
         for obj in new.values():
@@ -117,12 +119,17 @@ class Job:
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce over the current generation; raises Aborted when a reconfiguration comes."""
+        self._gate()
         work = dist.all_reduce(tensor, op=op, async_op=True)
         self._abort.wait_future(work.get_future())
         return tensor
 
     def barrier(self) -> None:
         """Barrier of the current generation; raises Aborted when a reconfiguration comes."""
+        self._gate()
+        self._ungated_barrier()
+
+    def _ungated_barrier(self) -> None:
         self._abort.wait_future(dist.barrier(async_op=True).get_future())
 
     @property
@@ -143,7 +150,7 @@ class Job:
             return
         if not any(isinstance(o, torch.optim.Optimizer) for o in self._tracked.objects.values()):
             warnings.warn("dpstate: no optimizer is tracked; snapshots are taken while the next step runs and "
-                          "only a tracked optimizer's step waits for them", stacklevel=2)
+                          "only a tracked optimizer's step is sure to wait for them", stacklevel=2)
         latest = self._control.latest
         if self._started and latest is not None and latest.generation == self.generation:
             number = self._last_step + 1  # steps() again in the same generation: go on from where we are
@@ -173,10 +180,30 @@ class Job:
 
     # ------------------------------------------------------------------ per step
 
+    def _gate(self) -> None:
+        """The snapshot gate, passed before a collective (the last gradient bucket, all_reduce, barrier): wait
+        until every snapshot submitted is acked. Every rank passes it before the last collective of step S+1,
+        so no optimizer step S+1 runs anywhere before every rank's snapshot of S is held by its replicas: a
+        restore goes back at most one snapshot, and workers and holders keep 2 copies (DESIGN.md)."""
+        if self._replicator is None:
+            return
+        submitted = self._replicator.submitted
+        if self._gated < submitted:
+            activity, self.activity = self.activity, "snapshot"
+            try:
+                self._replicator.wait_acked()
+            finally:
+                self.activity = activity
+            self._gated = submitted
+
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.activity = "snapshot"
-        self._replicator.wait_acked()
-        self.activity = "compute"
+        """A step whose collectives did not pass the gate (no data_parallel, all_reduce or barrier of ours in
+        it) passes it here, then meets the other ranks at a barrier, which is what makes the gate global."""
+        if self._gated < self._replicator.submitted:
+            if self.world_size > 1:
+                self.barrier()
+            else:
+                self._gate()
 
     def _after_step(self, step: Step) -> None:
         policy = self._replicator.policy
@@ -257,12 +284,12 @@ class Job:
         self.restored_from, restored = self._restore(reconf)
         self._started, self._last_step = True, max(reconf.restore_step, 0)
         restore_s = time.perf_counter() - t0
-        self.barrier()
+        self._ungated_barrier()  # a fresh start's step 0 is sent meanwhile; the first step's gate waits for it
         if restored is not None:
             # re-replicated once every rank has restored: it would compete with a replacement's fetch.
             # The stores the plan names as holding this step keep their copy for this generation instead
             # of receiving it again (they check it first), so a survivor sends it whole only where its
-            # holder died; the first optimizer step waits for it, as for any snapshot.
+            # holder died; the first step's snapshot gate waits for it, as for any snapshot.
             self._replicator.submit_packed(restored, held_at=named_sources(reconf, self.rank))
         self._send(P.WorkerReady(node_id=self.node_id, generation=self.generation, rank=self.rank,
                                  rebuild_s=self._rebuild_s, restore_s=restore_s, restored_from=self.restored_from))

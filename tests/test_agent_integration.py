@@ -362,7 +362,8 @@ def test_replica_put_fetch_round_trip(start_agent):
         assert reply is None  # dropped, no answer
         for step in (2, 3, 4):
             assert put(3, step, b"m", b"d%d" % step)[0].ok
-        assert request(FetchSnapshot(3, 1))[0].found is False  # only the newest 3 are kept
+        assert request(FetchSnapshot(3, 2))[0].found is False  # only the newest 2 are kept
+        assert request(FetchSnapshot(3, 3))[0].found is True
         reply, payload = request(FetchSnapshot(3, -1))
         assert (reply.step, payload) == (4, [b"m", b"d4"])
 

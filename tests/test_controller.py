@@ -355,32 +355,31 @@ def test_two_replicas_survive_a_node_and_its_first_holder_dying_together():
 
 
 def test_a_survivor_without_the_local_copy_a_walk_back_reaches_ends_the_job_as_state_lost():
-    """A 2-node ring: rank 1's copies (steps 2-4 on a) turn out bad one by one, and the plan walks back to
-    step 2, which survivor rank 0 no longer holds (its ring keeps 3 steps; its own holder was b). Its report
-    (RestoreFailed, source "": its local copy) ends the job as state lost, naming it; it is not taken for
-    a connection problem and planned again until the replan limit."""
+    """A 2-node ring: rank 1's copies (steps 3 and 4 on a) turn out bad one by one, and the plan walks back to
+    step 3, which survivor rank 0 (at step 5) no longer holds (its ring keeps 2 steps; its own holder was b).
+    Its report (RestoreFailed, source "": its local copy) ends the job as state lost, naming it; it is not
+    taken for a connection problem and planned again until the replan limit."""
     h = Harness(spec(nnodes=2, spares=1))
     h.register("a", rank=0)
     h.register("b", rank=1)
     h.register("s", spare=True)
-    for step in (2, 3, 4):
+    for step in (3, 4):
         h.msg("a", p.SnapshotStored("a", 1, step, 0))
         h.msg("b", p.SnapshotStored("b", 0, step, 0))
     h.msg("a", p.Progress("a", 0, 0, 5))
     h.feed(NodeGone("b", "killed"))
     h.pong_all()
-    for step in (4, 3):
-        rs = h.sent_to("s", p.Reconfigure)[-1]
-        assert (rs.restore_step, rs.restore_from) == (step, {"1": "tcp://a:1"})
-        h.msg("s", p.RestoreFailed("s", rs.generation, 1, step, "tcp://a:1", "checksum mismatch"))
-        h.pong_all()
+    rs = h.sent_to("s", p.Reconfigure)[-1]
+    assert (rs.restore_step, rs.restore_from) == (4, {"1": "tcp://a:1"})
+    h.msg("s", p.RestoreFailed("s", rs.generation, 1, 4, "tcp://a:1", "checksum mismatch"))
+    h.pong_all()
     ra = h.sent_to("a", p.Reconfigure)[-1]
-    assert (ra.restore_step, ra.restore_from) == (2, {"0": ""})
-    h.msg("a", p.RestoreFailed("a", ra.generation, 0, 2, "", "no local copy of step 2 (holds [3, 4, 5])"))
+    assert (ra.restore_step, ra.restore_from) == (3, {"0": ""})
+    h.msg("a", p.RestoreFailed("a", ra.generation, 0, 3, "", "no local copy of step 3 (holds [4, 5])"))
     h.pong_all()
     h.pong_all()  # the probe before "state lost"
     assert h.finish and h.finish.exit_code == 1
-    assert "state lost: ranks [0]" in h.finish.message and "rank 0 step 2 on a (local)" in h.finish.message
+    assert "state lost: ranks [0]" in h.finish.message and "rank 0 step 3 on a (local)" in h.finish.message
     assert h.named("restore_failed")[-1]["source"] == ""
 
 
@@ -463,9 +462,9 @@ def test_out_of_spares_with_wait_policy_gives_up_after_its_timeout():
 def test_a_survivor_whose_holder_died_with_its_last_reports_restores_a_step_its_ring_still_holds():
     """Simulator seed 217749: one node + a spare that holds its snapshots. Snapshots every step; the spare
     dies with its reports of steps 32 and 33 in flight. Rank 0 reported Progress(33) and may be at step 34,
-    holding 32, 33 and 34 in its ring of 3. The grid of snapshot steps comes from Progress too, so the plan
-    is 32 (its floor: 33 - 1); from the replica reports alone it was 31, which the ring had dropped, and the
-    job ended as state lost."""
+    holding 33 and 34 in its ring of 2 (it captures a step before it reports it). The grid of snapshot steps
+    comes from Progress too, so the plan is 33 (its floor); from the replica reports alone it was 31, which
+    the ring had dropped, and the job ended as state lost."""
     h = Harness(spec(nnodes=1, spares=1))
     h.register("a", rank=0)
     h.register("s", spare=True)
@@ -476,14 +475,14 @@ def test_a_survivor_whose_holder_died_with_its_last_reports_restores_a_step_its_
     h.feed(NodeGone("s", "killed"))
     h.pong_all()
     (ra,) = h.sent_to("a", p.Reconfigure)[-1:]
-    assert (ra.restore_step, ra.restore_from) == (32, {"0": ""}), ra
+    assert (ra.restore_step, ra.restore_from) == (33, {"0": ""}), ra
 
 
 def test_snapshots_every_few_steps_a_survivor_whose_reports_died_with_its_holder_restores_a_snapshot_step():
     """Snapshots at steps 0, 5, 10: rank 0's report of step 10 died with b (its holder). Its Progress(11)
-    proves its snapshot 10 was acked (the optimizer of step 11 waited for it), so it holds 10 locally, and
-    rank 1's copy of 10 lives on a: the plan is 10. A floor from step counts alone (11 - 2 = 9) names a
-    step no one snapshotted: the plan would find no copy of rank 1 at 9 and end the job as state lost."""
+    proves its snapshot 10 was acked (step 11's last all-reduce waited for it), so it holds 10 locally, and
+    rank 1's copy of 10 lives on a: the plan is 10. A floor from step counts alone (11) names a step no one
+    snapshotted: the plan would find no copy of rank 1 at 11 and end the job as state lost."""
     h = formed()
     for step in (0, 5, 10):
         h.msg("a", p.SnapshotStored("a", 1, step, 0))  # rank 1's copies on a
@@ -500,17 +499,15 @@ def test_snapshots_every_few_steps_a_survivor_whose_reports_died_with_its_holder
 
 
 def test_bad_copies_walk_the_plan_back_copy_by_copy_past_the_replan_limit():
-    """Rank 1 has copies of steps 2, 3, 4 on a and on c. Its node dies and four copies in a row turn out bad:
+    """Rank 1 has copies of steps 3 and 4 on a, c and d. Its node dies and four copies in a row turn out bad:
     each report drops one and plans again (more than MAX_REPLANS times: these replans make progress); the
-    fifth plan restores step 2 from a. Then the last copies go bad too: state lost, naming them."""
-    h = Harness(spec(nnodes=3, spares=1, replicas=2))
-    for node, rank in (("a", 0), ("b", 1), ("c", 2)):
+    fifth plan restores step 3 from c. Then the last copies go bad too: state lost, naming them."""
+    h = Harness(spec(nnodes=4, spares=1, replicas=3))
+    for node, rank in (("a", 0), ("b", 1), ("c", 2), ("d", 3)):
         h.register(node, rank=rank)
     h.register("s", spare=True)
-    for step in (2, 3, 4):
-        for holder in "ac":
-            h.msg(holder, p.SnapshotStored(holder, 1, step, 0))
-        for rank, holders in ((0, "bc"), (2, "ab")):
+    for step in (3, 4):
+        for rank, holders in ((0, "bcd"), (1, "acd"), (2, "abd"), (3, "abc")):
             for holder in holders:
                 h.msg(holder, p.SnapshotStored(holder, rank, step, 0))
     h.feed(NodeGone("b", "killed"))
@@ -523,21 +520,21 @@ def test_bad_copies_walk_the_plan_back_copy_by_copy_past_the_replan_limit():
         h.pong_all()
         assert h.finish is None, h.finish
     rs = h.sent_to("s", p.Reconfigure)[-1]
-    assert tried == [(4, "tcp://a:1"), (4, "tcp://c:1"), (3, "tcp://a:1"), (3, "tcp://c:1")]
-    assert (rs.restore_step, rs.restore_from["1"]) == (2, "tcp://a:1")
+    assert tried == [(4, "tcp://a:1"), (4, "tcp://c:1"), (4, "tcp://d:1"), (3, "tcp://a:1")]
+    assert (rs.restore_step, rs.restore_from["1"]) == (3, "tcp://c:1")
     for _ in range(2):
         rs = h.sent_to("s", p.Reconfigure)[-1]
-        h.msg("s", p.RestoreFailed("s", rs.generation, 1, 2, rs.restore_from["1"], "checksum mismatch"))
+        h.msg("s", p.RestoreFailed("s", rs.generation, 1, 3, rs.restore_from["1"], "checksum mismatch"))
         h.pong_all()
     h.pong_all()  # the probe before "state lost"
-    assert h.finish and "state lost" in h.finish.message and "rank 1 step 2 on c: checksum mismatch" in h.finish.message
+    assert h.finish and "state lost" in h.finish.message and "rank 1 step 3 on d: checksum mismatch" in h.finish.message
 
 
 def test_a_plan_goes_down_the_grid_to_the_newest_step_every_rank_has_a_copy_of():
     """Simulator seed 43769, in the ledger: rank 0 failed, its copy of 9 was bad; rank 1's copy of 6 on x was
     bad, and rank 1 (restored earlier in this recovery, so its ring holds only 9) said it has no local copy
     at or before 6. No copy of 6 for rank 1, but both have 3 on x: the plan is 3, not "state lost"."""
-    ledger = ReplicaLedger()
+    ledger = ReplicaLedger(keep=3)  # three copies per holder, as before the snapshot gate: the walk is tested
     for step in (3, 6, 9):
         ledger.stored(0, step, "x")
         ledger.stored(1, step, "x")

@@ -73,30 +73,46 @@ def test_ring_keeps_the_newest_nslots_and_rollback_forgets_newer(replica):
     rep.configure(0, replica.replica_endpoint, 1)
     for step in range(6):
         rep.submit(step, tracked.capture(step))
-        rep.wait_acked(timeout=10)  # what the optimizer pre-step hook does
-    assert rep.local_steps() == [3, 4, 5]  # NSLOTS = 3 local copies
-    assert replica.store.steps(1) == [3, 4, 5]  # the replica store keeps 3
+        rep.wait_acked(timeout=10)  # what the snapshot gate does
+    assert rep.local_steps() == [4, 5]  # NSLOTS = 2 local copies
+    assert replica.store.steps(1) == [4, 5]  # the replica store keeps 2
     sock = zmq.Context.instance().socket(zmq.DEALER)  # what a worker sends before its next capture
     sock.linger = 0
     sock.connect(replica.replica_endpoint)
     codec = P.Codec(TOKEN)
     sock.send_multipart(codec.encode(P.ReserveSnapshot(rank=1, step=6, generation=0)))
     assert sock.poll(10_000)
-    assert codec.decode(sock.recv_multipart())[0] == P.SnapshotReserved(1, 6, [3])
+    assert codec.decode(sock.recv_multipart())[0] == P.SnapshotReserved(1, 6, [4])
     sock.close(0)
-    assert replica.store.steps(1) == [4, 5]  # step 6 will take step 3's memory
+    assert replica.store.steps(1) == [5]  # step 6 will take step 4's memory
     rep.submit(6, tracked.capture(6))
     rep.wait_acked(timeout=10)
-    assert replica.store.steps(1) == [4, 5, 6]
+    assert replica.store.steps(1) == [5, 6]
     rep.forget_after(5)
-    assert rep.local_steps() == [4, 5]
-    rep.forget_after(4)
-    assert rep.local_steps() == [4]
-    slot = rep.local(4)
+    assert rep.local_steps() == [5]
+    slot = rep.local(5)
     rep.configure(1, replica.replica_endpoint, 1)
     rep.submit_packed(slot)  # re-replicate the restored state in the new generation
     rep.wait_acked(timeout=10)
-    assert replica.store.steps(1)[-1] == 4
+    assert replica.store.steps(1)[-1] == 5
+
+
+def test_a_reconfiguration_drops_the_send_but_keeps_the_capture(replica):
+    """quiesce() right after submit(): the step is captured and held locally (the controller counts on a
+    rank holding the step it reported), and nothing of it reaches the replica store."""
+    model, _, tracked = state()
+    rep = replicator()
+    rep.configure(0, replica.replica_endpoint, 1)
+    rep.submit(0, tracked.capture(0))
+    rep.wait_acked(timeout=10)
+    with rep._cond:  # the thread cannot take the job before quiesce() marks it (quiesce waits unlocked)
+        rep.submit(1, tracked.capture(1))
+        rep.quiesce()
+    assert rep.local_steps() == [0, 1]
+    tree = S.unpack(rep.local(1).meta, rep.local(1).data)
+    assert tree["step"] == 1 and torch.equal(tree["state"]["model"]["0.weight"], model[0].weight)
+    assert replica.store.steps(1) == [0]
+    rep.wait_acked(timeout=1)  # nothing left to wait for
 
 
 def test_a_restored_snapshot_is_relabelled_where_held_and_sent_whole_where_not(replica):

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from dpagent import protocol as P
 from test_dpstate_harness import REPO, FakeAgents, free_port, reconfigure, store_master, worker_env
@@ -56,7 +57,7 @@ def test_clean_run_then_spares_replace_a_frozen_and_a_killed_rank_bitwise(procs,
         steps = [m.step for m in ref.messages(P.Progress, "a1")]
         assert steps == list(range(1, STEPS + 1))
         assert ref.messages(P.RankFinished, "a0")[0].step == STEPS
-        assert ref.store.steps(0) == [STEPS - 2, STEPS - 1, STEPS]  # every step was replicated
+        assert ref.store.steps(0) == [STEPS - 1, STEPS]  # every step was replicated; a holder keeps 2
     finally:
         ref.close()
     reference = json.loads((tmp_path / "ref.json").read_text())
@@ -106,3 +107,44 @@ def test_clean_run_then_spares_replace_a_frozen_and_a_killed_rank_bitwise(procs,
         agents.close()
     result = json.loads((tmp_path / "run.json").read_text())
     assert result == reference
+
+
+def test_no_rank_applies_a_step_before_every_rank_snapshot_before_it_is_acked(procs, tmp_path):
+    """The snapshot gate is global. Rank 1's replica holder never answers, so its snapshot of step 0 is never
+    acked: rank 1 waits at the gate before the last all-reduce of step 1, and rank 0, whose own snapshots are
+    acked, cannot finish step 1 either: it sits in that all-reduce at step 0. (With a gate before each rank's
+    own optimizer step only, rank 0 applied step 1 and waited in step 2; a restore then had to go back 2
+    steps, hence 3 copies everywhere.) A Stop then ends both, stuck as they are, with its exit code."""
+    port = free_port()
+    store = store_master(port)  # noqa: F841 (kept alive for the test)
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # a replica holder that takes every message and answers none
+    silent.linger = 0
+    silent_endpoint = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
+    agents = FakeAgents(tmp_path, ["a0", "a1"])
+    workers = {}
+    try:
+        for node in ("a0", "a1"):
+            env = worker_env(node, agents.endpoints[node], DP_STATUS_INTERVAL="0.1")
+            workers[node] = procs.popen([sys.executable, TRAIN, "--steps", "5", *TINY], env=env)
+        hello(agents, "a0", "a1")
+        agents.send("a0", reconfigure(0, 0, 2, -1, port, agents.replica_endpoint))
+        agents.send("a1", reconfigure(0, 1, 2, -1, port, silent_endpoint))
+        agents.wait(lambda: agents.newest_stored(0) >= 0, 60, "rank 0's snapshot of step 0 acked")
+
+        def statuses(node: str) -> list:
+            return [(m.activity, m.step) for m in agents.messages(P.WorkerStatus, node)]
+
+        # rank 0 reports being in a collective at step 0 five times in a row (0.1 s apart), rank 1 at the gate
+        agents.wait(lambda: agents.messages(P.Progress) or (statuses("a0")[-5:] == [("collective", 0)] * 5
+                                                            and statuses("a1")[-1:] == [("snapshot", 0)]),
+                    60, "rank 0 held in step 1's all-reduce by rank 1's gate")
+        assert not agents.messages(P.Progress), agents.messages(P.Progress)
+        for node in workers:
+            agents.send(node, P.Stop(reason="test over", exit_code=3))
+        for node, worker in workers.items():
+            assert worker.wait(timeout=30) == 3, node
+    finally:
+        agents.close()
+        silent.close(0)
+        ctx.term()

@@ -198,6 +198,48 @@ def test_a_survivor_stops_computing_as_soon_as_a_reconfiguration_is_asked_for():
         dist.destroy_process_group()
 
 
+def test_the_snapshot_gate_is_passed_once_per_backward_before_its_last_bucket():
+    """DataParallel calls the gate before the last gradient bucket's collective only (the other buckets'
+    all-reduces overlap with the snapshot still in flight); an abort while waiting there fails the backward
+    as an abort, as one in any collective would."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        abort = AbortSignal()
+        abort.enter(0)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+        buckets, gated_after = [], []
+        ddp = dpstate.DataParallel(model, abort, gate=lambda: gated_after.append(len(buckets)),
+                                   bucket_cap_mb=0.5)  # a weight (1 MB) fills a bucket: several per backward
+        ddp.ddp  # built on first use
+        hook = ddp._hook_state
+
+        class CountingHook(type(hook)):
+            def __call__(self, bucket):
+                buckets.append(bucket.index())
+                return super().__call__(bucket)
+
+        hook.__class__ = CountingHook  # this instance only
+        ddp(torch.ones(2, 512)).sum().backward()  # DDP's first backward has one bucket; then it rebuilds them
+        for _ in range(2):
+            buckets.clear()
+            ddp(torch.ones(2, 512)).sum().backward()
+            assert len(buckets) >= 3, buckets  # several buckets ...
+            assert gated_after[-1] == len(buckets)  # ... and the gate came with the last one only
+        assert len(gated_after) == 3
+
+        def aborted_at_the_gate():
+            abort.request(1, "node1 failed")
+            abort.check()
+
+        hook.gate = aborted_at_the_gate
+        with pytest.raises(RuntimeError) as failed:
+            ddp(torch.ones(2, 512)).sum().backward()
+        assert classify(failed.value, abort) == "abort"
+    finally:
+        dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- control thread
 
 
@@ -336,6 +378,11 @@ def test_restore_sources_local_init_fresh_and_missing():
     job._replicator.wait_acked(timeout=5)
     assert job._replicator.local_steps() == [0]
     job._started = True
+    # a process that trained never pretends to be fresh: step 0 comes back from its own copy, bit for bit
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    assert job._restore(_reconf(0, "init"))[0] == "local"
+    assert torch.equal(model.weight, initial)
     weights = {}
     for step in (1, 2, 3):
         model(torch.ones(1, 3)).sum().backward()
@@ -344,20 +391,20 @@ def test_restore_sources_local_init_fresh_and_missing():
             job._replicator.submit(step, job._tracked.capture(step))
             job._replicator.wait_acked(timeout=5)
         weights[step] = model.weight.detach().clone()
-    assert job._replicator.local_steps() == [0, 1, 2]  # the ring holds NSLOTS (3)
+    assert job._replicator.local_steps() == [1, 2]  # the ring holds NSLOTS (2)
     model(torch.ones(1, 3)).sum().backward()  # live state at step 3, partly through step 4's backward
 
     assert job._restore(_reconf(1, ""))[0] == "local"
     assert torch.equal(model.weight, weights[1]) and model.weight.grad is None
     assert opt.state_dict()["state"][0]["step"].item() == 1
-    assert job._replicator.local_steps() == [0, 1]  # the abandoned later steps are forgotten
+    assert job._replicator.local_steps() == [1]  # the abandoned later steps are forgotten
     with pytest.raises(dpstate.ReplicationError, match="holds no snapshot of step 3"):
         job._restore(_reconf(3, ""))
     # no store named and no local copy: reported, so that the plan knows this rank cannot come back to it
     assert [(m.step, m.source) for m in job._control.sent if isinstance(m, P.RestoreFailed)] == [(3, "")]
-    # a process that trained never pretends to be fresh: step 0 comes back from its own copy, bit for bit
-    assert job._restore(_reconf(0, "init"))[0] == "local"
-    assert torch.equal(model.weight, initial)
+    # step 0 has left the ring: a process that trained cannot keep its "initial" state as step 0
+    with pytest.raises(RuntimeError, match="cannot keep its initial state"):
+        job._restore(_reconf(0, "init"))
     job._replicator.forget_after(-1)
     with pytest.raises(RuntimeError, match="cannot keep its initial state"):
         job._restore(_reconf(0, "init"))

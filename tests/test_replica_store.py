@@ -23,26 +23,27 @@ def put(rank=0, step=0, generation=0, meta=b"meta", data=b"data", checksum=None,
     return msg, meta, data
 
 
-def test_keeps_newest_three_steps_per_rank():
+def test_keeps_newest_two_steps_per_rank():
+    """Two: the snapshot gate lets no restore go back past the newest step acked (see make_room)."""
     store = ReplicaStore()
     for step in range(6):
         for rank in (0, 1):
             assert store.add(*put(rank, step, data=f"r{rank}s{step}".encode())) == ""
-    assert store.steps(0) == [3, 4, 5]
-    assert store.steps(1) == [3, 4, 5]
+    assert store.steps(0) == [4, 5]
+    assert store.steps(1) == [4, 5]
     assert store.ranks() == [0, 1]
-    assert len(store) == 6
-    assert store.get(0, 2) is None
+    assert len(store) == 4
+    assert store.get(0, 3) is None
     assert bytes(store.get(1, 4).data) == b"r1s4"
 
 
 def test_out_of_order_put_older_than_kept_is_refused_but_a_gap_is_filled():
     store = ReplicaStore()
-    for step in (2, 4, 6):
+    for step in (4, 6):
         assert store.add(*put(0, step)) == ""
     assert "older than" in store.add(*put(0, 1))
     assert store.add(*put(0, 5)) == ""  # newer than the oldest kept: the oldest goes
-    assert store.steps(0) == [4, 5, 6]
+    assert store.steps(0) == [5, 6]
 
 
 def test_size_mismatch_is_refused_and_the_checksum_is_left_to_the_loader():
@@ -71,7 +72,7 @@ def test_fetch_found_missing_and_newest():
 
 
 def test_generations_fence_stale_puts_and_replace_abandoned_steps():
-    store = ReplicaStore()
+    store = ReplicaStore(keep=3)
     for step in (8, 9, 10):
         store.add(*put(0, step, generation=0, data=b"old"))
     # generation 1 rolled back to step 8 and recomputes 9: old 9 and 10 belong to an abandoned timeline
@@ -125,7 +126,7 @@ def test_corrupt_all_breaks_every_checksum_so_a_fetch_can_tell():
 def test_a_held_copy_is_relabelled_for_a_new_generation_only_if_it_is_intact():
     from dpagent.checksum import checksum
 
-    store = ReplicaStore()
+    store = ReplicaStore(keep=3)
     for step in (4, 5, 6):
         data = bytes([step]) * 3000
         assert store.add(*put(1, step, meta=b"m", data=data, checksum=checksum(b"m", data))) == ""
@@ -146,19 +147,19 @@ def test_a_held_copy_is_relabelled_for_a_new_generation_only_if_it_is_intact():
 def test_a_reserve_drops_the_oldest_copy_of_a_full_rank_only():
     """ReserveSnapshot: the snapshot on its way takes the oldest copy's memory; nothing else is dropped."""
     store = ReplicaStore()
-    for step in range(3):
+    for step in range(2):
         assert store.add(*put(0, step, generation=1)) == ""
     assert store.add(*put(1, 0, generation=1)) == ""
-    assert [s.step for s in store.make_room(0, 3, generation=1)] == [0]
-    assert store.steps(0) == [1, 2] and store.steps(1) == [0]  # other ranks keep theirs
-    assert store.make_room(0, 3, generation=1) == []  # not full any more
-    assert store.add(*put(0, 3, generation=1)) == ""
-    assert store.make_room(0, 3, generation=2) == []  # step 3 held: a relabel or a re-put, no new memory
-    assert store.make_room(0, 4, generation=0) == []  # a fenced sender makes no room
+    assert [s.step for s in store.make_room(0, 2, generation=1)] == [0]
+    assert store.steps(0) == [1] and store.steps(1) == [0]  # other ranks keep theirs
+    assert store.make_room(0, 2, generation=1) == []  # not full any more
+    assert store.add(*put(0, 2, generation=1)) == ""
+    assert store.make_room(0, 2, generation=2) == []  # step 2 held: a relabel or a re-put, no new memory
+    assert store.make_room(0, 3, generation=0) == []  # a fenced sender makes no room
     assert store.make_room(1, 1, generation=1) == []  # room to spare
-    assert store.steps(0) == [1, 2, 3]
+    assert store.steps(0) == [1, 2]
     rolled = ReplicaStore()
-    for step in (0, 2, 3):
+    for step in (2, 3):
         assert rolled.add(*put(0, step, generation=1)) == ""
     assert rolled.make_room(0, 1, generation=2) == []  # a rollback's re-put supersedes steps 2 and 3
-    assert rolled.steps(0) == [0, 2, 3]
+    assert rolled.steps(0) == [2, 3]

@@ -136,11 +136,12 @@ def test_a_corrupt_copy_met_during_recovery_is_reported_and_an_older_one_restore
 
 def test_a_walk_back_past_a_survivors_local_copies_ends_as_state_lost(monkeypatch):
     """A 2-node ring: every copy in the store holding the dead node's rank goes bad as the recovery starts.
-    While the promoted spare is still fetching the third-newest, the survivor (whose own holder was the dead
-    node) finds it holds no local copy of that step and says so (RestoreFailed, source ""): the job ends
-    as state lost, naming that copy, instead of planning the same step until the replan limit."""
+    Here the survivor is a step ahead of the dead rank's newest copy (its last snapshot was not acked yet, as
+    the gate allows), so when the walk back reaches the dead rank's older copy, the survivor (whose own
+    holder was the dead node) finds it holds no local copy of that step and says so (RestoreFailed, source
+    ""): the job ends as state lost instead of planning the same step until the replan limit."""
     reported = restore_failures_reported(monkeypatch)
-    schedule = Schedule(seed=12, nnodes=2, spares=1, nproc=1, steps=30,
+    schedule = Schedule(seed=373, nnodes=2, spares=1, nproc=1, steps=30,
                         faults=[Fault(0.3, "corrupt-all-during-recovery", 0.0), Fault(0.5, "kill-node", 0.9)])
     assert run_schedule(schedule) == "state-lost"
     assert [(m.rank, m.source) for m in reported][-1] == (0, ""), reported

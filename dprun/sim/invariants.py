@@ -93,13 +93,16 @@ class Checker:
                 if step != 0 or any((rank, s) in world.replicated for s in range(1, world.steps + 1)):
                     raise InvariantViolation(f"invariant 3: rank {rank} told to start fresh at step {step}")
                 continue
+            if not source:  # a survivor's own copy: captured, not necessarily acked yet (the gate comes later)
+                if (rank, step) not in world.captured:
+                    raise InvariantViolation(f"invariant 3: rank {rank} restores its own step {step}, never taken")
+                continue
             if (rank, step) not in world.replicated:
                 raise InvariantViolation(f"invariant 3: rank {rank} restores step {step}, never replicated")
-            if source:
-                holder = world.node_of(source)
-                if holder is None or step not in holder.store.get(rank, []) and not _dropped_unbeknown(
-                        world, holder.node_id, rank, step):
-                    raise InvariantViolation(f"invariant 3: {source} does not hold rank {rank} at step {step}")
+            holder = world.node_of(source)
+            if holder is None or step not in holder.store.get(rank, []) and not _dropped_unbeknown(
+                    world, holder.node_id, rank, step):
+                raise InvariantViolation(f"invariant 3: {source} does not hold rank {rank} at step {step}")
 
 
 def _dropped_unbeknown(world, holder: str, rank: int, step: int) -> bool:

@@ -16,8 +16,8 @@ from dpagent import protocol as p
 from dprun.controller import Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
 
 CONTROLLER = "controller"
-KEEP_REPLICA = 3
-KEEP_LOCAL = 3  # as dpstate.replication.NSLOTS
+KEEP_REPLICA = 2  # as dpagent.replica_store.KEEP_STEPS
+KEEP_LOCAL = 2  # as dpstate.replication.NSLOTS
 
 
 @dataclass
@@ -25,7 +25,7 @@ class SimWorker:
     rank: int = -1
     generation: int = -1
     state: int = 0  # optimizer steps applied
-    phase: str = "waiting"  # waiting (for a Reconfigure), running, blocked, recovering, done, dead
+    phase: str = "waiting"  # waiting (for a Reconfigure), running, gated, recovering, done, dead
     local: list = field(default_factory=list)  # snapshot steps held locally
     acked: int = -1  # newest snapshot acked by every replica store it was sent to
     awaiting: dict = field(default_factory=dict)  # step -> acks still missing
@@ -84,6 +84,7 @@ class World:
         self.ready: dict[int, set] = {}  # generation -> ranks at the post-restore barrier
         self.log: list[str] = []
         self.replicated: set = set()  # (rank, step) ever stored on a replica: the truth invariants check
+        self.captured: set = set()  # (rank, step) ever snapshotted by the worker of that rank
         # (holder, rank, step) a store dropped -> (holder, rank, step, generation) of the put that made it drop
         # it; and the SnapshotStored reports the controller took in (not stale): a copy dropped by a put whose
         # report it never took in (still on its way, lost, or from a fenced generation) may still be planned
@@ -314,8 +315,11 @@ class World:
         worker = node.workers[local]
         if worker.local[-1:] != [worker.state]:  # a restored snapshot is sent again from its own slot
             worker.local = (worker.local + [worker.state])[-KEEP_LOCAL:]
+        self.captured.add((worker.rank, worker.state))
         holders = [h for h in map(self.node_of, node.replica_to) if h is not None]
         worker.awaiting[worker.state] = len(holders)
+        # acked once every holder acks it (a restored step sent again too); with none, at once (as dpstate)
+        worker.acked = min(worker.acked, worker.state - 1) if holders else max(worker.acked, worker.state)
         put = (worker.rank, worker.state, worker.generation)
         for holder in holders:  # ReserveSnapshot just ahead of the snapshot on the same connection
             delay = self._link_delay(node.node_id, holder.node_id)
@@ -382,16 +386,20 @@ class World:
             if missing > 0:
                 return  # every replica must hold it before the optimizer may move on
             worker.acked = max(worker.acked, step)
-            if worker.phase == "blocked":  # waiting in the optimizer pre-step hook
+            if worker.phase == "gated":  # waiting at the snapshot gate, before its step's last collective
                 worker.phase = "running"
-                self._apply_step(node, local)
+                self._worker_step(node, local, generation)
 
     def _worker_step(self, node: SimNode, local: int, generation: int) -> None:
-        """Forward/backward done: enter the all-reduce of step state+1."""
+        """Forward/backward done: enter the all-reduce of step state+1, once past the snapshot gate (dpstate's
+        Job._gate: its newest snapshot acked; so no rank applies step S+1 before every rank's S is held)."""
         if self._frozen(node, self._worker_step, node, local, generation):
             return
         worker = node.workers[local]
         if not node.running or worker.generation != generation or worker.phase != "running":
+            return
+        if worker.acked < self.newest_snapshot(worker.state):
+            worker.phase = "gated"
             return
         if worker.state >= self.steps:  # dpstate's final barrier: exit 0 only once every rank got here
             key = (generation, "final")
@@ -431,10 +439,7 @@ class World:
             return  # a frozen peer: the all-reduce hangs until the controller reconfigures
         for n, i, w in members:
             if w.phase == "running" and w.state == step - 1:
-                if w.acked >= self.newest_snapshot(w.state):  # the optimizer's pre-step wait
-                    self._apply_step(n, i)
-                else:
-                    w.phase = "blocked"
+                self._apply_step(n, i)
 
     def _apply_step(self, node: SimNode, local: int) -> None:
         worker = node.workers[local]
@@ -514,10 +519,10 @@ class World:
         self.log.append(f"{self.now:.3f} wake {node_id}")
         node.frozen = False
         # it speaks before it reads what was said while it slept: stale heartbeats and progress first (the
-        # step it last applied: a worker never reports a step whose optimizer step waits for an ack)
+        # step it last applied: a worker never reports a step it has not applied)
         self._agent_send(node_id, p.Heartbeat(node_id, node.generation))
         for worker in node.workers:
-            if worker.phase in ("running", "ready", "blocked") and worker.rank >= 0:
+            if worker.phase in ("running", "ready", "gated") and worker.rank >= 0:
                 self._agent_send(node_id, p.Progress(node_id, worker.generation, worker.rank, worker.state,
                                                      snapshot=self.snapshotted(worker.state)))
         pending, node.inbox_while_frozen = node.inbox_while_frozen, []
