@@ -77,7 +77,7 @@ def profile_of(result: C.RunResult) -> dict | None:
         "snapshots": n, "bytes_per_snapshot": sum(r["bytes"] for r in ranks) / n,
         "ms_per_snapshot": {"meta": per("meta_s"), "copy": per("copy_s"), "crc": per("crc_s"),
                             "capture": per("capture_s"), "send_to_ack": per("send_s"),
-                            "pre_step_wait": per("wait_s")},
+                            "gate_wait": per("wait_s")},
         "worker_cpu_ms_per_snapshot": {k: v / n * 1000 for k, v in threads.items()
                                        if k in ("dpstate-replication", "ZMQbg/IO/0")},
     }

@@ -109,12 +109,18 @@ def test_clean_run_then_spares_replace_a_frozen_and_a_killed_rank_bitwise(procs,
     assert result == reference
 
 
-def test_no_rank_applies_a_step_before_every_rank_snapshot_before_it_is_acked(procs, tmp_path):
+RAW_COLLECTIVES = str(REPO / "tests" / "data" / "raw_collective_worker.py")
+
+
+@pytest.mark.parametrize("script", [[TRAIN, "--steps", "5", *TINY], [RAW_COLLECTIVES, "5"]], ids=["ddp", "raw"])
+def test_no_rank_applies_a_step_before_every_rank_snapshot_before_it_is_acked(procs, tmp_path, script):
     """The snapshot gate is global. Rank 1's replica holder never answers, so its snapshot of step 0 is never
-    acked: rank 1 waits at the gate before the last all-reduce of step 1, and rank 0, whose own snapshots are
-    acked, cannot finish step 1 either: it sits in that all-reduce at step 0. (With a gate before each rank's
-    own optimizer step only, rank 0 applied step 1 and waited in step 2; a restore then had to go back 2
-    steps, hence 3 copies everywhere.) A Stop then ends both, stuck as they are, with its exit code."""
+    acked: rank 1 waits at the gate, and rank 0, whose own snapshots are acked, cannot finish step 1 either:
+    it sits in a collective at step 0. With DDP (train_gpt) rank 1 waits before the all-reduce of its last
+    gradient bucket; with a script whose collectives are not dpstate's, in the optimizer's pre-step hook,
+    and rank 0 at the barrier that follows it. (With a gate before each rank's own optimizer step only, rank
+    0 applied step 1 and waited in step 2; a restore then had to go back 2 steps, hence 3 copies
+    everywhere.) A Stop then ends both, stuck as they are, with its exit code."""
     port = free_port()
     store = store_master(port)  # noqa: F841 (kept alive for the test)
     ctx = zmq.Context()
@@ -126,7 +132,7 @@ def test_no_rank_applies_a_step_before_every_rank_snapshot_before_it_is_acked(pr
     try:
         for node in ("a0", "a1"):
             env = worker_env(node, agents.endpoints[node], DP_STATUS_INTERVAL="0.1")
-            workers[node] = procs.popen([sys.executable, TRAIN, "--steps", "5", *TINY], env=env)
+            workers[node] = procs.popen([sys.executable, *script], env=env)
         hello(agents, "a0", "a1")
         agents.send("a0", reconfigure(0, 0, 2, -1, port, agents.replica_endpoint))
         agents.send("a1", reconfigure(0, 1, 2, -1, port, silent_endpoint))
