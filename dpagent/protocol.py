@@ -19,8 +19,13 @@ controller -> agent : Welcome, Reconfigure, Stop, Ping, Inject
 agent -> worker     : Reconfigure, Stop (relayed)
 worker -> agent     : Hello, WorkerStatus (kept by the agent, summarised in its Heartbeat), Progress,
                       WorkerReady, PeerError, RestoreFailed, RankFinished
-worker -> replica   : PutSnapshot (+ 2 payload frames: meta, data; none with held=True)  ->  SnapshotAck
-worker -> replica   : FetchSnapshot  ->  SnapshotData (+ 2 payload frames when found)
+worker -> replica   : PutSnapshot (+ payload frames: meta, then data in chunks; none with held=True)
+                      ->  SnapshotAck
+worker -> replica   : FetchSnapshot  ->  SnapshotData (+ the same payload frames when found)
+
+Snapshot data travels in chunks of CHUNK_BYTES (the last one shorter), one frame each: a holder's
+allocator then reuses a dropped copy's memory chunk by chunk, where one big frame needed one big hole
+that the agent's small allocations had often cut into (docs/performance.md, "memory").
 """
 
 from __future__ import annotations
@@ -34,10 +39,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-PROTOCOL_VERSION = 4  # 2: PutSnapshot.held (relabel a held copy); 3: ReserveSnapshot; 4: Progress.snapshot
+PROTOCOL_VERSION = 5  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
+CHUNK_BYTES = 4 << 20  # snapshot data frames; a whole number of dpagent.checksum's blocks
 
 
 class ProtocolError(ValueError):
@@ -280,7 +286,8 @@ class Inject:
 
 @_message
 class PutSnapshot:
-    """Store a snapshot; two payload frames follow: meta (opaque bytes) and data (tensor bytes).
+    """Store a snapshot; payload frames follow: meta (opaque bytes), then data (tensor bytes) cut by
+    chunk_views (one frame when empty).
 
     held=True: no payload; the store already holds this rank's `step` with this checksum (a rank restored
     from it) and relabels that copy as of `generation` instead of receiving it again; refused when not held.
@@ -328,7 +335,7 @@ class FetchSnapshot:
 
 @_message
 class SnapshotData:
-    """Reply to FetchSnapshot; when found, two payload frames follow (meta, data)."""
+    """Reply to FetchSnapshot; when found, payload frames follow as with PutSnapshot (meta, data chunks)."""
 
     rank: int
     step: int
@@ -446,11 +453,19 @@ def payload_bytes(frame: Any) -> memoryview:
     return memoryview(_buffer(frame))
 
 
+def chunk_views(data: Any) -> list[memoryview]:
+    """Zero-copy views cutting snapshot data (bytes-like) into frames of CHUNK_BYTES (one when shorter)."""
+    view = memoryview(data).cast("B")
+    return [view[i : i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES)] or [view]
+
+
 __all__ = [name for name in _REGISTRY] + [
     "Codec",
     "Message",
     "NO_RANK",
     "PROTOCOL_VERSION",
+    "CHUNK_BYTES",
+    "chunk_views",
     "ProtocolError",
     "message_types",
     "payload_bytes",

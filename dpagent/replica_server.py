@@ -19,7 +19,7 @@ from typing import Any, Callable
 import zmq
 
 from .channel import Channel, Incoming
-from .checksum import checksum
+from .checksum import checksum_chunks
 from .events import EventPipe
 from .protocol import (FetchSnapshot, PutSnapshot, ReserveSnapshot, SnapshotAck, SnapshotData, SnapshotReserved,
                        SnapshotStored)
@@ -41,7 +41,7 @@ class RelabelChecked:
 class RelabelChecker:
     """One thread that checksums held copies for relabels and posts each RelabelChecked to the agent loop."""
 
-    def __init__(self, events: EventPipe, check: Callable[[Any, Any], int] = checksum):
+    def __init__(self, events: EventPipe, check: Callable[[Any, list], int] = checksum_chunks):
         self._events, self._check = events, check
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="dpagent-relabel-check", daemon=True)
@@ -102,8 +102,8 @@ class ReplicaServer:
             error = candidate
         elif put.held:
             error = self.store.relabel(put) if not incoming.payload else "a held=True put has no payload"
-        elif len(incoming.payload) != 2:
-            error = f"expected 2 payload frames (meta, data), got {len(incoming.payload)}"
+        elif len(incoming.payload) < 2:
+            error = f"expected payload frames (meta, data chunks), got {len(incoming.payload)}"
         else:
             error = self.store.add(put, *incoming.payload)
         self._answer(incoming, put, error)
@@ -131,5 +131,5 @@ class ReplicaServer:
             self.channel.reply(incoming, SnapshotData(msg.rank, msg.step, found=False))
             return
         reply = SnapshotData(snap.rank, snap.step, found=True, checksum=snap.checksum, nbytes=snap.nbytes)
-        self.channel.reply(incoming, reply, [snap.meta, snap.data])
+        self.channel.reply(incoming, reply, [snap.meta, *snap.chunks])
         log.info("served snapshot of rank %d step %d (%d bytes)", snap.rank, snap.step, snap.nbytes)

@@ -1,6 +1,7 @@
 """The replica store: snapshots of other nodes' ranks, held in memory by this node's agent.
 
-Pure logic, no sockets: frames are kept as given (zero-copy zmq.Frames or bytes). Sizes are checked on arrival;
+Pure logic, no sockets: frames are kept as given (zero-copy zmq.Frames or bytes): the meta and the data's
+chunks (dpagent.protocol.chunk_views). Sizes are checked on arrival;
 the checksum (dpagent.checksum) by the worker that loads a snapshot, and here when asked to keep a held copy.
 """
 
@@ -10,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .checksum import checksum
+from .checksum import checksum_chunks
 from .protocol import PutSnapshot
 
 KEEP_STEPS = 2
@@ -24,7 +25,12 @@ class Snapshot:
     checksum: int
     nbytes: int
     meta: Any  # bytes-like or zmq.Frame
-    data: Any
+    chunks: tuple  # the data, bytes-like or zmq.Frames, as received
+
+    @property
+    def data(self) -> bytes:
+        """The data joined (a copy: for tests and small snapshots)."""
+        return b"".join(frame_view(c) for c in self.chunks)
 
 
 def frame_view(frame: Any) -> memoryview:
@@ -32,9 +38,9 @@ def frame_view(frame: Any) -> memoryview:
     return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
 
 
-def intact(snap: Snapshot, check: Callable[[Any, Any], int] = checksum) -> bool:
+def intact(snap: Snapshot, check: Callable[[Any, list], int] = checksum_chunks) -> bool:
     """Do the bytes held still match the checksum they came with? (Seconds at tens of GB.)"""
-    return check(frame_view(snap.meta), frame_view(snap.data)) == snap.checksum
+    return check(frame_view(snap.meta), [frame_view(c) for c in snap.chunks]) == snap.checksum
 
 
 class ReplicaStore:
@@ -50,11 +56,13 @@ class ReplicaStore:
         self.keep = keep
         self._ranks: dict[int, dict[int, Snapshot]] = {}
 
-    def add(self, put: PutSnapshot, meta: Any, data: Any) -> str:
-        """Stores the snapshot; returns "" or why it was refused."""
+    def add(self, put: PutSnapshot, meta: Any, *chunks: Any) -> str:
+        """Stores the snapshot (its data in one or more chunks); returns "" or why it was refused."""
         if put.rank < 0 or put.step < 0:
             return f"bad rank/step {put.rank}/{put.step}"
-        size = frame_view(meta).nbytes + frame_view(data).nbytes
+        if not chunks:
+            return "no data frame"
+        size = frame_view(meta).nbytes + sum(frame_view(c).nbytes for c in chunks)
         if size != put.nbytes:
             return f"size mismatch: got {size} bytes, expected {put.nbytes}"
         held = self._ranks.setdefault(put.rank, {})
@@ -63,7 +71,7 @@ class ReplicaStore:
             return error
         if held and put.step not in held and len(held) >= self.keep and put.step < min(held):
             return f"step {put.step} is older than the {self.keep} steps kept for rank {put.rank}"
-        held[put.step] = Snapshot(put.rank, put.step, put.generation, put.checksum, put.nbytes, meta, data)
+        held[put.step] = Snapshot(put.rank, put.step, put.generation, put.checksum, put.nbytes, meta, tuple(chunks))
         while len(held) > self.keep:
             del held[min(held)]
         return ""
@@ -151,10 +159,12 @@ class ReplicaStore:
         count = 0
         for snapshots in self._ranks.values():
             for step, snap in list(snapshots.items()):
-                data = bytearray(frame_view(snap.data))
-                if data:
-                    data[len(data) // 2] ^= 0xFF
-                    snapshots[step] = dataclasses.replace(snap, data=bytes(data))
+                middle = len(snap.chunks) // 2
+                chunk = bytearray(frame_view(snap.chunks[middle]))
+                if chunk:
+                    chunk[len(chunk) // 2] ^= 0xFF
+                    chunks = snap.chunks[:middle] + (bytes(chunk),) + snap.chunks[middle + 1 :]
+                    snapshots[step] = dataclasses.replace(snap, chunks=chunks)
                     count += 1
         return count
 

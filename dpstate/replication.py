@@ -215,8 +215,8 @@ class Replicator:
     # ------------------------------------------------------------------ fetch (main thread, own socket)
 
     def fetch(self, endpoint: str, rank: int, step: int, timeout: float = 60.0) -> Slot:
-        """Pull rank's snapshot of `step` from the replica store at `endpoint` into a local slot (on CPU the
-        received frame itself becomes the slot's buffer: no copy; with CUDA it is copied into pinned memory)."""
+        """Pull rank's snapshot of `step` from the replica store at `endpoint` into a local slot: its data
+        chunks are copied into the slot's buffer (pinned with CUDA); a single frame on CPU becomes the buffer."""
         t0 = time.perf_counter()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -236,23 +236,29 @@ class Replicator:
                     continue
                 if isinstance(msg, P.SnapshotData) and msg.rank == rank and msg.step == step:
                     break
-            if not msg.found or len(payload) != 2:
+            if not msg.found or len(payload) < 2:
                 raise ReplicationError(f"the replica store at {endpoint} has no snapshot of rank {rank} step {step}")
-            meta, data = bytes(P.payload_bytes(payload[0])), P.payload_bytes(payload[1])
-            if msg.nbytes != len(meta) + data.nbytes:
+            meta, chunks = bytes(P.payload_bytes(payload[0])), [P.payload_bytes(f) for f in payload[1:]]
+            nbytes = sum(c.nbytes for c in chunks)
+            if msg.nbytes != len(meta) + nbytes:
                 raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: size mismatch")
             t1 = time.perf_counter()
+            borrow = len(chunks) == 1 and not self.pin  # one frame on CPU: it becomes the slot's buffer
             with self._cond:
                 slot = self._free_slot(step)
-                if self.pin:
-                    slot.reserve(data.nbytes, self.pin)
-                else:
+                if borrow:
                     slot.step, slot.buffer, slot.borrowed = -1, torch.empty(0, dtype=torch.uint8), False
-            if self.pin:
-                slot.buffer[: data.nbytes].copy_(S._as_uint8(data))
+                else:
+                    slot.reserve(nbytes, self.pin)
+            if borrow:
+                slot.buffer, slot.borrowed = S._as_uint8(chunks[0]), True  # keeps the frame alive
             else:
-                slot.buffer, slot.borrowed = S._as_uint8(data), True  # keeps the frame alive
-            slot.meta, slot.nbytes = meta, data.nbytes
+                offset = 0
+                for chunk in chunks:  # the chunks joined: one copy, frame by frame freed as the payload goes
+                    slot.buffer[offset : offset + chunk.nbytes].copy_(S._as_uint8(chunk))
+                    offset += chunk.nbytes
+            del chunks, payload
+            slot.meta, slot.nbytes = meta, nbytes
             t2 = time.perf_counter()
             try:
                 S.verify(meta, slot.data, msg.checksum)
@@ -371,7 +377,7 @@ class Replicator:
         put = P.PutSnapshot(rank=rank, step=job.step, generation=generation, checksum=slot.checksum,
                             nbytes=len(slot.meta) + slot.nbytes)
         data = slot.data.numpy() if slot.nbytes else b""
-        full = self.codec.encode(put, [slot.meta, data])
+        full = self.codec.encode(put, [slot.meta, *P.chunk_views(data)])
 
         def send(sock: Any, relabel: bool) -> None:
             if relabel:

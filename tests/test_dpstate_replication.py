@@ -11,6 +11,7 @@ import torch
 import zmq
 
 from dpagent import protocol as P
+from dpagent.replica_store import intact
 from dpstate import snapshot as S
 from dpstate.abort import Aborted, AbortSignal
 from dpstate.prefetch import Prefetch
@@ -128,7 +129,7 @@ def test_a_restored_snapshot_is_relabelled_where_held_and_sent_whole_where_not(r
     rep.submit_packed(rep.local(3), held_at=[replica.replica_endpoint])  # the plan says it holds step 3
     rep.wait_acked(timeout=10)
     assert replica.store.steps(1) == [3] and replica.store.get(1, 3).generation == 1
-    assert replica.store.get(1, 3).data is held.data  # the same frame: nothing was sent again
+    assert replica.store.get(1, 3).chunks is held.chunks  # the same frames: nothing was sent again
     assert (rep.stats.relabels, rep.stats.relabel_refused) == (1, 0)
 
     replica.store.corrupt_all()  # now the copy there is bad: the relabel is refused and the copy sent
@@ -138,6 +139,31 @@ def test_a_restored_snapshot_is_relabelled_where_held_and_sent_whole_where_not(r
     assert (rep.stats.relabels, rep.stats.relabel_refused) == (1, 1)
     good = replica.store.get(1, 3)
     assert good.generation == 2 and S.checksum(good.meta, good.data) == good.checksum
+
+
+def test_a_snapshot_larger_than_a_chunk_travels_in_chunks_and_comes_back_whole(replica):
+    """10 MB of state: the holder keeps its data as the frames it received (4 MB chunks), the relabel check
+    and the fetch's checksum run over them, and a fetch joins them into one buffer, bit for bit; a byte
+    flipped in one chunk is caught by the fetch."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1600, 1600)
+    tracked = Tracked()
+    tracked.add(model=model)
+    rep = replicator()
+    rep.configure(0, replica.replica_endpoint, 1)
+    rep.submit(2, tracked.capture(2))
+    rep.wait_acked(timeout=10)
+    held, local = replica.store.get(1, 2), rep.local(2)
+    assert [len(P.payload_bytes(c)) for c in held.chunks] == [P.CHUNK_BYTES, P.CHUNK_BYTES,
+                                                              local.nbytes - 2 * P.CHUNK_BYTES]
+    assert intact(held)
+    fetched = replicator(rank=0).fetch(replica.replica_endpoint, 1, 2, timeout=10)
+    assert torch.equal(fetched.data, local.data) and fetched.checksum == local.checksum
+    assert torch.equal(S.unpack(fetched.meta, fetched.data)["state"]["model"]["weight"], model.weight)
+    replica.store.corrupt_all()
+    assert not intact(replica.store.get(1, 2))
+    with pytest.raises(ReplicationError, match="checksum mismatch"):
+        replicator(rank=0).fetch(replica.replica_endpoint, 1, 2, timeout=10)
 
 
 def test_without_replica_snapshots_stay_local():

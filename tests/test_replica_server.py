@@ -12,7 +12,7 @@ import zmq
 
 from dpagent import protocol as P
 from dpagent.channel import Channel
-from dpagent.checksum import checksum
+from dpagent.checksum import checksum, checksum_chunks
 from dpagent.events import EventPipe
 from dpagent.replica_server import RelabelChecked, RelabelChecker, ReplicaServer
 from dpagent.replica_store import ReplicaStore
@@ -45,10 +45,10 @@ class Holder:
         self.client.connect(f"tcp://127.0.0.1:{port}")
         self.received: list[Any] = []
 
-    def _held_check(self, meta: Any, data: Any) -> int:
+    def _held_check(self, meta: Any, chunks: list) -> int:
         self.checking.set()
         assert self.go.wait(20), "the test never let the check run"
-        return checksum(meta, data)
+        return checksum_chunks(meta, chunks)
 
     def hold(self, rank: int, step: int, data: bytes) -> P.PutSnapshot:
         put = P.PutSnapshot(rank=rank, step=step, generation=0, checksum=checksum(b"m", data), nbytes=1 + len(data))

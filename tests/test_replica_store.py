@@ -102,7 +102,7 @@ def test_zero_copy_frames_are_kept_as_given():
     store = ReplicaStore(keep=1)
     assert store.add(msg, frame_meta, frame_data) == ""
     snap = store.get(2, 3)
-    assert snap.data is frame_data  # no copy
+    assert snap.chunks[0] is frame_data  # no copy
     assert store.total_bytes == len(data) + 2
     store.drop_rank(2)
     assert store.ranks() == []
@@ -134,7 +134,7 @@ def test_a_held_copy_is_relabelled_for_a_new_generation_only_if_it_is_intact():
     relabel = PutSnapshot(rank=1, step=5, generation=1, checksum=five.checksum, nbytes=five.nbytes, held=True)
     assert store.relabel(relabel) == ""
     assert store.steps(1) == [4, 5]  # step 6 belonged to the abandoned timeline of generation 0
-    assert store.get(1, 5).generation == 1 and store.get(1, 5).data is five.data  # kept, not received again
+    assert store.get(1, 5).generation == 1 and store.get(1, 5).chunks is five.chunks  # kept, not received again
     assert "stale generation" in store.add(*put(1, 7, generation=0))  # generation 0 is fenced from now on
 
     assert "not held" in store.relabel(PutSnapshot(1, 9, 1, five.checksum, five.nbytes, held=True))
