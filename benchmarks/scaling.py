@@ -81,7 +81,7 @@ def worker(mb: float, endpoint: str, token: str, reps: int) -> dict:
         # restore: drop every local copy (peak memory), fetch from the holder, verify, load into the live state
         rep.quiesce()
         for slot in rep.slots:
-            slot.step, slot.buffer, slot.borrowed = -1, torch.empty(0, dtype=torch.uint8), False
+            slot.release()
         f0, v0 = st.fetch_s, st.fetch_verify_s
         t0 = time.perf_counter()
         slot = rep.fetch(endpoint, 0, r + 1, timeout=600)
@@ -95,7 +95,7 @@ def worker(mb: float, endpoint: str, token: str, reps: int) -> dict:
         out["load_s"].append(t2 - t1)
         out["restore_s"].append(t2 - t0)
         del tree
-        slot.step, slot.buffer, slot.borrowed = -1, torch.empty(0, dtype=torch.uint8), False
+        slot.release()
         if r + 1 < reps:  # warm the buffer again for the next capture
             rep.configure(0, "", 0)
             rep.submit(0, {"step": 0, "state": live})

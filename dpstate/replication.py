@@ -46,7 +46,6 @@ class Slot:
     nbytes: int = 0
     checksum: int = 0
     capture_s: float = 0.0
-    borrowed: bool = False  # buffer is a received ZeroMQ frame (a fetch, zero-copy): never written into
 
     @property
     def data(self) -> torch.Tensor:
@@ -54,10 +53,13 @@ class Slot:
 
     def reserve(self, nbytes: int, pin: bool) -> None:
         self.step = -1
-        if self.borrowed or self.buffer.numel() < nbytes:
-            self.buffer = torch.empty(0, dtype=torch.uint8)  # drop the old one first (peak memory)
+        if self.buffer.numel() < nbytes:
+            self.release()  # drop the old one first (peak memory)
             self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
-            self.borrowed = False
+
+    def release(self) -> None:
+        """Empty, its memory given back."""
+        self.step, self.nbytes, self.buffer = -1, 0, torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass
@@ -215,8 +217,8 @@ class Replicator:
     # ------------------------------------------------------------------ fetch (main thread, own socket)
 
     def fetch(self, endpoint: str, rank: int, step: int, timeout: float = 60.0) -> Slot:
-        """Pull rank's snapshot of `step` from the replica store at `endpoint` into a local slot: its data
-        chunks are copied into the slot's buffer (pinned with CUDA); a single frame on CPU becomes the buffer."""
+        """Pull rank's snapshot of `step` from the replica store at `endpoint` into a local slot (pinned with
+        CUDA): its data chunks are received straight into the slot's buffer, then the checksum is checked."""
         t0 = time.perf_counter()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -230,34 +232,28 @@ class Replicator:
                     raise ReplicationError(f"no SnapshotData from {endpoint} for rank {rank} step {step} in {timeout} s")
                 if not sock.poll(50):
                     continue
+                head = [sock.recv(copy=False)]  # the message's 4 frames, then the meta; the chunks stay queued
+                while len(head) < 5 and sock.get(zmq.RCVMORE):
+                    head.append(sock.recv(copy=False))
                 try:
-                    msg, payload = self.codec.decode(sock.recv_multipart(copy=False))
+                    msg, payload = self.codec.decode(head)
                 except P.ProtocolError:
+                    _drain(sock)
                     continue
                 if isinstance(msg, P.SnapshotData) and msg.rank == rank and msg.step == step:
                     break
-            if not msg.found or len(payload) < 2:
+                _drain(sock)
+            if not msg.found or not payload or not sock.get(zmq.RCVMORE):
+                _drain(sock)
                 raise ReplicationError(f"the replica store at {endpoint} has no snapshot of rank {rank} step {step}")
-            meta, chunks = bytes(P.payload_bytes(payload[0])), [P.payload_bytes(f) for f in payload[1:]]
-            nbytes = sum(c.nbytes for c in chunks)
-            if msg.nbytes != len(meta) + nbytes:
-                raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: size mismatch")
+            meta = bytes(P.payload_bytes(payload[0]))
+            nbytes = msg.nbytes - len(meta)
             t1 = time.perf_counter()
-            borrow = len(chunks) == 1 and not self.pin  # one frame on CPU: it becomes the slot's buffer
             with self._cond:
                 slot = self._free_slot(step)
-                if borrow:
-                    slot.step, slot.buffer, slot.borrowed = -1, torch.empty(0, dtype=torch.uint8), False
-                else:
-                    slot.reserve(nbytes, self.pin)
-            if borrow:
-                slot.buffer, slot.borrowed = S._as_uint8(chunks[0]), True  # keeps the frame alive
-            else:
-                offset = 0
-                for chunk in chunks:  # the chunks joined: one copy, frame by frame freed as the payload goes
-                    slot.buffer[offset : offset + chunk.nbytes].copy_(S._as_uint8(chunk))
-                    offset += chunk.nbytes
-            del chunks, payload
+                slot.reserve(max(nbytes, 0), self.pin)
+            if _receive_chunks(sock, slot.buffer[: max(nbytes, 0)]) != nbytes:
+                raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: size mismatch")
             slot.meta, slot.nbytes = meta, nbytes
             t2 = time.perf_counter()
             try:
@@ -429,6 +425,23 @@ class Replicator:
             self.stats.send_s += time.perf_counter() - t0
             self.stats.relabels += len(relabeled)
         return True
+
+
+def _drain(sock: Any) -> None:
+    """Receive and drop the rest of a multipart message."""
+    while sock.get(zmq.RCVMORE):
+        sock.recv(copy=False)
+
+
+def _receive_chunks(sock: Any, buffer: torch.Tensor) -> int:
+    """Receive the rest of a multipart message (the data chunks) into `buffer`, back to back. Returns their
+    total size; one that does not fit is dropped (the total then differs from the buffer's size)."""
+    view = memoryview(buffer.numpy()) if buffer.numel() else memoryview(bytearray(0))
+    total = 0
+    while sock.get(zmq.RCVMORE):
+        room = view[total:] if total <= len(view) else view[len(view):]
+        total += sock.recv_into(room) if len(room) else len(sock.recv(copy=False))
+    return total
 
 
 # A lower priority for the snapshot threads does not make their work smaller: where training keeps every core

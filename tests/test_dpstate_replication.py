@@ -177,7 +177,7 @@ def test_without_replica_snapshots_stay_local():
 
 class BadStore:
     """A ROUTER that makes room for every put but never acks one, and answers every fetch with data that
-    fails its checksum."""
+    fails its checksum (two chunks), or for step 4 with more data than it announces."""
 
     def __init__(self):
         self.ctx = zmq.Context()
@@ -200,10 +200,10 @@ class BadStore:
                 self.puts += 1
             elif isinstance(msg, P.ReserveSnapshot):
                 self.sock.send_multipart([ident] + self.codec.encode(P.SnapshotReserved(msg.rank, msg.step)))
-            elif isinstance(msg, P.FetchSnapshot):
+            elif isinstance(msg, P.FetchSnapshot):  # step 4: more data than the reply announces
                 meta, data = b"meta", b"data"
-                reply = P.SnapshotData(msg.rank, msg.step, True, checksum=12345, nbytes=8)
-                self.sock.send_multipart([ident] + self.codec.encode(reply, [meta, data]))
+                reply = P.SnapshotData(msg.rank, msg.step, True, checksum=12345, nbytes=8 if msg.step == 4 else 12)
+                self.sock.send_multipart([ident] + self.codec.encode(reply, [meta, data, data]))
 
     def close(self):
         self._stop.set()
@@ -219,6 +219,8 @@ def test_corrupt_fetch_is_refused_and_a_missing_ack_is_abortable():
         rep = replicator(abort=abort)
         with pytest.raises(ReplicationError, match="checksum"):
             rep.fetch(bad.endpoint, 1, 3, timeout=10)
+        with pytest.raises(ReplicationError, match="size mismatch"):
+            rep.fetch(bad.endpoint, 1, 4, timeout=10)
         assert rep.local_steps() == []
 
         _, _, tracked = state()
