@@ -117,12 +117,14 @@ class ReplicaServer:
             self.checker.close()
 
     def _answer(self, incoming: Incoming, put: PutSnapshot, error: str) -> None:
-        self.channel.reply(incoming, SnapshotAck(put.rank, put.step, ok=not error, error=error))
+        """Report a stored snapshot to the controller, then ack it (docs/internals.md): the report is on its
+        way before the sender can move on."""
         if error:
             log.warning("refused snapshot of rank %d step %d: %s", put.rank, put.step, error)
-            return
-        log.debug("stored snapshot rank %d step %d (%d bytes)", put.rank, put.step, put.nbytes)
-        self._report(SnapshotStored(self.node_id, put.rank, put.step, put.generation))
+        else:
+            log.debug("stored snapshot rank %d step %d (%d bytes)", put.rank, put.step, put.nbytes)
+            self._report(SnapshotStored(self.node_id, put.rank, put.step, put.generation))
+        self.channel.reply(incoming, SnapshotAck(put.rank, put.step, ok=not error, error=error))
 
     def _fetch(self, incoming: Incoming, msg: FetchSnapshot) -> None:
         snap = self.store.get(msg.rank, msg.step)
