@@ -120,9 +120,11 @@ def test_a_corrupt_replica_is_detected_and_another_copy_used(procs, tmp_path, sh
     run = dprun(procs, tmp_path, "corrupt", "--nnodes", "3", "--spares", "1", "--replicas", "2",
                 "--inject", "kill-node:1@step=10", "--inject", "corrupt-replicas:0@during-recovery", steps=STEPS)
     assert run.returncode == 0, run.stderr[-4000:]
-    (bad,) = run.named("restore_failed")
-    assert bad["rank"] == 1 and "checksum" in bad["reason"]
-    assert run.summary["params_sha256"] == sha3
+    bad = run.named("restore_failed")
+    # the dead rank's copy on node 0 is found bad first; node 0 holds other bad copies that a later plan can
+    # meet before a good set (2 reports in one full-suite run of 2026-11-22; 8 runs alone saw one each)
+    assert bad and bad[0]["rank"] == 1 and "checksum" in bad[0]["reason"], bad
+    assert run.summary["params_sha256"] == sha3, bad
 
 
 def test_a_corrupt_only_copy_stops_the_job_instead_of_loading_it(procs, tmp_path):
