@@ -436,10 +436,10 @@ def _drain(sock: Any) -> None:
 def _receive_chunks(sock: Any, buffer: torch.Tensor) -> int:
     """Receive the rest of a multipart message (the data chunks) into `buffer`, back to back. Returns their
     total size; one that does not fit is dropped (the total then differs from the buffer's size)."""
-    view = memoryview(buffer.numpy()) if buffer.numel() else memoryview(bytearray(0))
+    view = memoryview(buffer.numpy())
     total = 0
     while sock.get(zmq.RCVMORE):
-        room = view[total:] if total <= len(view) else view[len(view):]
+        room = view[total:]  # empty once full (or past full)
         total += sock.recv_into(room) if len(room) else len(sock.recv(copy=False))
     return total
 

@@ -185,32 +185,23 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
-def copy_into(tensors: list[torch.Tensor], specs: list[TensorSpec], buffer: torch.Tensor, non_blocking=False) -> None:
-    """Copy every tensor's bytes into its place in `buffer` (a uint8 tensor, host or pinned)."""
-    for _ in copy_batches(tensors, specs, buffer, non_blocking=non_blocking):
-        pass
-
-
-def copy_batches(tensors: list[torch.Tensor], specs: list[TensorSpec], buffer: torch.Tensor,
-                 batch_bytes: int = 16 << 20, non_blocking=False):
-    """Copy the tensors into `buffer` a batch of about `batch_bytes` at a time, one torch._foreach_copy_ call
-    each (one trip into C++ that releases the GIL, not one per tensor); yields the byte range each batch
-    filled, so the caller can stop between batches."""
-    dsts, srcs, start, end = [], [], None, 0
+def copy_into(tensors: list[torch.Tensor], specs: list[TensorSpec], buffer: torch.Tensor, non_blocking=False,
+              batch_bytes: int = 16 << 20) -> None:
+    """Copy every tensor's bytes into its place in `buffer` (a uint8 tensor, host or pinned), a batch of about
+    `batch_bytes` at a time: one torch._foreach_copy_ call each (one trip into C++ that releases the GIL, not
+    one per tensor)."""
+    dsts, srcs, start = [], [], None
     for t, spec in zip(tensors, specs):
         if not spec.nbytes:
             continue
         dsts.append(buffer[spec.offset : spec.offset + spec.nbytes])
         srcs.append(byte_view(t))
         start = spec.offset if start is None else start
-        end = spec.offset + spec.nbytes
-        if end - start >= batch_bytes:
+        if spec.offset + spec.nbytes - start >= batch_bytes:
             _copy_all(dsts, srcs, non_blocking)
-            yield start, end
             dsts, srcs, start = [], [], None
     if dsts:
         _copy_all(dsts, srcs, non_blocking)
-        yield start, end
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
