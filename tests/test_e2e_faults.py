@@ -117,16 +117,20 @@ def test_a_node_and_its_only_replica_holder_dying_together_stop_naming_the_lost_
 
 
 def test_a_corrupt_replica_is_detected_and_another_copy_used(procs, tmp_path, sha3):
+    # Snapshots every 10 steps; node 1 dies around step 14, far from the next snapshot (20), so rank 1's
+    # newest snapshot (10) was acked, hence reported, by both its holders (node 2 and node 0) before any rank
+    # passed step 11's gate. The plan names the first holder in order, node 0, whose store is corrupted as
+    # the recovery begins (the fault is sent before the plan): the fetch must find the bad checksum, report
+    # it, and take node 2's copy instead.
     run = dprun(procs, tmp_path, "corrupt", "--nnodes", "3", "--spares", "1", "--replicas", "2",
-                "--inject", "kill-node:1@step=10", "--inject", "corrupt-replicas:0@during-recovery", steps=STEPS)
+                "--snapshot-interval", "10", "--inject", "kill-node:1@step=14",
+                "--inject", "corrupt-replicas:0@during-recovery", steps=STEPS)
     assert run.returncode == 0, run.stderr[-4000:]
+    plans = run.named("reconfigure")
+    assert plans and all(p["restore_step"] == 10 for p in plans), plans
     bad = run.named("restore_failed")
-    # Usually the plan's first copy of rank 1 is node 0's, corrupt: one report. Since the plan may restore
-    # the step a survivor last reported, that copy can be one that reached node 0 after the corruption
-    # (rank 1's last snapshot, in flight when it died): no report (once in a full-suite run, 2026-11-22);
-    # and a later plan can meet more bad copies there (2 reports, once). Whatever the path: only copies
-    # found bad or missing are reported, and the result is bitwise the clean run's.
-    assert all("checksum" in e["reason"] or "no " in e["reason"] for e in bad), bad
+    assert bad and bad[0]["rank"] == 1 and bad[0]["step"] == 10 and "checksum" in bad[0]["reason"], bad
+    assert [e["generation"] for e in run.named("recovery_complete")] == [plans[-1]["generation"]]
     assert run.summary["params_sha256"] == sha3, bad
 
 
