@@ -10,7 +10,8 @@ from .abort import ABORT_MARKER, Aborted, AbortSignal, classify
 from .ddp import DataParallel
 from .pgroup import local_device
 from .replication import ReplicationError
-from .session import Job, Step, init
+from .joining import init
+from .session import Job, Step
 from .snapshot import SnapshotError
 
 __all__ = [

@@ -1,5 +1,5 @@
-"""Job: a worker's place in the job. init() joins the first generation, steps() runs the step loop,
-and every reconfiguration goes through one recovery sequence (group, restore, barrier, WorkerReady).
+"""Job: a worker's place in the job. steps() runs the step loop, and every reconfiguration (the first one
+too, which init() in joining.py waits for) goes through one recovery sequence (group, restore, barrier, WorkerReady).
 
 Without DP_AGENT_ENDPOINT the job takes no snapshots: a single process (world 1), or under torchrun (RANK,
 WORLD_SIZE, MASTER_ADDR set) a member of torchrun's env:// process group.
@@ -7,11 +7,9 @@ WORLD_SIZE, MASTER_ADDR set) a member of torchrun's env:// process group.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import sys
-import threading
 import time
 import warnings
 from typing import Any, Iterator
@@ -380,53 +378,3 @@ def _jsonable(value: Any) -> Any:
         return float(value)
     except (TypeError, ValueError):
         return str(value)
-
-
-def _warm_imports() -> None:
-    try:
-        import torch._dynamo  # noqa: F401
-        import torch.nn.parallel  # noqa: F401
-    except Exception:
-        pass
-
-
-_job: Job | None = None
-
-
-def init() -> Job:
-    """Join the job: connect to the agent, wait (spares: until promoted) for a generation and build its group.
-    Without DP_AGENT_ENDPOINT: no snapshots; a single process (world 1), or torchrun's env:// group."""
-    global _job
-    if _job is not None:
-        return _job
-    endpoint = os.environ.get("DP_AGENT_ENDPOINT", "")
-    abort = AbortSignal()
-    if not endpoint:
-        job = Job(None, abort, None)
-        job.generation = 0
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("MASTER_ADDR"):
-            # started by torchrun (or another env:// launcher): its process group, no snapshots
-            dist.init_process_group(job.backend, init_method="env://", timeout=job._groups.timeout)
-            job._groups.generation = 0
-            job.rank, job.world_size = dist.get_rank(), dist.get_world_size()
-            job.node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
-        else:
-            job._groups.build_local()
-        _job = job
-        return job
-    token = os.environ.get("DP_JOB_TOKEN", "")
-    if not token:
-        raise RuntimeError("dpstate: DP_AGENT_ENDPOINT is set but DP_JOB_TOKEN is not")
-    if os.environ.get("DP_ROLE") == "spare":
-        # Building DDP or an optimizer imports torch._dynamo (about 2 s here): a spare does it while idle so
-        # that it is not on the recovery path (an active worker would only slow its first rendezvous with it).
-        threading.Thread(target=_warm_imports, name="dpstate-warm-imports", daemon=True).start()
-    ctx = zmq.Context()
-    control = Control(endpoint, token, os.environ.get("DP_NODE_ID", "local"),
-                      int(os.environ.get("LOCAL_RANK", "0")), abort, ctx)
-    control.start()
-    atexit.register(control.close)
-    job = Job(control, abort, ctx)
-    _job = job
-    job._recover(None, newer_than=-1, restore=False)
-    return job

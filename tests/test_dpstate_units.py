@@ -139,7 +139,7 @@ def test_step_swallows_only_reconfiguration_and_peer_failures():
 
 def test_standalone_job_is_world_one_and_lets_errors_through(monkeypatch):
     monkeypatch.delenv("DP_AGENT_ENDPOINT", raising=False)
-    monkeypatch.setattr(dpstate.session, "_job", None)
+    monkeypatch.setattr(dpstate.joining, "_job", None)
     job = dpstate.init()
     try:
         assert (job.rank, job.world_size, job.generation, job.backend) == (0, 1, 0, "gloo")
@@ -305,7 +305,7 @@ def test_a_spare_waits_in_init_and_a_stop_ends_it_with_its_code(agent, monkeypat
     for key, value in {"DP_AGENT_ENDPOINT": endpoint, "DP_JOB_TOKEN": TOKEN, "DP_NODE_ID": "spare1",
                        "DP_ROLE": "spare", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(dpstate.session, "_job", None)
+    monkeypatch.setattr(dpstate.joining, "_job", None)
 
     def agent_side():
         ident, hello = _recv(router, codec)
@@ -321,7 +321,7 @@ def test_a_spare_waits_in_init_and_a_stop_ends_it_with_its_code(agent, monkeypat
         assert exc.value.code == 0
     finally:
         thread.join(10)
-        job = dpstate.session._job
+        job = dpstate.joining._job
         if job is not None:
             job._control.close(linger_s=0.2)
 
