@@ -1,5 +1,5 @@
-"""Serves the replica store on the agent's replica ROUTER: PutSnapshot -> SnapshotAck, FetchSnapshot -> SnapshotData,
-ReserveSnapshot -> SnapshotReserved (room made for a snapshot on its way).
+"""Serves the replica store on the agent's replica ROUTER: PutSnapshot -> SnapshotAck, FetchSnapshot -> SnapshotData
+and its SnapshotChunks, ReserveSnapshot -> SnapshotReserved (room made for a snapshot on its way).
 
 The holder checks sizes only: the checksum is checked end to end by the worker that loads a snapshot (a bad
 copy there is reported and another one used), so a holder spends no CPU per snapshot beyond receiving it.
@@ -21,8 +21,8 @@ import zmq
 from .channel import Channel, Incoming
 from .checksum import checksum_chunks
 from .events import EventPipe
-from .protocol import (FetchSnapshot, PutSnapshot, ReserveSnapshot, SnapshotAck, SnapshotData, SnapshotReserved,
-                       SnapshotStored)
+from .protocol import (FetchSnapshot, PutSnapshot, ReserveSnapshot, SnapshotAck, SnapshotChunk, SnapshotData,
+                       SnapshotReserved, SnapshotStored)
 from .replica_store import ReplicaStore, Snapshot, intact
 
 log = logging.getLogger("dpagent")
@@ -74,6 +74,9 @@ class ReplicaServer:
     def __init__(self, channel: Channel, store: ReplicaStore, node_id: str, report: Callable[[SnapshotStored], Any],
                  events: EventPipe | None = None):
         self.channel = channel
+        # a fetch queues one message per chunk (1,000 for 4 GB: ZeroMQ's default limit, past which a ROUTER
+        # drops messages); they reference the store's frames, so an unbounded queue costs no copy
+        channel.sock.setsockopt(zmq.SNDHWM, 0)
         self.store = store
         self.node_id = node_id
         self._report = report
@@ -132,6 +135,9 @@ class ReplicaServer:
             log.info("fetch of rank %d step %d: not held (held: %s)", msg.rank, msg.step, self.store.steps(msg.rank))
             self.channel.reply(incoming, SnapshotData(msg.rank, msg.step, found=False))
             return
-        reply = SnapshotData(snap.rank, snap.step, found=True, checksum=snap.checksum, nbytes=snap.nbytes)
-        self.channel.reply(incoming, reply, [snap.meta, *snap.chunks])
+        reply = SnapshotData(snap.rank, snap.step, found=True, checksum=snap.checksum, nbytes=snap.nbytes,
+                             chunks=len(snap.chunks))
+        self.channel.reply(incoming, reply, [snap.meta])
+        for index, chunk in enumerate(snap.chunks):  # queued zero-copy; the socket's queue is unbounded
+            self.channel.reply(incoming, SnapshotChunk(snap.rank, snap.step, index), [chunk])
         log.info("served snapshot of rank %d step %d (%d bytes)", snap.rank, snap.step, snap.nbytes)

@@ -10,7 +10,7 @@ import dataclasses
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -21,6 +21,7 @@ from dpagent import protocol as P
 from . import snapshot as S
 from .abort import AbortSignal
 from .interval import SnapshotPolicy
+from .fetch import ReplicationError, Slot, receive_snapshot
 from .profile import SnapshotStats, write_profile
 
 # Local snapshots kept. The snapshot gate (dpstate.session.Job._gate) makes a survivor roll back at most one
@@ -30,36 +31,6 @@ from .profile import SnapshotStats, write_profile
 # survivor then reports its missing copy (RestoreFailed, source "") and the plan for that step has no cut:
 # "state lost" (the dead rank's copies at newer steps were bad).
 NSLOTS = 2
-
-
-class ReplicationError(RuntimeError):
-    """The replica holder refused a snapshot (after retries), or a fetched snapshot is missing or corrupt."""
-
-
-@dataclass
-class Slot:
-    """One host buffer holding (at most) one complete snapshot."""
-
-    buffer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
-    step: int = -1  # -1: empty or being written
-    meta: bytes = b""
-    nbytes: int = 0
-    checksum: int = 0
-    capture_s: float = 0.0
-
-    @property
-    def data(self) -> torch.Tensor:
-        return self.buffer[: self.nbytes]
-
-    def reserve(self, nbytes: int, pin: bool) -> None:
-        self.step = -1
-        if self.buffer.numel() < nbytes:
-            self.release()  # drop the old one first (peak memory)
-            self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
-
-    def release(self) -> None:
-        """Empty, its memory given back."""
-        self.step, self.nbytes, self.buffer = -1, 0, torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass
@@ -218,54 +189,25 @@ class Replicator:
 
     def fetch(self, endpoint: str, rank: int, step: int, timeout: float = 60.0) -> Slot:
         """Pull rank's snapshot of `step` from the replica store at `endpoint` into a local slot (pinned with
-        CUDA): its data chunks are received straight into the slot's buffer, then the checksum is checked."""
+        CUDA): its data chunks are copied into the slot's buffer as they arrive, then the checksum is checked."""
         t0 = time.perf_counter()
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        try:
-            sock.send_multipart(self.codec.encode(P.FetchSnapshot(rank=rank, step=step)))
-            deadline = time.monotonic() + timeout
-            while True:
-                self.abort.check()
-                if time.monotonic() > deadline:
-                    raise ReplicationError(f"no SnapshotData from {endpoint} for rank {rank} step {step} in {timeout} s")
-                if not sock.poll(50):
-                    continue
-                head = [sock.recv(copy=False)]  # the message's 4 frames, then the meta; the chunks stay queued
-                while len(head) < 5 and sock.get(zmq.RCVMORE):
-                    head.append(sock.recv(copy=False))
-                try:
-                    msg, payload = self.codec.decode(head)
-                except P.ProtocolError:
-                    _drain(sock)
-                    continue
-                if isinstance(msg, P.SnapshotData) and msg.rank == rank and msg.step == step:
-                    break
-                _drain(sock)
-            if not msg.found or not payload or not sock.get(zmq.RCVMORE):
-                _drain(sock)
-                raise ReplicationError(f"the replica store at {endpoint} has no snapshot of rank {rank} step {step}")
-            meta = bytes(P.payload_bytes(payload[0]))
-            nbytes = msg.nbytes - len(meta)
-            t1 = time.perf_counter()
+
+        def reserve(nbytes: int) -> Slot:
             with self._cond:
                 slot = self._free_slot(step)
-                slot.reserve(max(nbytes, 0), self.pin)
-            if _receive_chunks(sock, slot.buffer[: max(nbytes, 0)]) != nbytes:
-                raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: size mismatch")
-            slot.meta, slot.nbytes = meta, nbytes
-            t2 = time.perf_counter()
-            try:
-                S.verify(meta, slot.data, msg.checksum)
-            except S.SnapshotError as exc:
-                raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: {exc}") from None
-            slot.checksum, slot.step = msg.checksum, step
-            st = self.stats
-            st.fetches, st.fetch_s, st.fetch_verify_s = st.fetches + 1, st.fetch_s + t1 - t0, st.fetch_verify_s + time.perf_counter() - t2
+                slot.reserve(nbytes, self.pin)
             return slot
-        finally:
-            sock.close(0)
+
+        slot, reply = receive_snapshot(self.ctx, self.codec, self.abort, endpoint, rank, step, timeout, reserve)
+        t1 = time.perf_counter()
+        try:
+            S.verify(slot.meta, slot.data, reply.checksum)
+        except S.SnapshotError as exc:
+            raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: {exc}") from None
+        slot.checksum, slot.step = reply.checksum, step
+        st = self.stats
+        st.fetches, st.fetch_s, st.fetch_verify_s = st.fetches + 1, st.fetch_s + t1 - t0, st.fetch_verify_s + time.perf_counter() - t1
+        return slot
 
     def fetch_first(self, sources: list[str], rank: int, step: int,
                     on_bad: Callable[[str, str], None]) -> Slot | None:
@@ -425,23 +367,6 @@ class Replicator:
             self.stats.send_s += time.perf_counter() - t0
             self.stats.relabels += len(relabeled)
         return True
-
-
-def _drain(sock: Any) -> None:
-    """Receive and drop the rest of a multipart message."""
-    while sock.get(zmq.RCVMORE):
-        sock.recv(copy=False)
-
-
-def _receive_chunks(sock: Any, buffer: torch.Tensor) -> int:
-    """Receive the rest of a multipart message (the data chunks) into `buffer`, back to back. Returns their
-    total size; one that does not fit is dropped (the total then differs from the buffer's size)."""
-    view = memoryview(buffer.numpy())
-    total = 0
-    while sock.get(zmq.RCVMORE):
-        room = view[total:]  # empty once full (or past full)
-        total += sock.recv_into(room) if len(room) else len(sock.recv(copy=False))
-    return total
 
 
 # A lower priority for the snapshot threads does not make their work smaller: where training keeps every core

@@ -22,7 +22,7 @@ import zmq
 
 from dpagent.protocol import (
     Codec, Heartbeat, Inject, Ping, Pong, Progress, PutSnapshot, Reconfigure, Register, SnapshotAck,
-    SnapshotData, SnapshotStored, Stop, FetchSnapshot, Welcome, WorkerExited,
+    SnapshotChunk, SnapshotData, SnapshotStored, Stop, FetchSnapshot, Welcome, WorkerExited,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -346,13 +346,22 @@ def test_replica_put_fetch_round_trip(start_agent):
             crc = zlib.crc32(data, zlib.crc32(meta)) if checksum is None else checksum
             return request(PutSnapshot(rank, step, generation, crc, len(meta) + len(data)), [meta, data])
 
+        def chunks(reply):  # the SnapshotChunk messages that follow a found SnapshotData, in order
+            out = []
+            for index in range(reply.chunks):
+                assert dealer.poll(5000)
+                chunk, data_frames = Codec(TOKEN).decode(dealer.recv_multipart())
+                assert chunk == SnapshotChunk(reply.rank, reply.step, index)
+                out += data_frames
+            return out
+
         meta, data = b'{"step": 1}', os.urandom(4 << 20)
         ack, _ = put(3, 1, meta, data)
         assert ack == SnapshotAck(3, 1, ok=True)
         assert agent.ctl.recv(SnapshotStored) == SnapshotStored("n1", 3, 1, 0)
         reply, payload = request(FetchSnapshot(3, 1))
-        assert reply == SnapshotData(3, 1, True, zlib.crc32(data, zlib.crc32(meta)), len(meta) + len(data))
-        assert payload == [meta, data]
+        assert reply == SnapshotData(3, 1, True, zlib.crc32(data, zlib.crc32(meta)), len(meta) + len(data), chunks=1)
+        assert payload == [meta] and chunks(reply) == [data]
         reply, payload = request(FetchSnapshot(3, 2))
         assert (reply.found, payload) == (False, [])
 
@@ -363,9 +372,10 @@ def test_replica_put_fetch_round_trip(start_agent):
         for step in (2, 3, 4):
             assert put(3, step, b"m", b"d%d" % step)[0].ok
         assert request(FetchSnapshot(3, 2))[0].found is False  # only the newest 2 are kept
-        assert request(FetchSnapshot(3, 3))[0].found is True
+        reply, _ = request(FetchSnapshot(3, 3))
+        assert reply.found and chunks(reply) == [b"d3"]
         reply, payload = request(FetchSnapshot(3, -1))
-        assert (reply.step, payload) == (4, [b"m", b"d4"])
+        assert (reply.step, payload, chunks(reply)) == (4, [b"m"], [b"d4"])
 
         # a big snapshot does not stall the loop: a Ping sent behind it is answered promptly
         big = os.urandom(64 << 20)

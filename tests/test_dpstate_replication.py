@@ -177,7 +177,8 @@ def test_without_replica_snapshots_stay_local():
 
 class BadStore:
     """A ROUTER that makes room for every put but never acks one, and answers every fetch with data that
-    fails its checksum (two chunks), or for step 4 with more data than it announces."""
+    fails its checksum (two chunks); for step 4 with more data than it announces, for step 5 with its chunks
+    out of order, for step 6 with one chunk of the two it announces."""
 
     def __init__(self):
         self.ctx = zmq.Context()
@@ -200,10 +201,14 @@ class BadStore:
                 self.puts += 1
             elif isinstance(msg, P.ReserveSnapshot):
                 self.sock.send_multipart([ident] + self.codec.encode(P.SnapshotReserved(msg.rank, msg.step)))
-            elif isinstance(msg, P.FetchSnapshot):  # step 4: more data than the reply announces
-                meta, data = b"meta", b"data"
-                reply = P.SnapshotData(msg.rank, msg.step, True, checksum=12345, nbytes=8 if msg.step == 4 else 12)
-                self.sock.send_multipart([ident] + self.codec.encode(reply, [meta, data, data]))
+            elif isinstance(msg, P.FetchSnapshot):
+                reply = P.SnapshotData(msg.rank, msg.step, True, checksum=12345,
+                                       nbytes=8 if msg.step == 4 else 12, chunks=2)
+                self.sock.send_multipart([ident] + self.codec.encode(reply, [b"meta"]))
+                order = {5: [1, 0], 6: [0]}.get(msg.step, [0, 1])
+                for index in order:
+                    chunk = P.SnapshotChunk(msg.rank, msg.step, index)
+                    self.sock.send_multipart([ident] + self.codec.encode(chunk, [b"data"]))
 
     def close(self):
         self._stop.set()
@@ -221,6 +226,12 @@ def test_corrupt_fetch_is_refused_and_a_missing_ack_is_abortable():
             rep.fetch(bad.endpoint, 1, 3, timeout=10)
         with pytest.raises(ReplicationError, match="size mismatch"):
             rep.fetch(bad.endpoint, 1, 4, timeout=10)
+        with pytest.raises(ReplicationError, match="chunk 0 of 2 .* sent SnapshotChunk"):
+            rep.fetch(bad.endpoint, 1, 5, timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(ReplicationError, match="chunk 1 of 2 .* did not come .* in time"):
+            rep.fetch(bad.endpoint, 1, 6, timeout=0.5)
+        assert time.monotonic() - t0 < 2.0
         assert rep.local_steps() == []
 
         _, _, tracked = state()

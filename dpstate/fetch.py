@@ -1,0 +1,135 @@
+"""Pulling one snapshot back from a replica store: FetchSnapshot, then SnapshotData and its SnapshotChunk
+messages, each chunk copied into a Slot (a host buffer for one snapshot) while the next is on its way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from dpagent import protocol as P
+
+from .abort import AbortSignal
+
+
+class ReplicationError(RuntimeError):
+    """The replica holder refused a snapshot (after retries), or a fetched snapshot is missing or corrupt."""
+
+
+@dataclass
+class Slot:
+    """One host buffer holding (at most) one complete snapshot."""
+
+    buffer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    step: int = -1  # -1: empty or being written
+    meta: bytes = b""
+    nbytes: int = 0
+    checksum: int = 0
+    capture_s: float = 0.0
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.buffer[: self.nbytes]
+
+    def reserve(self, nbytes: int, pin: bool) -> None:
+        self.step = -1
+        if self.buffer.numel() < nbytes:
+            self.release()  # drop the old one first (peak memory)
+            self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+
+    def release(self) -> None:
+        """Empty, its memory given back."""
+        self.step, self.nbytes, self.buffer = -1, 0, torch.empty(0, dtype=torch.uint8)
+
+
+def receive_snapshot(ctx: zmq.Context, codec: P.Codec, abort: AbortSignal, endpoint: str, rank: int, step: int,
+                     timeout: float, reserve: Callable[[int], Slot]) -> tuple[Slot, P.SnapshotData]:
+    """Ask the store at `endpoint` for rank's snapshot of `step` and receive it into reserve(data size) (its
+    meta and size set, its step and checksum left to the caller, who verifies it). ReplicationError: not
+    held, or not received whole in `timeout` s; Aborted when `abort` is triggered meanwhile."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(codec.encode(P.FetchSnapshot(rank=rank, step=step)))
+        deadline = time.monotonic() + timeout
+        while True:
+            abort.check()
+            if time.monotonic() > deadline:
+                raise ReplicationError(f"no SnapshotData from {endpoint} for rank {rank} step {step} in {timeout} s")
+            if not sock.poll(50):
+                continue
+            head = [sock.recv(copy=False)]  # the message's 4 frames, then the meta
+            while len(head) < 5 and sock.get(zmq.RCVMORE):
+                head.append(sock.recv(copy=False))
+            _drain(sock)
+            try:
+                msg, payload = codec.decode(head)
+            except P.ProtocolError:
+                continue
+            if isinstance(msg, P.SnapshotData) and msg.rank == rank and msg.step == step:
+                break
+        if not msg.found or not payload:
+            raise ReplicationError(f"the replica store at {endpoint} has no snapshot of rank {rank} step {step}")
+        meta = bytes(P.payload_bytes(payload[0]))
+        nbytes = msg.nbytes - len(meta)
+        slot = reserve(max(nbytes, 0))
+        if _ChunkReader(sock, codec, msg, abort, deadline, endpoint).receive_into(slot.buffer[: max(nbytes, 0)]) != nbytes:
+            raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: size mismatch")
+        slot.meta, slot.nbytes = meta, nbytes
+        return slot, msg
+    finally:
+        sock.close(0)
+
+
+def _drain(sock: Any) -> None:
+    """Receive and drop the rest of a multipart message."""
+    while sock.get(zmq.RCVMORE):
+        sock.recv(copy=False)
+
+
+@dataclass
+class _ChunkReader:
+    """Receives the SnapshotChunk messages that follow a SnapshotData reply, each while the next is on its way."""
+
+    sock: Any
+    codec: P.Codec
+    reply: P.SnapshotData
+    abort: AbortSignal
+    deadline: float
+    endpoint: str
+
+    def receive_into(self, buffer: torch.Tensor) -> int:
+        """Copy the chunks into `buffer`, back to back. Returns their total size; data that does not fit is
+        dropped (the total then differs from the buffer's size). ReplicationError: one missing, out of
+        order or not in time."""
+        view = memoryview(buffer.numpy())
+        total = 0
+        for index in range(self.reply.chunks):
+            self._expect(index)
+            while self.sock.get(zmq.RCVMORE):
+                room = view[total:]  # empty once full (or past full)
+                total += self.sock.recv_into(room) if len(room) else len(self.sock.recv(copy=False))
+        return total
+
+    def _expect(self, index: int) -> None:
+        """Receive chunk `index`'s header frames; its payload frame is left for the caller."""
+        what = f"chunk {index} of {self.reply.chunks} of rank {self.reply.rank} step {self.reply.step}"
+        while not self.sock.poll(50):
+            self.abort.check()
+            if time.monotonic() > self.deadline:
+                raise ReplicationError(f"{what} did not come from {self.endpoint} in time")
+        head = [self.sock.recv(copy=False)]
+        while len(head) < 4 and self.sock.get(zmq.RCVMORE):
+            head.append(self.sock.recv(copy=False))
+        try:
+            msg, _ = self.codec.decode(head)
+        except P.ProtocolError as exc:
+            msg = exc
+        if msg != P.SnapshotChunk(self.reply.rank, self.reply.step, index):
+            _drain(self.sock)
+            raise ReplicationError(f"{what}: {self.endpoint} sent {msg!r} instead")
