@@ -8,8 +8,9 @@ killed, a spare takes over) against state size.
 Part 1 runs dpstate's Replicator in a worker process against benchmarks/_replica_holder.py (dpagent's
 ReplicaServer + ReplicaStore, keeping one snapshot): the state is float32 tensors of 64 MB (a model's
 parameters + optimizer state); each size is captured, replicated and restored --reps times (medians). Memory
-stays within about 3 x the state (live state + one host buffer + the holder's copy; the fetch receives into
-the frame that becomes the buffer); a size that does not fit in the free memory is skipped and reported.
+stays within about 3 x the state (live state + one host buffer + the holder's copy; the local buffer is
+dropped before the fetch, which copies the chunks into a new one as they arrive); a size that does not fit in
+the free memory is skipped and reported.
 The limits are measured at min(size, 512 MB): memcpy (one thread) and loopback TCP (sendall / recv_into).
 Ratios: capture / memcpy, replication / TCP, restore / TCP (achieved bandwidth over the limit).
 
