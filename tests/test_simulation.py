@@ -141,7 +141,7 @@ def test_a_walk_back_past_a_survivors_local_copies_ends_as_state_lost(monkeypatc
     holder was the dead node) finds it holds no local copy of that step and says so (RestoreFailed, source
     ""): the job ends as state lost instead of planning the same step until the replan limit."""
     reported = restore_failures_reported(monkeypatch)
-    schedule = Schedule(seed=373, nnodes=2, spares=1, nproc=1, steps=30,
+    schedule = Schedule(seed=365, nnodes=2, spares=1, nproc=1, steps=30,
                         faults=[Fault(0.3, "corrupt-all-during-recovery", 0.0), Fault(0.5, "kill-node", 0.9)])
     assert run_schedule(schedule) == "state-lost"
     assert [(m.rank, m.source) for m in reported][-1] == (0, ""), reported

@@ -232,8 +232,8 @@ class World:
     def _restored(self, node: SimNode, local: int, generation: int) -> None:
         worker = node.workers[local]
         worker.local = [s for s in worker.local if s < worker.state] + [worker.state]  # the restored copy
-        worker.acked = min(worker.acked, worker.state)
         worker.phase = "ready"
+        self._take_snapshot(node, local)  # re-replicated at once, before the barrier (as dpstate)
         self.ready.setdefault(generation, set()).add(worker.rank)
         self._agent_send(node.node_id, p.WorkerReady(node.node_id, generation, worker.rank, 0.01, 0.01, "sim"))
         self._try_release_barrier(generation)
@@ -308,7 +308,6 @@ class World:
         worker = node.workers[local]
         if node.running and worker.generation == generation and worker.phase == "ready":
             worker.phase = "running"
-            self._take_snapshot(node, local)
             self.at(self.rng.uniform(0.005, 0.02), self._worker_step, node, local, generation)
 
     def _take_snapshot(self, node: SimNode, local: int) -> None:
