@@ -58,14 +58,8 @@ def receive_snapshot(ctx: zmq.Context, codec: P.Codec, abort: AbortSignal, endpo
         sock.send_multipart(codec.encode(P.FetchSnapshot(rank=rank, step=step)))
         deadline = time.monotonic() + timeout
         while True:
-            abort.check()
-            if time.monotonic() > deadline:
-                raise ReplicationError(f"no SnapshotData from {endpoint} for rank {rank} step {step} in {timeout} s")
-            if not sock.poll(50):
-                continue
-            head = [sock.recv(copy=False)]  # the message's 4 frames, then the meta
-            while len(head) < 5 and sock.get(zmq.RCVMORE):
-                head.append(sock.recv(copy=False))
+            _await(sock, abort, deadline, f"no SnapshotData from {endpoint} for rank {rank} step {step} in {timeout} s")
+            head = _recv_head(sock, 5)  # the message's 4 frames, then the meta
             _drain(sock)
             try:
                 msg, payload = codec.decode(head)
@@ -84,6 +78,24 @@ def receive_snapshot(ctx: zmq.Context, codec: P.Codec, abort: AbortSignal, endpo
         return slot, msg
     finally:
         sock.close(0)
+
+
+def _await(sock: Any, abort: AbortSignal, deadline: float, late: str) -> None:
+    """Wait (abortably) until a message is ready; ReplicationError(late) past `deadline`."""
+    while True:
+        abort.check()
+        if time.monotonic() > deadline:
+            raise ReplicationError(late)
+        if sock.poll(50):
+            return
+
+
+def _recv_head(sock: Any, nframes: int) -> list:
+    """Receive the first `nframes` frames of the next message (fewer if it has fewer); the rest stay queued."""
+    head = [sock.recv(copy=False)]
+    while len(head) < nframes and sock.get(zmq.RCVMORE):
+        head.append(sock.recv(copy=False))
+    return head
 
 
 def _drain(sock: Any) -> None:
@@ -119,15 +131,9 @@ class _ChunkReader:
     def _expect(self, index: int) -> None:
         """Receive chunk `index`'s header frames; its payload frame is left for the caller."""
         what = f"chunk {index} of {self.reply.chunks} of rank {self.reply.rank} step {self.reply.step}"
-        while not self.sock.poll(50):
-            self.abort.check()
-            if time.monotonic() > self.deadline:
-                raise ReplicationError(f"{what} did not come from {self.endpoint} in time")
-        head = [self.sock.recv(copy=False)]
-        while len(head) < 4 and self.sock.get(zmq.RCVMORE):
-            head.append(self.sock.recv(copy=False))
+        _await(self.sock, self.abort, self.deadline, f"{what} did not come from {self.endpoint} in time")
         try:
-            msg, _ = self.codec.decode(head)
+            msg, _ = self.codec.decode(_recv_head(self.sock, 4))
         except P.ProtocolError as exc:
             msg = exc
         if msg != P.SnapshotChunk(self.reply.rank, self.reply.step, index):
