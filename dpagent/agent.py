@@ -118,7 +118,8 @@ class Agent(RestartMode, ShutdownSequence):
         self.replica_endpoint = f"tcp://{host}:{port}"
 
         self.workers = WorkerGroup(self.events, cfg.output)
-        self.replica = ReplicaServer(self.replica_ch, ReplicaStore(), cfg.node_id, self._to_controller, self.events)
+        self.replica = ReplicaServer(self.replica_ch, ReplicaStore(), cfg.node_id, self._to_controller, self.events,
+                                     local_pids=self.workers.pids)
         self.poller = zmq.Poller()
         for sock in (self.control.sock, self.events.wake, self.worker_ch.sock, self.replica_ch.sock):
             self.poller.register(sock, zmq.POLLIN)
@@ -222,6 +223,8 @@ class Agent(RestartMode, ShutdownSequence):
     def _poll_timeout_ms(self) -> int:
         now = time.monotonic()
         due = [self._next_reap] + [deadline for deadline, _ in self._held[:1]]
+        if self.replica.next_deadline() is not None:
+            due.append(self.replica.next_deadline())
         if self.shutdown is not None:
             due.append(self.shutdown.deadline)
         elif self.liveness is not None:
@@ -254,6 +257,7 @@ class Agent(RestartMode, ShutdownSequence):
             self._release_held(now)
         if self.shutdown is not None:
             self._advance_shutdown(now)
+        self.replica.tick(now)
         if now >= self._next_reap:
             reap_orphans(self.workers.pids())
             self._next_reap = now + REAP_EVERY
@@ -320,7 +324,7 @@ class Agent(RestartMode, ShutdownSequence):
         return worker_env(
             self.cfg.env, node_id=self.cfg.node_id, endpoint=self.worker_endpoint, token=self.cfg.token,
             job_id=self.job_id, role=role, nproc=self.cfg.nproc, local_rank=local_rank,
-            local_addr=self.cfg.local_addr,
+            local_addr=self.cfg.local_addr, replica_endpoint=self.replica_endpoint,
         )
 
     def _spawn(self, local_rank: int, env: dict[str, str], attempt: int):

@@ -1,7 +1,7 @@
-"""The snapshot checksum, torch-free so that replica holders can check a copy they hold (numpy only).
+"""The snapshot checksum and its per-block digests, torch-free so that replica holders can use them (numpy only).
 
-Workers compute it on every snapshot (dpstate.snapshot.checksum wraps this); a holder asked to keep a copy
-it already holds (PutSnapshot held=True) checks it first, so a corrupted copy is replaced, not kept.
+Workers compute both on every snapshot (dpstate.snapshot.checksum wraps this); holders compare digests to
+find the blocks of a peer's snapshot they already hold (dedup) and check a held copy before relabelling it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-CHECKSUM_BLOCK = 1 << 20  # bytes summed per block
+CHECKSUM_BLOCK = 1 << 20  # bytes per block: one digest each
+# The digest of a block: its 64-bit words times these fixed odd weights, summed mod 2^64. Any one changed
+# word changes it (an odd weight times a non-zero difference below 2^64 is not 0 mod 2^64); so does a swap of
+# two words or a +1/-1 pair (which a plain sum misses), unless two weights collide (random 64-bit odd).
+_WEIGHTS = np.random.default_rng(0x5EED_D16E).integers(0, 1 << 62, CHECKSUM_BLOCK // 8, dtype=np.int64) * 2 + 1
 
 
 def checksum_chunks(meta: Any, chunks: Sequence[Any]) -> int:
@@ -27,14 +31,28 @@ def checksum_chunks(meta: Any, chunks: Sequence[Any]) -> int:
 
 
 def checksum(meta: Any, data: Any) -> int:
-    """32 bits over meta then data (bytes-like): zlib.crc32 over meta, then over the wrapping 64-bit sums of
-    data's 1 MiB blocks, then over data's tail.
+    """32 bits over meta then data (bytes-like): zlib.crc32 over meta, then over the digests of data's whole
+    1 MiB blocks (block_digests), then over data's tail. It runs on every snapshot: measured here, 12 ms per
+    108 MB against 42-55 ms for zlib.crc32 over the bytes."""
+    return checksum_and_digests(meta, data)[0]
 
-    Any changed byte changes its block's sum (a word changes by a non-zero multiple of a power of 256 below
-    2^64) and the crc32 of the sums places it; what it misses that a crc32 of all the bytes would catch is a
-    change that keeps a block's sum, e.g. two words swapped. It runs on every snapshot: measured here, 8 ms
-    per 108 MB against 42-55 ms for zlib.crc32 over the bytes."""
-    return _fold(_uint8(data), zlib.crc32(meta))
+
+def checksum_and_digests(meta: Any, data: Any) -> tuple[int, np.ndarray]:
+    """checksum(meta, data) and block_digests(data), in one pass over data."""
+    buf = _uint8(data)
+    digests = block_digests(buf)
+    crc = zlib.crc32(digests, zlib.crc32(meta)) if digests.size else zlib.crc32(meta)
+    return zlib.crc32(buf[digests.size * CHECKSUM_BLOCK :], crc), digests
+
+
+def block_digests(data: Any) -> np.ndarray:
+    """One int64 digest per whole CHECKSUM_BLOCK of data (the tail has none): equal digests at the same
+    index of two snapshots of the same layout mean (short of a 2^-64 collision) the same bytes."""
+    buf = _uint8(data)
+    blocks = buf.size // CHECKSUM_BLOCK
+    if not blocks:
+        return np.zeros(0, dtype=np.int64)
+    return buf[: blocks * CHECKSUM_BLOCK].view(np.int64).reshape(blocks, CHECKSUM_BLOCK // 8) @ _WEIGHTS
 
 
 def _uint8(data: Any) -> np.ndarray:
@@ -42,9 +60,8 @@ def _uint8(data: Any) -> np.ndarray:
 
 
 def _fold(buf: np.ndarray, crc: int) -> int:
-    """crc32 over the sums of buf's whole blocks, then over its tail."""
-    blocks = buf.size // CHECKSUM_BLOCK
-    if blocks:
-        sums = buf[: blocks * CHECKSUM_BLOCK].view(np.int64).reshape(blocks, CHECKSUM_BLOCK // 8).sum(axis=1)
-        crc = zlib.crc32(sums, crc)
-    return zlib.crc32(buf[blocks * CHECKSUM_BLOCK :], crc)
+    """crc32 over the digests of buf's whole blocks, then over its tail."""
+    digests = block_digests(buf)
+    if digests.size:
+        crc = zlib.crc32(digests, crc)
+    return zlib.crc32(buf[digests.size * CHECKSUM_BLOCK :], crc)

@@ -43,8 +43,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-PROTOCOL_VERSION = 6  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
-#                      6: a fetch's chunks stream as SnapshotChunk messages
+from .checksum import CHECKSUM_BLOCK
+
+PROTOCOL_VERSION = 7  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
+#                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -360,6 +362,54 @@ class SnapshotChunk:
     index: int
 
 
+@_message
+class LocalSnapshot:
+    """A worker to its own node's agent: its snapshot of `step` lies in its shared buffer (a memfd: the agent
+    maps /proc/<pid>/fd/<fd>, checked by inode) at `offset`, `nbytes` of data, written `writes` times so far
+    (the buffer's write counter: a later write makes the copy stale). Payload: the data's block digests
+    (dpagent.checksum.block_digests, int64). Not answered; lets the agent hold peers' identical blocks
+    (data parallel state) by reference instead of receiving them."""
+
+    rank: int
+    step: int
+    pid: int
+    fd: int
+    inode: int
+    offset: int
+    nbytes: int
+    writes: int
+
+
+@_message
+class OfferSnapshot:
+    """A PutSnapshot whose data is sent only where the holder lacks it: payload = meta, then the data's block
+    digests (int64). Answered with SnapshotWants (the blocks to send as SnapshotBlocks), or at once with
+    SnapshotAck when the holder's own node has every block already."""
+
+    rank: int
+    step: int
+    generation: int
+    checksum: int
+    nbytes: int  # meta + data, as in PutSnapshot
+
+
+@_message
+class SnapshotWants:
+    rank: int
+    step: int
+    blocks: list = field(default_factory=list)  # block indexes (CHECKSUM_BLOCK bytes each; the last, the tail)
+
+
+@_message
+class SnapshotBlocks:
+    """The blocks a SnapshotWants asked for, one payload frame each, in the order asked; answered with SnapshotAck."""
+
+    rank: int
+    step: int
+    generation: int
+    blocks: list = field(default_factory=list)
+
+
 Message = typing.Union[tuple(_REGISTRY.values())]  # type: ignore[valid-type]
 
 
@@ -469,10 +519,15 @@ def payload_bytes(frame: Any) -> memoryview:
     return memoryview(_buffer(frame))
 
 
-def chunk_views(data: Any) -> list[memoryview]:
-    """Zero-copy views cutting snapshot data (bytes-like) into frames of CHUNK_BYTES (one when shorter)."""
+def chunk_views(data: Any, size: int = CHUNK_BYTES) -> list[memoryview]:
+    """Zero-copy views cutting snapshot data (bytes-like) into frames of `size` (one when shorter)."""
     view = memoryview(data).cast("B")
-    return [view[i : i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES)] or [view]
+    return [view[i : i + size] for i in range(0, len(view), size)] or [view]
+
+
+def block_views(data: Any) -> list[memoryview]:
+    """Zero-copy views of the data's dedup blocks (dpagent.checksum.CHECKSUM_BLOCK each; the last, the tail)."""
+    return chunk_views(data, CHECKSUM_BLOCK)
 
 
 __all__ = [name for name in _REGISTRY] + [
@@ -482,6 +537,7 @@ __all__ = [name for name in _REGISTRY] + [
     "PROTOCOL_VERSION",
     "CHUNK_BYTES",
     "chunk_views",
+    "block_views",
     "ProtocolError",
     "message_types",
     "payload_bytes",

@@ -1,5 +1,6 @@
 """Serves the replica store on the agent's replica ROUTER: PutSnapshot -> SnapshotAck, FetchSnapshot -> SnapshotData
-and its SnapshotChunks, ReserveSnapshot -> SnapshotReserved (room made for a snapshot on its way).
+and its SnapshotChunks, ReserveSnapshot -> SnapshotReserved (room made for a snapshot on its way); dedup
+(dpagent.dedup): LocalSnapshot (not answered), OfferSnapshot -> SnapshotWants -> SnapshotBlocks -> SnapshotAck.
 
 The holder checks sizes only: the checksum is checked end to end by the worker that loads a snapshot (a bad
 copy there is reported and another one used), so a holder spends no CPU per snapshot beyond receiving it.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,9 +22,10 @@ import zmq
 
 from .channel import Channel, Incoming
 from .checksum import checksum_chunks
+from .dedup import LocalCopies, Offer, assemble, decide, parse_offer
 from .events import EventPipe
-from .protocol import (FetchSnapshot, PutSnapshot, ReserveSnapshot, SnapshotAck, SnapshotChunk, SnapshotData,
-                       SnapshotReserved, SnapshotStored)
+from .protocol import (FetchSnapshot, LocalSnapshot, OfferSnapshot, PutSnapshot, ReserveSnapshot, SnapshotAck,
+                       SnapshotBlocks, SnapshotChunk, SnapshotData, SnapshotReserved, SnapshotStored, SnapshotWants)
 from .replica_store import ReplicaStore, Snapshot, intact
 
 log = logging.getLogger("dpagent")
@@ -69,10 +72,11 @@ class RelabelChecker:
 
 
 class ReplicaServer:
-    """Without `events`, relabels are checked inline (a holder loop that has nothing else to do)."""
+    """Without `events`, relabels are checked inline (a holder loop that has nothing else to do).
+    `local_pids`: this node's workers, whose shared snapshot buffers may be mapped (none: no dedup)."""
 
     def __init__(self, channel: Channel, store: ReplicaStore, node_id: str, report: Callable[[SnapshotStored], Any],
-                 events: EventPipe | None = None):
+                 events: EventPipe | None = None, local_pids: Callable[[], Any] = tuple):
         self.channel = channel
         # a fetch queues one message per chunk (1,000 for 4 GB: ZeroMQ's default limit, past which a ROUTER
         # drops messages); they reference the store's frames, so an unbounded queue costs no copy
@@ -81,11 +85,24 @@ class ReplicaServer:
         self.node_id = node_id
         self._report = report
         self.checker = RelabelChecker(events) if events is not None else None
+        self.local = LocalCopies(local_pids)
+        self._waiting: list[Offer] = []  # offers waiting for their step's local copy
+        self._awaiting: dict[tuple, Offer] = {}  # (sender, rank, step) -> an offer waiting for its blocks
 
-    def handle(self, incoming: Incoming) -> None:
+    def handle(self, incoming: Incoming, now: float | None = None) -> None:
         msg = incoming.msg
+        now = time.monotonic() if now is None else now
         if isinstance(msg, PutSnapshot):
             self._put(incoming, msg)
+        elif isinstance(msg, OfferSnapshot):
+            self._offer(incoming, now)
+        elif isinstance(msg, SnapshotBlocks):
+            self._blocks(incoming, msg)
+        elif isinstance(msg, LocalSnapshot):
+            error = self.local.announce(msg, incoming.payload)
+            if error:
+                log.warning("local snapshot of rank %d step %d not usable for dedup: %s", msg.rank, msg.step, error)
+            self.tick(now)
         elif isinstance(msg, ReserveSnapshot):
             dropped = self.store.make_room(msg.rank, msg.step, msg.generation)
             self.channel.reply(incoming, SnapshotReserved(msg.rank, msg.step, [s.step for s in dropped]))
@@ -111,6 +128,52 @@ class ReplicaServer:
             error = self.store.add(put, *incoming.payload)
         self._answer(incoming, put, error)
 
+    def _offer(self, incoming: Incoming, now: float) -> None:
+        offer = parse_offer(incoming, now)
+        if isinstance(offer, str):
+            self._answer(incoming, incoming.msg, offer)
+            return
+        self._waiting.append(offer)
+        self.tick(now)
+
+    def tick(self, now: float) -> None:
+        """Settle the offers whose local copy came (or whose wait is over): ask for the blocks they lack."""
+        for offer in list(self._waiting):
+            if decide(offer, self.local, now):
+                self._waiting.remove(offer)
+                self._ask(offer)
+
+    def next_deadline(self) -> float | None:
+        return min((o.deadline for o in self._waiting), default=None)
+
+    def _ask(self, offer: Offer) -> None:
+        msg = offer.msg
+        if not offer.wanted:
+            self._store_offer(offer, [])
+            return
+        for key in [k for k in self._awaiting if k[1] == msg.rank and k[2] < msg.step]:
+            del self._awaiting[key]  # superseded: its sender moved on
+        self._awaiting[(offer.incoming.sender, msg.rank, msg.step)] = offer
+        self.channel.reply(offer.incoming, SnapshotWants(msg.rank, msg.step, offer.wanted))
+
+    def _blocks(self, incoming: Incoming, msg: SnapshotBlocks) -> None:
+        offer = self._awaiting.pop((incoming.sender, msg.rank, msg.step), None)
+        if offer is None or msg.blocks != offer.wanted or msg.generation != offer.msg.generation:
+            put = PutSnapshot(msg.rank, msg.step, msg.generation, 0, 0)
+            self._answer(incoming, put, f"no offer of rank {msg.rank} step {msg.step} waits for these blocks")
+            return
+        self._store_offer(offer, incoming.payload)
+
+    def _store_offer(self, offer: Offer, blocks: list) -> None:
+        msg = offer.msg
+        put = PutSnapshot(msg.rank, msg.step, msg.generation, msg.checksum, msg.nbytes)
+        chunks = assemble(offer, blocks)
+        if isinstance(chunks, str):
+            error = chunks
+        else:
+            error = self.store.add(put, offer.meta, *chunks, base=offer.copy if len(blocks) < len(chunks) else None)
+        self._answer(offer.incoming, put, error)
+
     def relabel_checked(self, done: RelabelChecked) -> None:
         """The background check of a relabel finished: keep the copy (or not) and answer the sender."""
         self._answer(done.incoming, done.put, self.store.relabel_checked(done.put, done.snapshot, done.intact))
@@ -130,7 +193,7 @@ class ReplicaServer:
         self.channel.reply(incoming, SnapshotAck(put.rank, put.step, ok=not error, error=error))
 
     def _fetch(self, incoming: Incoming, msg: FetchSnapshot) -> None:
-        snap = self.store.get(msg.rank, msg.step)
+        snap = self.store.get(msg.rank, msg.step)  # a stale one (its local copy written since) is not held
         if snap is None:
             log.info("fetch of rank %d step %d: not held (held: %s)", msg.rank, msg.step, self.store.steps(msg.rank))
             self.channel.reply(incoming, SnapshotData(msg.rank, msg.step, found=False))

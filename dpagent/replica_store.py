@@ -25,7 +25,11 @@ class Snapshot:
     checksum: int
     nbytes: int
     meta: Any  # bytes-like or zmq.Frame
-    chunks: tuple  # the data, bytes-like or zmq.Frames, as received
+    chunks: tuple  # the data, bytes-like or zmq.Frames, as received (or views of a local copy's blocks)
+    base: Any = None  # the dpagent.dedup.LocalCopy some chunks refer to: the copy is stale once it is not valid()
+
+    def stale(self) -> bool:
+        return self.base is not None and not self.base.valid()
 
     @property
     def data(self) -> bytes:
@@ -56,8 +60,9 @@ class ReplicaStore:
         self.keep = keep
         self._ranks: dict[int, dict[int, Snapshot]] = {}
 
-    def add(self, put: PutSnapshot, meta: Any, *chunks: Any) -> str:
-        """Stores the snapshot (its data in one or more chunks); returns "" or why it was refused."""
+    def add(self, put: PutSnapshot, meta: Any, *chunks: Any, base: Any = None) -> str:
+        """Stores the snapshot (its data in one or more chunks, some perhaps views of `base`, a local copy);
+        returns "" or why it was refused."""
         if put.rank < 0 or put.step < 0:
             return f"bad rank/step {put.rank}/{put.step}"
         if not chunks:
@@ -71,7 +76,8 @@ class ReplicaStore:
             return error
         if held and put.step not in held and len(held) >= self.keep and put.step < min(held):
             return f"step {put.step} is older than the {self.keep} steps kept for rank {put.rank}"
-        held[put.step] = Snapshot(put.rank, put.step, put.generation, put.checksum, put.nbytes, meta, tuple(chunks))
+        held[put.step] = Snapshot(put.rank, put.step, put.generation, put.checksum, put.nbytes, meta, tuple(chunks),
+                                  base)
         while len(held) > self.keep:
             del held[min(held)]
         return ""
@@ -104,7 +110,7 @@ class ReplicaStore:
 
     def relabel_candidate(self, put: PutSnapshot) -> Snapshot | str:
         """The held copy a relabel would keep (its bytes still to be checked), or why there is none."""
-        snap = self._ranks.get(put.rank, {}).get(put.step)
+        snap = self.get(put.rank, put.step) if put.step >= 0 else None
         if snap is None or snap.checksum != put.checksum or snap.nbytes != put.nbytes:
             return f"step {put.step} of rank {put.rank} is not held here (held: {self.steps(put.rank)})"
         return snap
@@ -136,8 +142,11 @@ class ReplicaStore:
         return ""
 
     def get(self, rank: int, step: int) -> Snapshot | None:
-        """The snapshot of `rank` at `step`; a negative step means the newest held."""
+        """The snapshot of `rank` at `step`; a negative step means the newest held. A stale one (its local
+        copy written since) is dropped, not returned."""
         held = self._ranks.get(rank)
+        for s in [s for s, snap in (held or {}).items() if snap.stale()]:
+            del held[s]
         if not held:
             return None
         if step < 0:

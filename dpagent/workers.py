@@ -62,6 +62,7 @@ def worker_env(
     nproc: int,
     local_rank: int,
     local_addr: str,
+    replica_endpoint: str = "",
 ) -> dict[str, str]:
     """The worker environment of docs/internals.md; the user's own OMP / GLOO settings win."""
     env = dict(base)
@@ -76,6 +77,8 @@ def worker_env(
         LOCAL_WORLD_SIZE=str(nproc),
         TORCHELASTIC_RUN_ID=job_id,
     )
+    if replica_endpoint:  # this node's replica store: told of each local snapshot (dedup, dpstate.shared)
+        env["DP_LOCAL_REPLICA"] = replica_endpoint
     try:
         sharing = int(base.get("DP_TOTAL_LOCAL_WORKERS") or 0)
     except ValueError:

@@ -14,6 +14,7 @@ import zmq
 from dpagent import protocol as P
 
 from .abort import AbortSignal
+from .shared import SharedBuffer
 
 
 class ReplicationError(RuntimeError):
@@ -30,20 +31,29 @@ class Slot:
     nbytes: int = 0
     checksum: int = 0
     capture_s: float = 0.0
+    shared: SharedBuffer | None = None  # the buffer's memory, when the node's agent may map it
+    digests: Any = None  # dpagent.checksum.block_digests of the data, when captured into a shared buffer
 
     @property
     def data(self) -> torch.Tensor:
         return self.buffer[: self.nbytes]
 
-    def reserve(self, nbytes: int, pin: bool) -> None:
-        self.step = -1
-        if self.buffer.numel() < nbytes:
+    def reserve(self, nbytes: int, pin: bool, share: bool = False) -> None:
+        """Make room for `nbytes` about to be written (a shared buffer counts the write: see dpstate.shared)."""
+        self.step, self.digests = -1, None
+        if self.buffer.numel() < nbytes or (self.shared is not None) != share:
             self.release()  # drop the old one first (peak memory)
-            self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            if share:
+                self.shared = SharedBuffer(max(nbytes, 1))
+                self.buffer = self.shared.tensor
+            else:
+                self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+        if self.shared is not None:
+            self.shared.begin_write()
 
     def release(self) -> None:
         """Empty, its memory given back."""
-        self.step, self.nbytes, self.buffer = -1, 0, torch.empty(0, dtype=torch.uint8)
+        self.step, self.nbytes, self.buffer, self.shared, self.digests = -1, 0, torch.empty(0, dtype=torch.uint8), None, None
 
 
 def receive_snapshot(ctx: zmq.Context, codec: P.Codec, abort: AbortSignal, endpoint: str, rank: int, step: int,

@@ -34,6 +34,8 @@ class SnapshotStats:
     fetch_verify_s: float = 0.0
     relabels: int = 0  # restored snapshots a replica store already held: kept there, not sent again
     relabel_refused: int = 0  # ... it no longer held them: sent whole after all
+    offers: int = 0  # snapshots offered to a holder by block digests (dedup) ...
+    blocks_sent: int = 0  # ... and the blocks it asked for (the rest its node held already)
 
     def as_dict(self) -> dict:
         out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}

@@ -2,6 +2,8 @@
 
 Keeps a ring of NSLOTS host buffers (the newest complete snapshots stay intact while the next is captured);
 fetch() pulls a snapshot back from a replica store and verifies its checksum. Which steps: dpstate.interval.
+On CPU the buffers are shared with this node's agent (dpstate.shared), which then holds peers' identical
+blocks (data parallel state) by reference: a holder is offered the block digests and asks for what it lacks.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import zmq
 
 from dpagent import protocol as P
 
+from . import shared
 from . import snapshot as S
 from .abort import AbortSignal
 from .interval import SnapshotPolicy
@@ -61,6 +64,9 @@ class Replicator:
         self.ctx.socket(zmq.DEALER).close(0)  # starts the I/O thread now
         _lower_io_threads(before)
         self.pin = torch.cuda.is_available()
+        # this node's agent, told of each local snapshot so that it can hold peers' identical blocks by reference
+        self.local_store = os.environ.get("DP_LOCAL_REPLICA", "")
+        self.share = bool(self.local_store) and not self.pin and shared.supported()
         self.slots = [Slot() for _ in range(NSLOTS)]
         self.generation = -1
         self.endpoints: list[str] = []  # replica stores that get every snapshot
@@ -195,7 +201,7 @@ class Replicator:
         def reserve(nbytes: int) -> Slot:
             with self._cond:
                 slot = self._free_slot(step)
-                slot.reserve(nbytes, self.pin)
+                slot.reserve(nbytes, self.pin, self.share)
             return slot
 
         slot, reply = receive_snapshot(self.ctx, self.codec, self.abort, endpoint, rank, step, timeout, reserve)
@@ -225,6 +231,11 @@ class Replicator:
     def _run(self) -> None:
         _lower_priority(threading.get_native_id())
         socks: dict[str, zmq.Socket] = {}  # replica endpoint -> our DEALER to it
+        local = None  # our DEALER to this node's agent (LocalSnapshot)
+        if self.share:
+            local = self.ctx.socket(zmq.DEALER)
+            local.setsockopt(zmq.LINGER, 0)
+            local.connect(self.local_store)
         copy_stream = None
         while True:
             with self._cond:
@@ -252,6 +263,8 @@ class Replicator:
                         torch.cuda.set_device(job.device)  # this thread's current device: the worker's
                         copy_stream = torch.cuda.Stream(device=job.device)
                     self._capture(job, copy_stream)
+                    if local is not None and job.slot.digests is not None:
+                        self._announce(local, job.slot, rank)
                     with self._cond:
                         if not job.replicate:
                             continue
@@ -278,7 +291,7 @@ class Replicator:
             self._meta_key, self._meta = key, S.encode_meta(skeleton, specs, nbytes, {"rank": self.rank})
         meta = self._meta
         slot = job.slot
-        slot.reserve(nbytes, self.pin)
+        slot.reserve(nbytes, self.pin, self.share)
         slot.nbytes = 0
         t1 = time.perf_counter()
         stats.meta_s += t1 - t0
@@ -295,7 +308,10 @@ class Replicator:
             ta = time.perf_counter()
             S.copy_into(tensors, specs, slot.buffer)
             tb = time.perf_counter()
-            crc = S.checksum(meta, slot.buffer[:nbytes])  # padding included: every byte that is sent
+            if slot.shared is not None:  # padding included: every byte that is sent
+                crc, slot.digests = S.checksum_and_digests(meta, slot.buffer[:nbytes])
+            else:
+                crc = S.checksum(meta, slot.buffer[:nbytes])
             stats.copy_s += tb - ta
             stats.crc_s += time.perf_counter() - tb
         job.tree = tensors = None  # the step's tensors may now change
@@ -307,21 +323,41 @@ class Replicator:
         with self._cond:
             slot.step = job.step
 
+    def _announce(self, sock: Any, slot: Slot, rank: int) -> None:
+        """Tell this node's agent where the snapshot just captured lies (LocalSnapshot: not answered)."""
+        buf = slot.shared
+        msg = P.LocalSnapshot(rank=rank, step=slot.step, pid=os.getpid(), fd=buf.fd, inode=buf.inode,
+                              offset=shared.HEADER_BYTES, nbytes=slot.nbytes, writes=buf.writes)
+        sock.send_multipart(self.codec.encode(msg, [slot.digests]))
+
     def _replicate(self, socks: dict[str, Any], job: _Job, epoch: int, generation: int, rank: int) -> bool:
-        """Send the slot to every replica store (a relabel request to those that hold it already; the whole
-        snapshot to the others once they answer the ReserveSnapshot sent before the capture), then wait until
-        each has acked it; a refused relabel is answered with the whole snapshot."""
+        """Send the slot to every replica store (a relabel request to those that hold it already; to the
+        others, once they answer the ReserveSnapshot sent before the capture, the whole snapshot, or with block
+        digests an offer and then the blocks they ask for), then wait until each has acked it; a refused
+        relabel is answered with the whole snapshot (or the offer)."""
         slot = job.slot
         put = P.PutSnapshot(rank=rank, step=job.step, generation=generation, checksum=slot.checksum,
                             nbytes=len(slot.meta) + slot.nbytes)
         data = slot.data.numpy() if slot.nbytes else b""
-        full = self.codec.encode(put, [slot.meta, *P.chunk_views(data)])
+        if slot.digests is not None:
+            offer = P.OfferSnapshot(rank, job.step, generation, slot.checksum, put.nbytes)
+            full = self.codec.encode(offer, [slot.meta, slot.digests])
+        else:
+            full = self.codec.encode(put, [slot.meta, *P.chunk_views(data)])
 
         def send(sock: Any, relabel: bool) -> None:
             if relabel:
                 sock.send_multipart(self.codec.encode(dataclasses.replace(put, held=True)))
             else:
                 sock.send_multipart(full, copy=False)
+                self.stats.offers += slot.digests is not None
+
+        def send_blocks(sock: Any, wanted: list) -> None:
+            blocks = P.block_views(data)
+            wanted = [i for i in wanted if isinstance(i, int) and 0 <= i < len(blocks)]
+            msg = P.SnapshotBlocks(rank, job.step, generation, wanted)
+            sock.send_multipart(self.codec.encode(msg, [blocks[i] for i in wanted]), copy=False)
+            self.stats.blocks_sent += len(wanted)
 
         relabeled = {id(sock) for e, sock in socks.items() if e in job.held_at}
         reserving = {id(sock) for sock in socks.values()} - relabeled
@@ -346,6 +382,10 @@ class Replicator:
                         and ack.step == job.step):
                     reserving.discard(id(sock))
                     send(sock, False)
+                    continue
+                if (isinstance(ack, P.SnapshotWants) and slot.digests is not None and ack.rank == rank
+                        and ack.step == job.step):
+                    send_blocks(sock, ack.blocks)
                     continue
                 if not (isinstance(ack, P.SnapshotAck) and ack.rank == rank and ack.step == job.step):
                     continue

@@ -22,6 +22,7 @@ import torch
 
 from dpagent.checksum import CHECKSUM_BLOCK  # noqa: F401 (part of this module's API)
 from dpagent.checksum import checksum as _checksum
+from dpagent.checksum import checksum_and_digests as _checksum_and_digests
 
 FORMAT = 1
 ALIGN = 64
@@ -240,6 +241,11 @@ def decode_meta(meta: bytes | memoryview) -> dict:
 def checksum(meta: Any, data: Any) -> int:
     """dpagent.checksum.checksum of meta and data (bytes-like or a uint8 CPU tensor)."""
     return _checksum(_mv(meta), _as_uint8(data).numpy())
+
+
+def checksum_and_digests(meta: Any, data: Any) -> tuple[int, Any]:
+    """checksum() and dpagent.checksum.block_digests of data, in one pass."""
+    return _checksum_and_digests(_mv(meta), _as_uint8(data).numpy())
 
 
 def verify(meta: Any, data: Any, expected: int) -> None:

@@ -50,7 +50,7 @@ def worker_env(node_id: str, endpoint: str, **extra: str) -> dict:
 class FakeAgents:
     """Plays the agents of several one-worker nodes and one replica store, in a background thread."""
 
-    def __init__(self, rundir: Path, node_ids: list[str]):
+    def __init__(self, rundir: Path, node_ids: list[str], local_pids: Callable[[], Any] = tuple):
         from dpagent.channel import Channel
         from dpagent.replica_server import ReplicaServer
         from dpagent.replica_store import ReplicaStore
@@ -70,7 +70,7 @@ class FakeAgents:
         self.replica_endpoint = f"tcp://127.0.0.1:{port}"
         self.replica_ch = Channel(rsock, self.codec, "replica", zero_copy=True)
         self.store = ReplicaStore()
-        self.server = ReplicaServer(self.replica_ch, self.store, "fake", self._stored)
+        self.server = ReplicaServer(self.replica_ch, self.store, "fake", self._stored, local_pids=local_pids)
         self.log: list[tuple[str, Any]] = []  # (node_id, message) in arrival order
         self.stored: dict[int, set] = {}  # rank -> steps acked by the replica store
         self.cond = threading.Condition()
@@ -149,6 +149,7 @@ class FakeAgents:
                     with self.cond:
                         self.log.append((node, msg))
                         self.cond.notify_all()
+            self.server.tick(time.monotonic())
 
 
 def reconfigure(generation: int, node_rank: int, world_size: int, restore_step: int, store_port: int,

@@ -1,0 +1,169 @@
+"""Dedup for a replica holder: its own node's snapshots, mapped read-only from the workers' shared buffers,
+and the offers of peers' snapshots, held by reference to the identical blocks of those (data parallel state).
+
+Data parallel ranks hold the same parameters and optimizer state after every step; only a few blocks (the
+RNG state) differ. A peer offers its block digests (OfferSnapshot); the holder asks for the blocks that its
+own node's snapshot of that step lacks (SnapshotWants) and keeps the rest as views of that snapshot's memory.
+Correctness never rests on the match: a fetch checks the whole snapshot's checksum, and a local buffer
+written again (its write counter moved on) makes every copy that refers to it stale (served as not held).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from .checksum import CHECKSUM_BLOCK
+from .protocol import LocalSnapshot, OfferSnapshot, block_views, payload_bytes
+
+OFFER_WAIT_S = 2.0  # how long an offer waits for the local snapshot of its step before it is asked for whole
+KEEP_PER_WORKER = 2  # local copies kept per worker: its ring (dpstate.replication.NSLOTS)
+
+
+@dataclass(eq=False)
+class LocalCopy:
+    """One local worker's snapshot, by reference. The shared buffer's first 8 bytes count its writes."""
+
+    rank: int
+    step: int
+    nbytes: int
+    writes: int
+    counter: np.ndarray  # a read-only view of the buffer's write counter
+    blocks: list  # read-only views of the data's blocks (block_views)
+    digests: np.ndarray
+
+    def valid(self) -> bool:
+        """Still the bytes that were announced (the worker has not written the buffer again)?"""
+        return int(self.counter[0]) == self.writes
+
+
+class LocalCopies:
+    """The newest snapshot in each of this node's workers' shared buffers (LocalSnapshot announcements)."""
+
+    def __init__(self, local_pids: Callable[[], Iterable[int]]):
+        self._pids = local_pids
+        self._maps: dict[tuple[int, int, int], mmap.mmap] = {}  # (pid, fd, inode) -> read-only mapping
+        self._copies: dict[tuple[int, int], LocalCopy] = {}  # (pid, fd) -> what that buffer holds
+
+    def announce(self, msg: LocalSnapshot, payload: list) -> str:
+        """Map the buffer a LocalSnapshot names (once per buffer) and take note of its copy; "" or why not."""
+        pids = set(self._pids())
+        for key in [k for k in self._maps if k[0] not in pids]:  # workers gone: their memory can go too
+            del self._maps[key]
+        for key in [k for k in self._copies if k[0] not in pids]:
+            del self._copies[key]
+        if msg.pid not in pids:
+            return f"pid {msg.pid} is not a worker of this node"
+        if len(payload) != 1:
+            return f"expected 1 payload frame (the block digests), got {len(payload)}"
+        digests = np.frombuffer(bytes(payload_bytes(payload[0])), dtype=np.int64)
+        if msg.nbytes < 0 or digests.size != msg.nbytes // CHECKSUM_BLOCK:
+            return f"{digests.size} block digests for {msg.nbytes} bytes"
+        key = (msg.pid, msg.fd, msg.inode)
+        if key not in self._maps:
+            try:
+                mapping = _map_worker_buffer(msg.pid, msg.fd, msg.inode)
+            except OSError as exc:
+                return f"cannot map fd {msg.fd} of worker {msg.pid}: {exc}"
+            for old in [k for k in self._maps if k[:2] == key[:2]]:  # the fd now names another buffer
+                del self._maps[old]
+            self._maps[key] = mapping
+        mapping = self._maps[key]
+        if msg.offset < 8 or msg.offset + msg.nbytes > len(mapping):
+            return f"bytes {msg.offset}..{msg.offset + msg.nbytes} are outside the buffer ({len(mapping)} bytes)"
+        data = memoryview(mapping)[msg.offset : msg.offset + msg.nbytes]
+        counter = np.frombuffer(mapping, dtype=np.uint64, count=1)
+        self._copies[key[:2]] = LocalCopy(msg.rank, msg.step, msg.nbytes, msg.writes, counter,
+                                          block_views(data) if msg.nbytes else [], digests)
+        self._prune(msg.pid)
+        return ""
+
+    def _prune(self, pid: int) -> None:
+        """Keep a worker's KEEP_PER_WORKER newest copies that are still valid, and only the mappings they use
+        (a buffer the worker replaced stays mapped only while a held snapshot refers to it)."""
+        mine = sorted((c.step, k) for k, c in self._copies.items() if k[0] == pid and c.valid())
+        keep = {k for _, k in mine[-KEEP_PER_WORKER:]}
+        for key in [k for k in self._copies if k[0] == pid and k not in keep]:
+            del self._copies[key]
+        for key in [k for k in self._maps if k[0] == pid and k[:2] not in keep]:
+            del self._maps[key]
+
+    def find(self, step: int, nbytes: int) -> LocalCopy | None:
+        """A valid local copy of `step` with `nbytes` of data (the same layout), if any."""
+        return next((c for c in self._copies.values() if c.step == step and c.nbytes == nbytes and c.valid()), None)
+
+    def newest_step(self) -> int:
+        """The newest step announced by a local worker (-1: none): one behind an offer is worth waiting for."""
+        return max((c.step for c in self._copies.values()), default=-1)
+
+
+def _map_worker_buffer(pid: int, fd: int, inode: int) -> mmap.mmap:
+    handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
+    try:
+        if os.fstat(handle).st_ino != inode:
+            raise OSError(f"fd {fd} of pid {pid} is not inode {inode} any more")
+        return mmap.mmap(handle, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(handle)
+
+
+@dataclass(eq=False)
+class Offer:
+    """A peer's OfferSnapshot: waiting for its step's local copy, then for the blocks it was asked for."""
+
+    incoming: Any  # dpagent.channel.Incoming (the reply goes to its sender)
+    msg: OfferSnapshot
+    meta: Any
+    digests: np.ndarray
+    data_nbytes: int
+    deadline: float  # when it stops waiting for a local copy
+    copy: LocalCopy | None = None
+    wanted: list = field(default_factory=list)
+
+    @property
+    def nblocks(self) -> int:
+        return -(-self.data_nbytes // CHECKSUM_BLOCK)
+
+
+def parse_offer(incoming: Any, now: float) -> Offer | str:
+    """An Offer from an OfferSnapshot's frames (meta, digests), or why they are malformed."""
+    msg, payload = incoming.msg, incoming.payload
+    if len(payload) != 2:
+        return f"expected 2 payload frames (meta, block digests), got {len(payload)}"
+    meta_len = payload_bytes(payload[0]).nbytes
+    data_nbytes = msg.nbytes - meta_len
+    digests = np.frombuffer(bytes(payload_bytes(payload[1])), dtype=np.int64)
+    if data_nbytes < 0 or digests.size != data_nbytes // CHECKSUM_BLOCK:
+        return f"{digests.size} block digests for {msg.nbytes} bytes with {meta_len} of meta"
+    return Offer(incoming, msg, payload[0], digests, data_nbytes, now + OFFER_WAIT_S)
+
+
+def decide(offer: Offer, local: LocalCopies, now: float) -> bool:
+    """Settle which blocks `offer` needs (offer.copy, offer.wanted); False: wait for the local snapshot of
+    its step (a local worker is behind it and the offer's wait has time left)."""
+    copy = local.find(offer.msg.step, offer.data_nbytes)
+    if copy is None and 0 <= local.newest_step() < offer.msg.step and now < offer.deadline:
+        return False
+    offer.copy = copy
+    if copy is None:
+        offer.wanted = list(range(offer.nblocks))
+    else:
+        offer.wanted = np.flatnonzero(offer.digests != copy.digests).tolist()
+        if offer.nblocks > offer.digests.size:  # the tail has no digest: always sent
+            offer.wanted.append(offer.digests.size)
+    return True
+
+
+def assemble(offer: Offer, blocks: list) -> list | str:
+    """The snapshot's data as frames: the blocks received (in offer.wanted's order) and the local copy's for
+    the rest; or why it cannot be (the wrong number of blocks, or the local copy written since)."""
+    if len(blocks) != len(offer.wanted):
+        return f"expected {len(offer.wanted)} blocks, got {len(blocks)}"
+    if offer.copy is not None and not offer.copy.valid():
+        return "this node's copy of those blocks changed meanwhile; offer the snapshot again"
+    received = dict(zip(offer.wanted, blocks))
+    return [received[i] if i in received else offer.copy.blocks[i] for i in range(offer.nblocks)] or [b""]

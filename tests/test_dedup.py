@@ -1,0 +1,215 @@
+"""Dedup of data parallel state: a holder keeps a peer's snapshot by reference to the identical blocks of its
+own node's snapshot (a worker's shared buffer, mapped read-only) and receives only the blocks that differ.
+
+Real sockets (a ReplicaServer in a background thread) and real shared memory; the "local worker" is this
+process, so the holder maps this process's memfds as an agent maps its workers'.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dpagent import protocol as P
+from dpagent.checksum import CHECKSUM_BLOCK, block_digests
+from dpagent.dedup import LocalCopies, Offer, assemble, decide
+from dpstate import snapshot as S
+from dpstate.abort import AbortSignal
+from dpstate.replication import Replicator, ReplicationError
+from dpstate.shared import HEADER_BYTES, SharedBuffer
+from dpstate.state import Tracked
+from test_dpstate_harness import TOKEN, FakeAgents
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A replica holder whose node runs this process (its 'local worker')."""
+    agents = FakeAgents(tmp_path, [], local_pids=lambda: [os.getpid()])
+    yield agents
+    agents.close()
+
+
+@pytest.fixture
+def peer_node(tmp_path):
+    """The peer's own node's agent: it runs no worker of this process, so it takes no local snapshot in."""
+    agents = FakeAgents(tmp_path, [])
+    yield agents
+    agents.close()
+
+
+def data_parallel_state(rank: int, seed: int = 0) -> Tracked:
+    """~6 MB of parameters + AdamW state, the same on every rank for the same seed, plus a per-rank tensor
+    (as the RNG state and the data position differ between data parallel ranks)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(512, 1024)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    tracked = Tracked()
+    tracked.add(model=model, optimizer=opt, position=_Position(rank))
+    return tracked
+
+
+class _Position:
+    def __init__(self, rank: int):
+        self.where = torch.full((1000,), rank, dtype=torch.int64)
+
+    def state_dict(self):
+        return {"where": self.where}
+
+    def load_state_dict(self, state):
+        self.where.copy_(state["where"])
+
+
+def replicator(monkeypatch, rank: int, local_store: str) -> Replicator:
+    monkeypatch.setenv("DP_LOCAL_REPLICA", local_store)
+    rep = Replicator(P.Codec(TOKEN), rank, AbortSignal())
+    assert rep.share, "shared snapshot buffers need memfd_create and /proc (Linux)"
+    return rep
+
+
+def snapshot(rep: Replicator, tracked: Tracked, step: int) -> None:
+    rep.submit(step, tracked.capture(step))
+    rep.wait_acked(timeout=10)
+
+
+def test_a_peer_sends_only_the_blocks_that_differ_and_the_copy_fetched_is_its_own(holder, peer_node, monkeypatch):
+    local = replicator(monkeypatch, 0, holder.replica_endpoint)
+    local.configure(0, [], 0)  # the holder's own worker: its snapshots stay on its node (announced)
+    peer = replicator(monkeypatch, 1, peer_node.replica_endpoint)
+    peer.configure(0, holder.replica_endpoint, 1)
+    state0, state1 = data_parallel_state(0), data_parallel_state(1)
+
+    snapshot(local, state0, 5)
+    snapshot(peer, state1, 5)
+    mine = peer.local(5)
+    blocks = -(-mine.nbytes // CHECKSUM_BLOCK)
+    assert blocks >= 6
+    assert peer.stats.offers == 1
+    assert 1 <= peer.stats.blocks_sent <= 2, peer.stats  # the per-rank tensor's block and the tail
+    held = holder.store.get(1, 5)
+    assert held is not None and held.base is not None and held.base.step == 5
+    assert holder.newest_stored(1) == 5
+
+    other = Replicator(P.Codec(TOKEN), 2, AbortSignal())
+    fetched = other.fetch(holder.replica_endpoint, 1, 5, timeout=10)  # checks the checksum
+    assert fetched.meta == mine.meta and torch.equal(fetched.data, mine.data)
+    tree = S.unpack(fetched.meta, fetched.data)
+    assert torch.equal(tree["state"]["position"]["where"], torch.full((1000,), 1))
+
+    # the local worker captures twice more: its ring of 2 reuses step 5's buffer, so the copy that referred
+    # to it is stale and is not served (a fetch finds it missing instead of loading other bytes)
+    snapshot(local, state0, 6)
+    snapshot(local, state0, 7)
+    with pytest.raises(ReplicationError, match="has no snapshot"):
+        other.fetch(holder.replica_endpoint, 1, 5, timeout=10)
+
+
+def test_an_offer_ahead_of_the_local_snapshot_waits_for_it(holder, peer_node, monkeypatch):
+    local = replicator(monkeypatch, 0, holder.replica_endpoint)
+    local.configure(0, [], 0)
+    peer = replicator(monkeypatch, 1, peer_node.replica_endpoint)
+    peer.configure(0, holder.replica_endpoint, 1)
+    state0, state1 = data_parallel_state(0), data_parallel_state(1)
+    snapshot(local, state0, 1)
+    snapshot(peer, state1, 1)
+    sent = peer.stats.blocks_sent
+
+    peer.submit(2, state1.capture(2))  # the local worker has not taken step 2 yet: the offer waits
+    holder.wait(lambda: holder.server._waiting, 5, "the offer to wait")
+    assert holder.newest_stored(1) == 1
+    snapshot(local, state0, 2)
+    peer.wait_acked(timeout=10)
+    assert peer.stats.blocks_sent - sent <= 2
+    assert holder.store.get(1, 2).base is not None
+
+
+def test_different_state_is_sent_whole_and_fetched_intact(holder, peer_node, monkeypatch):
+    local = replicator(monkeypatch, 0, holder.replica_endpoint)
+    local.configure(0, [], 0)
+    peer = replicator(monkeypatch, 1, peer_node.replica_endpoint)
+    peer.configure(0, holder.replica_endpoint, 1)
+    snapshot(local, data_parallel_state(0, seed=0), 3)
+    snapshot(peer, data_parallel_state(1, seed=1), 3)  # other parameters: every block differs
+    mine = peer.local(3)
+    assert peer.stats.blocks_sent == -(-mine.nbytes // CHECKSUM_BLOCK)
+    assert holder.store.get(1, 3).base is None
+    fetched = Replicator(P.Codec(TOKEN), 2, AbortSignal()).fetch(holder.replica_endpoint, 1, 3, timeout=10)
+    assert torch.equal(fetched.data, mine.data)
+
+
+# ----------------------------------------------------------------------------- the holder's logic alone
+
+
+def announce(copies: LocalCopies, buf: SharedBuffer, step: int, nbytes: int, **change) -> str:
+    digests = block_digests(buf.tensor[:nbytes].numpy())
+    fields = dict(rank=0, step=step, pid=os.getpid(), fd=buf.fd, inode=buf.inode, offset=HEADER_BYTES,
+                  nbytes=nbytes, writes=buf.writes)
+    fields.update(change)
+    return copies.announce(P.LocalSnapshot(**fields), [digests.tobytes()])
+
+
+def offer(data: np.ndarray, step: int, now: float) -> Offer:
+    msg = P.OfferSnapshot(rank=1, step=step, generation=0, checksum=0, nbytes=data.size)
+    return Offer(None, msg, b"", block_digests(data), data.size, deadline=now + 2.0)
+
+
+def test_local_copies_refuse_what_is_not_a_worker_buffer_of_this_node():
+    buf = SharedBuffer(3 * CHECKSUM_BLOCK)
+    copies = LocalCopies(lambda: [os.getpid()])
+    assert "not a worker" in announce(copies, buf, 1, 2 * CHECKSUM_BLOCK, pid=os.getppid())
+    assert "inode" in announce(copies, buf, 1, 2 * CHECKSUM_BLOCK, inode=buf.inode + 1)
+    assert "outside the buffer" in announce(copies, buf, 1, 2 * CHECKSUM_BLOCK, offset=2 * CHECKSUM_BLOCK)
+    assert "digests" in copies.announce(P.LocalSnapshot(0, 1, os.getpid(), buf.fd, buf.inode, HEADER_BYTES,
+                                                        2 * CHECKSUM_BLOCK, buf.writes), [b"12345678"])
+    assert copies.find(1, 2 * CHECKSUM_BLOCK) is None
+    assert announce(copies, buf, 1, 2 * CHECKSUM_BLOCK) == ""
+    assert copies.find(1, 2 * CHECKSUM_BLOCK) is not None
+
+
+def test_decide_asks_for_differing_blocks_and_the_tail_and_assemble_joins_them():
+    nbytes = 3 * CHECKSUM_BLOCK + 100
+    buf = SharedBuffer(nbytes)
+    buf.begin_write()
+    local_bytes = buf.tensor.numpy()
+    local_bytes[:] = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    copies = LocalCopies(lambda: [os.getpid()])
+    assert announce(copies, buf, 7, nbytes) == ""
+
+    peer = local_bytes.copy()
+    peer[CHECKSUM_BLOCK + 5] ^= 1  # block 1 differs
+    peer[-1] ^= 1  # and the tail
+    now = 100.0
+    ahead = offer(peer, 8, now)
+    assert not decide(ahead, copies, now)  # the local worker is at 7: worth waiting for its 8
+    assert decide(ahead, copies, now + 2.5) and ahead.copy is None and ahead.wanted == [0, 1, 2, 3]
+
+    same_step = offer(peer, 7, now)
+    assert decide(same_step, copies, now)
+    assert same_step.copy is not None and same_step.wanted == [1, 3]
+    blocks = P.block_views(peer)
+    frames = assemble(same_step, [blocks[1], blocks[3]])
+    assert b"".join(bytes(f) for f in frames) == peer.tobytes()
+    assert "expected 2 blocks" in assemble(same_step, [blocks[1]])
+
+    buf.begin_write()  # the worker writes its buffer again: the copy no longer vouches for those bytes
+    assert not same_step.copy.valid()
+    assert "changed meanwhile" in assemble(same_step, [blocks[1], blocks[3]])
+    assert copies.find(7, nbytes) is None
+
+
+def test_local_copies_keep_a_workers_two_newest_buffers_only():
+    copies = LocalCopies(lambda: [os.getpid()])
+    buffers = [SharedBuffer(CHECKSUM_BLOCK) for _ in range(3)]
+    for step, buf in enumerate(buffers):
+        assert announce(copies, buf, step, CHECKSUM_BLOCK) == ""
+    assert [copies.find(step, CHECKSUM_BLOCK) is not None for step in range(3)] == [False, True, True]
+    assert len(copies._maps) == 2  # the oldest buffer is no longer mapped
+    buffers[2].begin_write()  # written again: stale, and dropped at the next announcement
+    assert announce(copies, buffers[1], 1, CHECKSUM_BLOCK) == ""
+    assert copies.find(2, CHECKSUM_BLOCK) is None and len(copies._maps) == 1
