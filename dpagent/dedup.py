@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from .checksum import CHECKSUM_BLOCK
-from .protocol import LocalSnapshot, OfferSnapshot, block_views, payload_bytes
+from .protocol import CHUNK_BYTES, LocalSnapshot, OfferSnapshot, block_views, payload_bytes
 
 OFFER_WAIT_S = 2.0  # how long an offer waits for the local snapshot of its step before it is asked for whole
 KEEP_PER_WORKER = 2  # local copies kept per worker: its ring (dpstate.replication.NSLOTS)
@@ -33,7 +33,8 @@ class LocalCopy:
     nbytes: int
     writes: int
     counter: np.ndarray  # a read-only view of the buffer's write counter
-    blocks: list  # read-only views of the data's blocks (block_views)
+    data: memoryview  # a read-only view of the data
+    blocks: list  # ... cut into blocks (block_views)
     digests: np.ndarray
 
     def valid(self) -> bool:
@@ -77,7 +78,7 @@ class LocalCopies:
             return f"bytes {msg.offset}..{msg.offset + msg.nbytes} are outside the buffer ({len(mapping)} bytes)"
         data = memoryview(mapping)[msg.offset : msg.offset + msg.nbytes]
         counter = np.frombuffer(mapping, dtype=np.uint64, count=1)
-        self._copies[key[:2]] = LocalCopy(msg.rank, msg.step, msg.nbytes, msg.writes, counter,
+        self._copies[key[:2]] = LocalCopy(msg.rank, msg.step, msg.nbytes, msg.writes, counter, data,
                                           block_views(data) if msg.nbytes else [], digests)
         self._prune(msg.pid)
         return ""
@@ -160,10 +161,26 @@ def decide(offer: Offer, local: LocalCopies, now: float) -> bool:
 
 def assemble(offer: Offer, blocks: list) -> list | str:
     """The snapshot's data as frames: the blocks received (in offer.wanted's order) and the local copy's for
-    the rest; or why it cannot be (the wrong number of blocks, or the local copy written since)."""
+    the rest, runs of these joined into views of up to CHUNK_BYTES (a fetch then sends as few messages as a
+    snapshot received whole); or why it cannot be (the wrong number of blocks, or the local copy written since)."""
     if len(blocks) != len(offer.wanted):
         return f"expected {len(offer.wanted)} blocks, got {len(blocks)}"
     if offer.copy is not None and not offer.copy.valid():
         return "this node's copy of those blocks changed meanwhile; offer the snapshot again"
     received = dict(zip(offer.wanted, blocks))
-    return [received[i] if i in received else offer.copy.blocks[i] for i in range(offer.nblocks)] or [b""]
+    frames: list = []
+    run: list = []  # consecutive local blocks: adjacent in the local buffer
+    for i in range(offer.nblocks):
+        if i not in received:
+            run.append(i)
+            if len(run) * CHECKSUM_BLOCK < CHUNK_BYTES:
+                continue
+        if run:
+            frames.append(offer.copy.data[run[0] * CHECKSUM_BLOCK : (run[-1] + 1) * CHECKSUM_BLOCK]
+                          if len(run) > 1 else offer.copy.blocks[run[0]])
+            run = []
+        if i in received:
+            frames.append(received[i])
+    if run:
+        frames.append(offer.copy.data[run[0] * CHECKSUM_BLOCK : (run[-1] + 1) * CHECKSUM_BLOCK])
+    return frames or [b""]

@@ -213,3 +213,22 @@ def test_local_copies_keep_a_workers_two_newest_buffers_only():
     buffers[2].begin_write()  # written again: stale, and dropped at the next announcement
     assert announce(copies, buffers[1], 1, CHECKSUM_BLOCK) == ""
     assert copies.find(2, CHECKSUM_BLOCK) is None and len(copies._maps) == 1
+
+
+def test_assemble_joins_runs_of_local_blocks_into_chunks_of_at_most_chunk_bytes():
+    per_chunk = P.CHUNK_BYTES // CHECKSUM_BLOCK
+    nbytes = (2 * per_chunk + 3) * CHECKSUM_BLOCK + 10
+    buf = SharedBuffer(nbytes)
+    buf.begin_write()
+    buf.tensor.numpy()[:] = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    copies = LocalCopies(lambda: [os.getpid()])
+    assert announce(copies, buf, 3, nbytes) == ""
+    peer = buf.tensor.numpy().copy()
+    peer[(per_chunk + 1) * CHECKSUM_BLOCK] ^= 0xFF  # one block in the middle differs
+    same = offer(peer, 3, 0.0)
+    assert decide(same, copies, 0.0) and same.wanted == [per_chunk + 1, 2 * per_chunk + 3]
+    blocks = P.block_views(peer)
+    frames = assemble(same, [blocks[i] for i in same.wanted])
+    sizes = [memoryview(f).nbytes for f in frames]
+    assert sizes == [P.CHUNK_BYTES, CHECKSUM_BLOCK, CHECKSUM_BLOCK, P.CHUNK_BYTES, CHECKSUM_BLOCK, 10]
+    assert b"".join(bytes(f) for f in frames) == peer.tobytes()
