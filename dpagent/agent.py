@@ -290,6 +290,8 @@ class Agent(RestartMode, ShutdownSequence):
             if msg.restart_workers:
                 self._restart_workers(msg)
                 return
+            if msg.restore_step >= 0:  # its workers will hold that step: peers' offers of it can wait for it
+                self.replica.expect_local(msg.restore_step, now)
             log.info("reconfigure: generation %d, node rank %d, restore step %d%s; relaying to %d worker(s)",
                      msg.generation, msg.node_rank, msg.restore_step,
                      f" ({msg.reason})" if msg.reason else "", len(self._peers))

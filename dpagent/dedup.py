@@ -21,6 +21,7 @@ from .checksum import CHECKSUM_BLOCK
 from .protocol import CHUNK_BYTES, LocalSnapshot, OfferSnapshot, block_views, payload_bytes
 
 OFFER_WAIT_S = 2.0  # how long an offer waits for the local snapshot of its step before it is asked for whole
+EXPECT_RESTORE_S = 30.0  # after a Reconfigure, how long its restore step counts as coming (see LocalCopies.expect)
 KEEP_PER_WORKER = 2  # local copies kept per worker: its ring (dpstate.replication.NSLOTS)
 
 
@@ -49,6 +50,7 @@ class LocalCopies:
         self._pids = local_pids
         self._maps: dict[tuple[int, int, int], mmap.mmap] = {}  # (pid, fd, inode) -> read-only mapping
         self._copies: dict[tuple[int, int], LocalCopy] = {}  # (pid, fd) -> what that buffer holds
+        self._expected = (-1, 0.0)  # a step a local worker is about to hold (a restore), and until when
 
     def announce(self, msg: LocalSnapshot, payload: list) -> str:
         """Map the buffer a LocalSnapshot names (once per buffer) and take note of its copy; "" or why not."""
@@ -101,6 +103,15 @@ class LocalCopies:
         """The newest step announced by a local worker (-1: none): one behind an offer is worth waiting for."""
         return max((c.step for c in self._copies.values()), default=-1)
 
+    def expect(self, step: int, until: float) -> None:
+        """A local worker is restoring `step` (a Reconfigure): offers of it are worth waiting for until then,
+        even from a node whose worker has no snapshot yet (a promoted spare)."""
+        self._expected = (step, until)
+
+    def coming(self, step: int, now: float) -> bool:
+        """Is a local snapshot of `step` likely to be announced soon?"""
+        return 0 <= self.newest_step() < step or (self._expected[0] == step and now < self._expected[1])
+
 
 def _map_worker_buffer(pid: int, fd: int, inode: int) -> mmap.mmap:
     handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
@@ -147,7 +158,7 @@ def decide(offer: Offer, local: LocalCopies, now: float) -> bool:
     """Settle which blocks `offer` needs (offer.copy, offer.wanted); False: wait for the local snapshot of
     its step (a local worker is behind it and the offer's wait has time left)."""
     copy = local.find(offer.msg.step, offer.data_nbytes)
-    if copy is None and 0 <= local.newest_step() < offer.msg.step and now < offer.deadline:
+    if copy is None and now < offer.deadline and local.coming(offer.msg.step, now):
         return False
     offer.copy = copy
     if copy is None:

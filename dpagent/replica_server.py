@@ -22,7 +22,7 @@ import zmq
 
 from .channel import Channel, Incoming
 from .checksum import checksum_chunks
-from .dedup import LocalCopies, Offer, assemble, decide, parse_offer
+from .dedup import EXPECT_RESTORE_S, LocalCopies, Offer, assemble, decide, parse_offer
 from .events import EventPipe
 from .protocol import (FetchSnapshot, LocalSnapshot, OfferSnapshot, PutSnapshot, ReserveSnapshot, SnapshotAck,
                        SnapshotBlocks, SnapshotChunk, SnapshotData, SnapshotReserved, SnapshotStored, SnapshotWants)
@@ -142,6 +142,10 @@ class ReplicaServer:
             if decide(offer, self.local, now):
                 self._waiting.remove(offer)
                 self._ask(offer)
+
+    def expect_local(self, step: int, now: float) -> None:
+        """This node's workers are restoring `step` (a Reconfigure): offers of it wait for their snapshot."""
+        self.local.expect(step, now + EXPECT_RESTORE_S)
 
     def next_deadline(self) -> float | None:
         return min((o.deadline for o in self._waiting), default=None)

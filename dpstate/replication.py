@@ -206,11 +206,14 @@ class Replicator:
 
         slot, reply = receive_snapshot(self.ctx, self.codec, self.abort, endpoint, rank, step, timeout, reserve)
         t1 = time.perf_counter()
-        try:
-            S.verify(slot.meta, slot.data, reply.checksum)
-        except S.SnapshotError as exc:
-            raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: {exc}") from None
-        slot.checksum, slot.step = reply.checksum, step
+        if slot.shared is not None:  # the block digests too (same pass): its re-put announces it locally
+            got, digests = S.checksum_and_digests(slot.meta, slot.data)
+        else:
+            got, digests = S.checksum(slot.meta, slot.data), None
+        if got != reply.checksum:
+            raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: snapshot checksum mismatch: "
+                                   f"got {got:#010x}, expected {reply.checksum:#010x}")
+        slot.checksum, slot.step, slot.digests = reply.checksum, step, digests
         st = self.stats
         st.fetches, st.fetch_s, st.fetch_verify_s = st.fetches + 1, st.fetch_s + t1 - t0, st.fetch_verify_s + time.perf_counter() - t1
         return slot
@@ -263,11 +266,11 @@ class Replicator:
                         torch.cuda.set_device(job.device)  # this thread's current device: the worker's
                         copy_stream = torch.cuda.Stream(device=job.device)
                     self._capture(job, copy_stream)
-                    if local is not None and job.slot.digests is not None:
-                        self._announce(local, job.slot, rank)
-                    with self._cond:
-                        if not job.replicate:
-                            continue
+                if local is not None and job.slot.digests is not None:  # captured, or restored (re-put)
+                    self._announce(local, job.slot, rank)
+                with self._cond:
+                    if not job.replicate:  # dropped by a reconfiguration: captured (kept locally), not sent
+                        continue
                 ok = self._replicate({e: socks[e] for e in endpoints}, job, epoch, generation, rank)
                 with self._cond:
                     if epoch == self._epoch and ok:

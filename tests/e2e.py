@@ -35,12 +35,13 @@ def read_events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def dprun(procs, tmp: Path, name: str, *options: str, steps: int = 40, timeout: float = 150, env=None) -> Run:
-    """Runs `dprun OPTIONS train_gpt.py ...` to its end (killed at `timeout`)."""
+def dprun(procs, tmp: Path, name: str, *options: str, steps: int = 40, timeout: float = 150, env=None,
+          train_args: tuple = ()) -> Run:
+    """Runs `dprun OPTIONS train_gpt.py ... TRAIN_ARGS train_args` to its end (killed at `timeout`)."""
     events = tmp / f"{name}.events.jsonl"
     summary = tmp / f"{name}.summary.json"
     start = time.monotonic()
-    proc = procs.dprun(*options, "--events-file", events, TRAIN, "--steps", steps, *TRAIN_ARGS,
+    proc = procs.dprun(*options, "--events-file", events, TRAIN, "--steps", steps, *TRAIN_ARGS, *train_args,
                        "--summary", summary, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                        cwd=tmp, env=env)
     try:
