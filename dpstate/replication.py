@@ -25,6 +25,7 @@ from . import snapshot as S
 from .abort import AbortSignal
 from .interval import SnapshotPolicy
 from .fetch import ReplicationError, Slot, receive_snapshot
+from .priority import lower_io_threads, lower_priority
 from .profile import SnapshotStats, write_profile
 
 # Local snapshots kept. The snapshot gate (dpstate.session.Job._gate) makes a survivor roll back at most one
@@ -62,7 +63,7 @@ class Replicator:
             before = set()
         self.ctx = zmq.Context(io_threads=1)
         self.ctx.socket(zmq.DEALER).close(0)  # starts the I/O thread now
-        _lower_io_threads(before)
+        lower_io_threads(before)
         self.pin = torch.cuda.is_available()
         # this node's agent, told of each local snapshot so that it can hold peers' identical blocks by reference
         self.local_store = os.environ.get("DP_LOCAL_REPLICA", "")
@@ -232,7 +233,7 @@ class Replicator:
     # ------------------------------------------------------------------ thread
 
     def _run(self) -> None:
-        _lower_priority(threading.get_native_id())
+        lower_priority(threading.get_native_id())
         socks: dict[str, zmq.Socket] = {}  # replica endpoint -> our DEALER to it
         local = None  # our DEALER to this node's agent (LocalSnapshot)
         if self.share:
@@ -410,32 +411,3 @@ class Replicator:
             self.stats.send_s += time.perf_counter() - t0
             self.stats.relabels += len(relabeled)
         return True
-
-
-# A lower priority for the snapshot threads does not make their work smaller: where training keeps every core
-# busy, the step waits for it at the snapshot gate anyway. Seen on a 2-core host shared with other
-# jobs at nice 10: a 5 MB capture took 150 ms of wall time for 10 ms of CPU (other processes went first)
-# while training waited. So by default they run as training does; DP_SNAPSHOT_NICE=N to try otherwise.
-SNAPSHOT_NICE = int(os.environ.get("DP_SNAPSHOT_NICE", "0"))
-
-
-def _lower_priority(tid: int) -> None:
-    """Lower the scheduling priority of one thread (Linux: nice is per thread) by DP_SNAPSHOT_NICE (default 0:
-    as training); used for the replication thread and the snapshot context's ZeroMQ I/O thread."""
-    if SNAPSHOT_NICE <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + SNAPSHOT_NICE))
-    except OSError:
-        pass
-
-
-def _lower_io_threads(before: set[str]) -> None:
-    """Renice the ZeroMQ I/O threads that appeared since `before` (the tids of this process's tasks)."""
-    try:
-        for tid in set(os.listdir("/proc/self/task")) - before:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().startswith("ZMQbg/IO"):
-                    _lower_priority(int(tid))
-    except OSError:
-        pass
