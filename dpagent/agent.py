@@ -223,8 +223,8 @@ class Agent(RestartMode, ShutdownSequence):
     def _poll_timeout_ms(self) -> int:
         now = time.monotonic()
         due = [self._next_reap] + [deadline for deadline, _ in self._held[:1]]
-        if self.replica.next_deadline() is not None:
-            due.append(self.replica.next_deadline())
+        if (offers_due := self.replica.next_deadline()) is not None:
+            due.append(offers_due)
         if self.shutdown is not None:
             due.append(self.shutdown.deadline)
         elif self.liveness is not None:

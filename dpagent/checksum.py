@@ -26,7 +26,7 @@ def checksum_chunks(meta: Any, chunks: Sequence[Any]) -> int:
         buf = _uint8(chunk)
         if i < len(chunks) - 1 and buf.size % CHECKSUM_BLOCK:
             raise ValueError(f"chunk {i} of {len(chunks)} is {buf.size} bytes, not a multiple of {CHECKSUM_BLOCK}")
-        crc = _fold(buf, crc)
+        crc = _fold(buf, block_digests(buf), crc)
     return crc
 
 
@@ -41,8 +41,7 @@ def checksum_and_digests(meta: Any, data: Any) -> tuple[int, np.ndarray]:
     """checksum(meta, data) and block_digests(data), in one pass over data."""
     buf = _uint8(data)
     digests = block_digests(buf)
-    crc = zlib.crc32(digests, zlib.crc32(meta)) if digests.size else zlib.crc32(meta)
-    return zlib.crc32(buf[digests.size * CHECKSUM_BLOCK :], crc), digests
+    return _fold(buf, digests, zlib.crc32(meta)), digests
 
 
 def block_digests(data: Any) -> np.ndarray:
@@ -59,9 +58,8 @@ def _uint8(data: Any) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
 
 
-def _fold(buf: np.ndarray, crc: int) -> int:
-    """crc32 over the digests of buf's whole blocks, then over its tail."""
-    digests = block_digests(buf)
+def _fold(buf: np.ndarray, digests: np.ndarray, crc: int) -> int:
+    """crc32 over the digests of buf's whole blocks (block_digests(buf)), then over its tail."""
     if digests.size:
         crc = zlib.crc32(digests, crc)
     return zlib.crc32(buf[digests.size * CHECKSUM_BLOCK :], crc)

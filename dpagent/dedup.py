@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from .checksum import CHECKSUM_BLOCK
-from .protocol import CHUNK_BYTES, LocalSnapshot, OfferSnapshot, block_views, payload_bytes
+from .protocol import CHUNK_BYTES, LocalSnapshot, OfferSnapshot, payload_bytes
 
 OFFER_WAIT_S = 2.0  # how long an offer waits for the local snapshot of its step before it is asked for whole
 EXPECT_RESTORE_S = 30.0  # after a Reconfigure, how long its restore step counts as coming (see LocalCopies.expect)
@@ -35,7 +35,6 @@ class LocalCopy:
     writes: int
     counter: np.ndarray  # a read-only view of the buffer's write counter
     data: memoryview  # a read-only view of the data
-    blocks: list  # ... cut into blocks (block_views)
     digests: np.ndarray
 
     def valid(self) -> bool:
@@ -80,8 +79,7 @@ class LocalCopies:
             return f"bytes {msg.offset}..{msg.offset + msg.nbytes} are outside the buffer ({len(mapping)} bytes)"
         data = memoryview(mapping)[msg.offset : msg.offset + msg.nbytes]
         counter = np.frombuffer(mapping, dtype=np.uint64, count=1)
-        self._copies[key[:2]] = LocalCopy(msg.rank, msg.step, msg.nbytes, msg.writes, counter, data,
-                                          block_views(data) if msg.nbytes else [], digests)
+        self._copies[key[:2]] = LocalCopy(msg.rank, msg.step, msg.nbytes, msg.writes, counter, data, digests)
         self._prune(msg.pid)
         return ""
 
@@ -180,18 +178,13 @@ def assemble(offer: Offer, blocks: list) -> list | str:
         return "this node's copy of those blocks changed meanwhile; offer the snapshot again"
     received = dict(zip(offer.wanted, blocks))
     frames: list = []
-    run: list = []  # consecutive local blocks: adjacent in the local buffer
-    for i in range(offer.nblocks):
-        if i not in received:
-            run.append(i)
-            if len(run) * CHECKSUM_BLOCK < CHUNK_BYTES:
-                continue
-        if run:
-            frames.append(offer.copy.data[run[0] * CHECKSUM_BLOCK : (run[-1] + 1) * CHECKSUM_BLOCK]
-                          if len(run) > 1 else offer.copy.blocks[run[0]])
-            run = []
+    start = None  # the first block of the current run of local blocks (adjacent in the local buffer)
+    for i in range(offer.nblocks + 1):
+        if start is not None and (i == offer.nblocks or i in received or (i - start) * CHECKSUM_BLOCK == CHUNK_BYTES):
+            frames.append(offer.copy.data[start * CHECKSUM_BLOCK : i * CHECKSUM_BLOCK])
+            start = None
         if i in received:
             frames.append(received[i])
-    if run:
-        frames.append(offer.copy.data[run[0] * CHECKSUM_BLOCK : (run[-1] + 1) * CHECKSUM_BLOCK])
+        elif start is None and i < offer.nblocks:
+            start = i
     return frames or [b""]

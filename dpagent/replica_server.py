@@ -89,9 +89,9 @@ class ReplicaServer:
         self._waiting: list[Offer] = []  # offers waiting for their step's local copy
         self._awaiting: dict[tuple, Offer] = {}  # (sender, rank, step) -> an offer waiting for its blocks
 
-    def handle(self, incoming: Incoming, now: float | None = None) -> None:
+    def handle(self, incoming: Incoming) -> None:
         msg = incoming.msg
-        now = time.monotonic() if now is None else now
+        now = time.monotonic()
         if isinstance(msg, PutSnapshot):
             self._put(incoming, msg)
         elif isinstance(msg, OfferSnapshot):

@@ -13,6 +13,7 @@ import zmq
 
 from dpagent import protocol as P
 
+from . import snapshot as S
 from .abort import AbortSignal
 from .shared import SharedBuffer
 
@@ -51,9 +52,17 @@ class Slot:
         if self.shared is not None:
             self.shared.begin_write()
 
+    def seal(self, meta: Any, nbytes: int) -> int:
+        """The checksum of meta + the buffer's first `nbytes`; a shared buffer keeps the block digests too
+        (the same pass), which its node's agent is told."""
+        crc, digests = S.checksum_and_digests(meta, self.buffer[:nbytes])
+        self.digests = digests if self.shared is not None else None
+        return crc
+
     def release(self) -> None:
         """Empty, its memory given back."""
-        self.step, self.nbytes, self.buffer, self.shared, self.digests = -1, 0, torch.empty(0, dtype=torch.uint8), None, None
+        self.step, self.nbytes, self.shared, self.digests = -1, 0, None, None
+        self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
 def receive_snapshot(ctx: zmq.Context, codec: P.Codec, abort: AbortSignal, endpoint: str, rank: int, step: int,

@@ -207,14 +207,11 @@ class Replicator:
 
         slot, reply = receive_snapshot(self.ctx, self.codec, self.abort, endpoint, rank, step, timeout, reserve)
         t1 = time.perf_counter()
-        if slot.shared is not None:  # the block digests too (same pass): its re-put announces it locally
-            got, digests = S.checksum_and_digests(slot.meta, slot.data)
-        else:
-            got, digests = S.checksum(slot.meta, slot.data), None
-        if got != reply.checksum:
-            raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: snapshot checksum mismatch: "
-                                   f"got {got:#010x}, expected {reply.checksum:#010x}")
-        slot.checksum, slot.step, slot.digests = reply.checksum, step, digests
+        try:
+            S.check(slot.seal(slot.meta, slot.nbytes), reply.checksum)  # digests kept: its re-put announces it
+        except S.SnapshotError as exc:
+            raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: {exc}") from None
+        slot.checksum, slot.step = reply.checksum, step
         st = self.stats
         st.fetches, st.fetch_s, st.fetch_verify_s = st.fetches + 1, st.fetch_s + t1 - t0, st.fetch_verify_s + time.perf_counter() - t1
         return slot
@@ -306,16 +303,13 @@ class Replicator:
             stream.synchronize()
             t2 = time.perf_counter()
             stats.copy_s += t2 - t1
-            crc = S.checksum(meta, slot.buffer[:nbytes])
+            crc = slot.seal(meta, nbytes)
             stats.crc_s += time.perf_counter() - t2
         else:
             ta = time.perf_counter()
             S.copy_into(tensors, specs, slot.buffer)
             tb = time.perf_counter()
-            if slot.shared is not None:  # padding included: every byte that is sent
-                crc, slot.digests = S.checksum_and_digests(meta, slot.buffer[:nbytes])
-            else:
-                crc = S.checksum(meta, slot.buffer[:nbytes])
+            crc = slot.seal(meta, nbytes)  # padding included: every byte that is sent
             stats.copy_s += tb - ta
             stats.crc_s += time.perf_counter() - tb
         job.tree = tensors = None  # the step's tensors may now change

@@ -249,7 +249,11 @@ def checksum_and_digests(meta: Any, data: Any) -> tuple[int, Any]:
 
 
 def verify(meta: Any, data: Any, expected: int) -> None:
-    got = checksum(meta, data)
+    check(checksum(meta, data), expected)
+
+
+def check(got: int, expected: int) -> None:
+    """SnapshotError unless a checksum computed (`got`) is the one expected."""
     if got != expected:
         raise SnapshotError(f"snapshot checksum mismatch: got {got:#010x}, expected {expected:#010x}")
 
