@@ -32,8 +32,8 @@ def checksum_chunks(meta: Any, chunks: Sequence[Any]) -> int:
 
 def checksum(meta: Any, data: Any) -> int:
     """32 bits over meta then data (bytes-like): zlib.crc32 over meta, then over the digests of data's whole
-    1 MiB blocks (block_digests), then over data's tail. It runs on every snapshot: measured here, 12 ms per
-    108 MB against 42-55 ms for zlib.crc32 over the bytes."""
+    1 MiB blocks (block_digests), then over data's tail. It runs on every snapshot: measured here, 7 ms per
+    108 MB against 36-55 ms for zlib.crc32 over the bytes."""
     return checksum_and_digests(meta, data)[0]
 
 
@@ -51,7 +51,9 @@ def block_digests(data: Any) -> np.ndarray:
     blocks = buf.size // CHECKSUM_BLOCK
     if not blocks:
         return np.zeros(0, dtype=np.int64)
-    return buf[: blocks * CHECKSUM_BLOCK].view(np.int64).reshape(blocks, CHECKSUM_BLOCK // 8) @ _WEIGHTS
+    words = buf[: blocks * CHECKSUM_BLOCK].view(np.int64).reshape(blocks, CHECKSUM_BLOCK // 8)
+    # einsum's integer loop, not matmul's: the same sums mod 2^64, in 6-7 ms per 108 MB against 9-11 (measured here)
+    return np.einsum("bw,w->b", words, _WEIGHTS)
 
 
 def _uint8(data: Any) -> np.ndarray:

@@ -26,7 +26,7 @@ from .abort import AbortSignal
 from .interval import SnapshotPolicy
 from .fetch import ReplicationError, Slot, receive_snapshot
 from .priority import lower_io_threads, lower_priority
-from .profile import SnapshotStats, write_profile
+from .profile import PhaseClock, SnapshotStats, write_profile
 
 # Local snapshots kept. The snapshot gate (dpstate.session.Job._gate) makes a survivor roll back at most one
 # snapshot while it captures the next one when the dead ranks' newest copies are good; every step submitted is
@@ -72,8 +72,6 @@ class Replicator:
         self.generation = -1
         self.endpoints: list[str] = []  # replica stores that get every snapshot
         self.last_capture_s = 0.0
-        self._meta_key: Any = None  # the layout whose encoded meta is cached in _meta
-        self._meta = b""
         self.policy = SnapshotPolicy.from_env()
         self.stats = SnapshotStats()
         self._cond = threading.Condition()
@@ -281,40 +279,30 @@ class Replicator:
                         self._cond.notify_all()
 
     def _capture(self, job: _Job, stream: Any) -> None:
-        """Pack job.tree into its slot: meta first, then the tensors copied in batches, then checksummed.
+        """Pack job.tree into its slot: meta first, then the tensors copied, then checksummed.
         Not interrupted by quiesce(): a reconfiguration waits for it (see NSLOTS)."""
-        t0 = time.perf_counter()
-        stats = self.stats
+        laps = PhaseClock(self.stats)
         skeleton, tensors = S.flatten(job.tree)
         specs, nbytes = S.layout(tensors)
-        key = (skeleton, specs, nbytes, self.rank)
-        if self._meta_key != key:  # the same layout step after step: encode it once
-            self._meta_key, self._meta = key, S.encode_meta(skeleton, specs, nbytes, {"rank": self.rank})
-        meta = self._meta
+        meta = S.encode_meta(skeleton, specs, nbytes, {"rank": self.rank})
         slot = job.slot
         slot.reserve(nbytes, self.pin, self.share)
         slot.nbytes = 0
-        t1 = time.perf_counter()
-        stats.meta_s += t1 - t0
+        laps.lap("meta")
         if stream is not None:
             stream.wait_event(job.event)
             with torch.cuda.stream(stream):
                 S.copy_into(tensors, specs, slot.buffer, non_blocking=True)
             stream.synchronize()
-            t2 = time.perf_counter()
-            stats.copy_s += t2 - t1
-            crc = slot.seal(meta, nbytes)
-            stats.crc_s += time.perf_counter() - t2
         else:
-            ta = time.perf_counter()
             S.copy_into(tensors, specs, slot.buffer)
-            tb = time.perf_counter()
-            crc = slot.seal(meta, nbytes)  # padding included: every byte that is sent
-            stats.copy_s += tb - ta
-            stats.crc_s += time.perf_counter() - tb
+        laps.lap("copy")
         job.tree = tensors = None  # the step's tensors may now change
+        crc = slot.seal(meta, nbytes)  # padding included: every byte that is sent
+        laps.lap("crc")
         slot.meta, slot.nbytes, slot.checksum = meta, nbytes, crc
-        slot.capture_s = self.last_capture_s = time.perf_counter() - t0
+        slot.capture_s = self.last_capture_s = laps.finish()
+        stats = self.stats
         stats.captures += 1
         stats.capture_s += slot.capture_s
         stats.bytes += nbytes + len(meta)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import random
 import sys
 
@@ -159,6 +160,32 @@ def test_truncated_data_and_unsafe_meta_are_refused():
         S.unpack(out.getvalue(), b"")
     with pytest.raises(S.SnapshotError, match="cannot snapshot"):
         S.pack({"x": object()})
+
+
+def test_meta_that_is_not_ours_is_refused_not_obeyed():
+    meta, buf = S.pack({"w": torch.arange(4.0)})
+    doc = json.loads(meta)
+    for bad in (b"\x80\x02garbage", b"[1, 2]", json.dumps({**doc, "format": 1}).encode(),
+                json.dumps({**doc, "skeleton": {"T": 0}}).encode(),
+                json.dumps({**doc, "skeleton": ["T", 5]}).encode(),
+                json.dumps({**doc, "tensors": [["float32", [4], 0, 10**9]]}).encode()):
+        with pytest.raises(S.SnapshotError):
+            S.unpack(bad, buf)
+    assert torch.equal(S.unpack(meta, buf)["w"], torch.arange(4.0))
+
+
+def test_copy_into_never_writes_past_its_buffer():
+    tensors = [torch.arange(10, dtype=torch.int64), torch.ones(3)]
+    specs, nbytes = S.layout(tensors)
+    guard = torch.zeros(nbytes + 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="at least"):
+        S.copy_into(tensors, specs, guard[: specs[-1].offset + specs[-1].nbytes - 1])
+    tensors[1].resize_(100)  # changed since layout(): its place is too small
+    with pytest.raises(S.SnapshotError, match="does not fit"):
+        S.copy_into(tensors, specs, guard)
+    assert not guard[nbytes:].any()
+    S.copy_into([torch.arange(10, dtype=torch.int64), torch.ones(3)], specs, guard)
+    assert torch.equal(guard[:80].view(torch.int64), torch.arange(10)) and not guard[nbytes:].any()
 
 
 def test_rng_states_and_special_values_round_trip():
