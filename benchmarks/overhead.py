@@ -1,18 +1,21 @@
 """Failure-free overhead: throughput of examples/train_gpt.py on 2 nodes with per-step snapshots + replication,
-with an automatic interval, with snapshots off, and under plain torchrun (same script, same seed), interleaved.
+with an automatic interval, with snapshots off, and under plain torchrun (same script, same seed), interleaved;
+and what one snapshot costs, paired within a run that snapshots every 2nd step (alternate).
 
     python benchmarks/overhead.py [--reps 2] [--steps 60] [--json overhead.json] [--quick]
 
 Default model: 9.0 M parameters; parameters + AdamW state = 108 MB per node. Each configuration runs `--reps`
-times, in rotated order (off, per_step, auto, torchrun; then per_step, auto, torchrun, off; ...), so that slow
+times, in rotated order (off, per_step, auto, torchrun, alternate; then per_step, auto, ..., off; ...), so that slow
 phases of a shared machine hit all of them. Throughput is tokens per second over the same window of steps in
 every run of a repetition: whole snapshot intervals of the auto run after its decision (each holds exactly one
 snapshot), else the steps after the decision. Overheads are medians over repetitions of 1 - throughput /
-throughput(off) within a repetition. The per-step runs also write dpstate's snapshot profile
+throughput(off) within a repetition. Whole runs differ by several % on a shared host, more than the cost of a
+snapshot; the alternate runs resolve it: the median over adjacent steps of (a step that carries a snapshot's
+capture - the step before it, which carries none), over a step's time (overhead_per_step_paired). The per-step runs also write dpstate's snapshot profile
 (DP_SNAPSHOT_PROFILE); the benchmark samples every process's peak RSS (VmHWM) and per-thread CPU.
 
-JSON: {"throughput": {"off", "per_step", "auto", "torchrun"} (tokens/s, medians), "overhead_per_step",
-"overhead_auto", "auto_interval", "auto_max_lost_steps", "auto_cost", "profile", "peak_rss", "runs": [...]}.
+JSON: {"throughput": {"off", "per_step", "auto", "torchrun", "alternate"} (tokens/s, medians), "overhead_per_step",
+"overhead_per_step_paired", "paired_pairs", "overhead_auto", "auto_interval", "auto_max_lost_steps", "auto_cost", "profile", "peak_rss", "runs": [...]}.
 torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see DESIGN.md) and the same thread settings.
 """
 
@@ -30,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 import _limits  # noqa: E402
 
-CONFIGS = ("off", "per_step", "auto", "torchrun")
+CONFIGS = ("off", "per_step", "auto", "torchrun", "alternate")
 AUTO_STEPS = "3,8"  # dpstate's default: 3 warm-up steps, then 8 pairs measured: decided at step 20
 
 
@@ -43,7 +46,7 @@ def command(config: str, args, folder: Path) -> tuple[list[str], dict[str, str]]
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 *script], env
-    interval = {"off": "off", "per_step": "1", "auto": f"auto:{args.budget}"}[config]
+    interval = {"off": "off", "per_step": "1", "auto": f"auto:{args.budget}", "alternate": "2"}[config]
     if config == "per_step":
         env["DP_SNAPSHOT_PROFILE"] = str(folder / "profile")
     return [sys.executable, "-m", "dprun", "--nnodes", "2", "--no-tui", "--snapshot-interval", interval,
@@ -60,6 +63,18 @@ def auto_window(summary: dict | None, steps: int, decided: int) -> tuple[int, in
     if last - first >= interval and last > first:
         return first, last
     return decided + 1, steps
+
+
+def paired_cost(timings: list[dict], lo: int, hi: int) -> tuple[float | None, int]:
+    """What one snapshot costs as a fraction of a step, from a run that snapshots every 2nd step: the median over
+    adjacent pairs of (a step that follows a snapshot - the step before it, which follows none), over the median
+    step that follows none; and the number of pairs. A snapshot of step S is captured during step S + 1."""
+    ends = C.step_times(timings)
+    took = {k: ends[k] - ends[k - 1] for k in ends if k - 1 in ends and lo < k <= hi}
+    plain = {k: d for k, d in took.items() if (k - 1) % 2}
+    diffs = [d - plain[k - 1] for k, d in took.items() if not (k - 1) % 2 and k - 1 in plain]
+    base = C.median(plain.values())
+    return (C.median(diffs) / base if diffs and base else None), len(diffs)
 
 
 def profile_of(result: C.RunResult) -> dict | None:
@@ -150,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                     "snapshot_cost": summary.get("snapshot_cost"), "max_lost_steps": summary.get("max_lost_steps"),
                     "peak_rss": res.peak_rss_by_role(), "cpu_s": res.cpu_by_role_thread(),
                     "profile": profile_of(res) if config == "per_step" else None,
+                    # from step 4: the first snapshot into each of the 2 buffers faults its pages in
+                    "paired": paired_cost(res.timings(), 4, args.steps) if config == "alternate" else None,
                 })
         state_guess = C.median(r["state_bytes"] for r in runs if r["state_bytes"]) or 1e6
         print("  measuring the limits (memcpy, loopback TCP) ...", flush=True)
@@ -208,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         "throughput": throughput,
         "overhead_per_step": overhead("per_step") if "per_step" in configs else None,
         "overhead_auto": overhead("auto") if "auto" in configs else None,
+        # the same cost resolved within one run: adjacent steps with and without a snapshot (every 2nd step)
+        "overhead_per_step_paired": C.median(r["paired"][0] for r in runs if r.get("paired")),
+        "paired_pairs": sum(r["paired"][1] for r in runs if r.get("paired")),
         "overhead_torchrun": overhead("torchrun") if "torchrun" in configs else None,
         "auto_interval": C.median(r["snapshot_interval"] for r in auto_runs if r["snapshot_interval"]),
         "auto_max_lost_steps": C.median(r["max_lost_steps"] for r in auto_runs if r["max_lost_steps"]),
@@ -251,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         print("agent (replica holder) CPU ms per snapshot: " + ", ".join(
             f"{'Python threads (verify, store, ack)' if k == 'python' else k} {v:.1f}"
             for k, v in prof.get("agent_cpu_ms_per_snapshot", {}).items()))
+    if result["overhead_per_step_paired"] is not None:
+        print(f"per-step snapshots, paired within runs (every 2nd step snapshotted, {result['paired_pairs']} pairs of "
+              f"adjacent steps): one snapshot costs {result['overhead_per_step_paired']:+.2%} of a step (per repetition: "
+              + ", ".join(f"{r['paired'][0]:+.2%}" for r in runs if r.get("paired") and r["paired"][0] is not None) + ")")
     if floor.get("overhead_per_step_floor") is not None:
         print(f"floor: copying the state once + moving it over loopback TCP costs {per_node_cpu * 1000:.0f} ms of CPU "
               f"per node and snapshot ({floor['overhead_per_step_floor']:.1%} of a {off_step:.2f} s step with 2 "
