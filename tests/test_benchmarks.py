@@ -62,10 +62,12 @@ def test_train_gpt_under_torchrun_matches_dprun_and_resumes_from_disk_checkpoint
 @pytest.mark.timeout(200)
 def test_overhead_quick(procs, tmp_path):
     got = bench(procs, tmp_path, "overhead", "--quick", "--steps", "12")
-    assert set(got["throughput"]) == {"off", "per_step", "auto", "torchrun"}
+    assert set(got["throughput"]) == {"off", "per_step", "auto", "torchrun", "alternate"}
     assert all(v and v > 0 for v in got["throughput"].values()), got["throughput"]
-    for key in ("overhead_per_step", "overhead_auto", "auto_interval"):
+    for key in ("overhead_per_step", "overhead_auto", "auto_interval", "overhead_per_step_paired"):
         assert isinstance(got[key], (int, float)), key
+    assert got["paired_pairs"] == 3  # steps 7, 9, 11 (each after a snapshot step) against 6, 8, 10
+    assert got["profile"]["capture_cpu_ms_median"] > 0
     assert got["auto_interval"] >= 1 and got["auto_max_lost_steps"] == got["auto_interval"] + 1
     assert got["peak_rss"]["per_step"]["worker"] > 0 and got["peak_rss"]["per_step"]["agent"] > 0
     assert got["profile"]["snapshots"] > 0
