@@ -13,6 +13,7 @@ import time
 POLICY_NAME = "__dpstate_snapshot_policy__"  # the name under which an auto policy's decision is tracked
 DEFAULT_BUDGET = 0.01
 MAX_INTERVAL = 10_000
+PROBE_EVERY = 16  # at an auto interval of 1, one step in this many is not snapshotted, to keep measuring
 
 
 class SnapshotPolicy:
@@ -35,7 +36,9 @@ class SnapshotPolicy:
       promoted spare included, hold the same one; a rollback to before it measures again, and the first step
       after any other recovery decides again (the failure rate changed). Afterwards the steps that follow a
       snapshot keep being compared with those that do not, and every `refresh` snapshots (at a snapshot step,
-      so again on every rank at once) the interval is decided anew.
+      so again on every rank at once) the interval is decided anew. At an interval of 1 there is no step
+      without a snapshot to compare with, so one step in PROBE_EVERY is left out (a failure there costs at most
+      3 steps): a first estimate that came out too low does not fix the interval at 1 for good.
     """
 
     def __init__(self, spec: str | None = "1", budget: float | str | None = None,
@@ -101,7 +104,12 @@ class SnapshotPolicy:
         """Steps a failure can cost at most with the interval in force (0 when off: everything is lost)."""
         if self.mode == "off":
             return 0
-        return (self.interval if self.decided else 2) + 1
+        return (self.interval if self.decided and not self.probing else 2) + 1
+
+    @property
+    def probing(self) -> bool:
+        """Decided on an interval of 1 (auto): every step is snapshotted but one in PROBE_EVERY."""
+        return self.mode == "auto" and self.decided and self.interval == 1
 
     @property
     def budget_interval(self) -> int:
@@ -121,6 +129,8 @@ class SnapshotPolicy:
         if step <= 0:
             return True
         if self.decided:
+            if self.probing:
+                return step % PROBE_EVERY != PROBE_EVERY - 1
             return step % self.interval == 0
         start, end = self._window()
         if self._since is None or step < start or step >= end:
@@ -138,10 +148,8 @@ class SnapshotPolicy:
         if self._since is None or self._last is None or step != self._last + 1:
             self._reset_samples()
             self._since = step
-        elif self.decided:
-            if self.interval > 1:  # steady state: steps after a snapshot vs. the others
-                self._record(self.wants(self._last), now - self._last_t)
-                self._new_with += self.wants(self._last)
+        elif self.decided:  # steady state: steps after a snapshot vs. the others
+            self._record(self.wants(self._last), now - self._last_t)
         else:
             start, end = self._window()
             if start < step <= end:  # the step before it is in the alternating window
@@ -150,9 +158,8 @@ class SnapshotPolicy:
         if self.decided:
             if generation != self.decided_generation:
                 return True  # a recovery since the decision: the failure rate changed, decide again now
-            # every `refresh` snapshots since the last decision (counted from this timeline's samples)
-            return (self.interval > 1 and self.wants(step) and len(self._with) >= self.refresh
-                    and self._new_with >= self.refresh)
+            # every `refresh` new pairs since the last decision (one per snapshot, or per probe at interval 1)
+            return self.wants(step) and len(self._pairs) >= self.refresh and self._new_pairs >= self.refresh
         return step == self._window()[1]
 
     def _record(self, after_snapshot: bool, seconds: float) -> None:
@@ -164,6 +171,7 @@ class SnapshotPolicy:
             if self._pending is not None:  # the step right after one that followed a snapshot: a pair
                 self._pairs.append(self._pending - seconds)
                 self._pending = None
+                self._new_pairs += 1
         del self._with[: -2 * self.refresh], self._pairs[: -2 * max(self.refresh, self.pairs)]
         del self._without[:-64]
 
@@ -208,7 +216,7 @@ class SnapshotPolicy:
             self.interval = max(1, min(self.interval, round(optimum)))
         self.decided, self.decided_at, self.decided_generation = True, step, self.generation
         self.decisions += 1
-        self._new_with = 0
+        self._new_pairs = 0
         return self.interval
 
     def _reset_samples(self) -> None:
@@ -219,7 +227,7 @@ class SnapshotPolicy:
         self._without: list[float] = []
         self._pairs: list[float] = []  # (step after a snapshot) - (the next step, after none)
         self._pending: float | None = None
-        self._new_with = 0
+        self._new_pairs = 0  # pairs since the last decision
         if not hasattr(self, "_step_s"):
             self._step_s = 0.0
 

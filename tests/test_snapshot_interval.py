@@ -128,6 +128,19 @@ def test_auto_keeps_measuring_and_follows_a_changed_cost():
     assert later and later[-1][1] in range(4, 8), later
 
 
+def test_auto_at_interval_one_leaves_out_a_step_now_and_then_so_a_low_first_estimate_is_corrected():
+    """A first estimate that came out under the budget (a noisy host) fixed the interval at 1, where no step
+    without a snapshot was left to compare with: now one step in PROBE_EVERY is left out and measured."""
+    p = SnapshotPolicy("auto", warmup=2, pairs=3, refresh=2)
+    assert run_auto(p, cost=0.001, steps=range(1, 12))[0][1] == 1  # measured as cheap: every step
+    assert p.probing and p.max_lost_steps == 3  # a failure just after a left-out step costs 3
+    assert [s for s in range(12, 60) if not p.wants(s)] == [15, 31, 47]  # PROBE_EVERY = 16
+    later = run_auto(p, cost=0.05, steps=range(12, 200), noise=0.01, t0=100.0, seed=2)  # the real cost
+    assert later and later[-1][1] in range(4, 7), later  # 5 % per snapshot, 1 % budget
+    assert not p.probing and p.max_lost_steps == later[-1][1] + 1
+    assert [s for s in range(200, 212) if p.wants(s)] == [s for s in range(200, 212) if s % p.interval == 0]
+
+
 def test_auto_decision_travels_in_the_state_and_a_rollback_before_it_measures_again():
     p = SnapshotPolicy("auto", warmup=1, pairs=2)
     run_auto(p, cost=0.1, steps=range(1, 7))
