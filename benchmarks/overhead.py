@@ -5,17 +5,19 @@ and what one snapshot costs, paired within a run that snapshots every 2nd step (
     python benchmarks/overhead.py [--reps 2] [--steps 60] [--json overhead.json] [--quick]
 
 Default model: 9.0 M parameters; parameters + AdamW state = 108 MB per node. Each configuration runs `--reps`
-times, in rotated order (off, per_step, auto, torchrun, alternate; then per_step, auto, ..., off; ...), so that slow
-phases of a shared machine hit all of them. Throughput is tokens per second over the same window of steps in
+times, in rotated order (off, per_step, auto, torchrun, alternate; then per_step, auto, ..., off; ...), so
+that slow phases of a shared machine hit all of them. Throughput is tokens per second over the same window of steps in
 every run of a repetition: whole snapshot intervals of the auto run after its decision (each holds exactly one
 snapshot), else the steps after the decision. Overheads are medians over repetitions of 1 - throughput /
 throughput(off) within a repetition. Whole runs differ by several % on a shared host, more than the cost of a
 snapshot; the alternate runs resolve it: the median over adjacent steps of (a step that carries a snapshot's
-capture - the step before it, which carries none), over a step's time (overhead_per_step_paired). The per-step runs also write dpstate's snapshot profile
-(DP_SNAPSHOT_PROFILE); the benchmark samples every process's peak RSS (VmHWM) and per-thread CPU.
+capture - the step before it, which carries none), over a step's time (overhead_per_step_paired). The
+per-step runs also write dpstate's snapshot profile (DP_SNAPSHOT_PROFILE); the benchmark samples every
+process's peak RSS (VmHWM) and per-thread CPU.
 
-JSON: {"throughput": {"off", "per_step", "auto", "torchrun", "alternate"} (tokens/s, medians), "overhead_per_step",
-"overhead_per_step_paired", "paired_pairs", "overhead_auto", "auto_interval", "auto_max_lost_steps", "auto_cost", "profile", "peak_rss", "runs": [...]}.
+JSON: {"throughput": {"off", "per_step", "auto", "torchrun", "alternate"} (tokens/s, medians),
+"overhead_per_step", "overhead_per_step_paired", "paired_pairs", "overhead_auto", "auto_interval",
+"auto_max_lost_steps", "auto_cost", "profile", "peak_rss", "runs": [...]}.
 torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see DESIGN.md) and the same thread settings.
 """
 
@@ -272,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{'Python threads (verify, store, ack)' if k == 'python' else k} {v:.1f}"
             for k, v in prof.get("agent_cpu_ms_per_snapshot", {}).items()))
     if result["overhead_per_step_paired"] is not None:
-        print(f"per-step snapshots, paired within runs (every 2nd step snapshotted, {result['paired_pairs']} pairs of "
-              f"adjacent steps): one snapshot costs {result['overhead_per_step_paired']:+.2%} of a step (per repetition: "
-              + ", ".join(f"{r['paired'][0]:+.2%}" for r in runs if r.get("paired") and r["paired"][0] is not None) + ")")
+        each = ", ".join(f"{r['paired'][0]:+.2%}" for r in runs if r.get("paired") and r["paired"][0] is not None)
+        print(f"per-step snapshots, paired within runs (every 2nd step snapshotted, {result['paired_pairs']} pairs "
+              f"of adjacent steps): one snapshot costs {result['overhead_per_step_paired']:+.2%} of a step "
+              f"(per repetition: {each})")
     if floor.get("overhead_per_step_floor") is not None:
         print(f"floor: copying the state once + moving it over loopback TCP costs {per_node_cpu * 1000:.0f} ms of CPU "
               f"per node and snapshot ({floor['overhead_per_step_floor']:.1%} of a {off_step:.2f} s step with 2 "

@@ -3,10 +3,10 @@
 Meta is JSON (plain data: a replica cannot carry code); the data buffer holds every tensor's bytes.
 
 Format: meta = {"format": 2, "skeleton": node, "tensors": [(dtype, shape, offset, nbytes)], "nbytes": int,
-"extra": dict}; a node is a tagged tuple (a list once read back): "T" tensor index | "v" plain value (None, bool, int, float, str) |
-"d" / "o" dict / OrderedDict (plain keys, value nodes [, _metadata]) | "D" dict with key nodes | "l" / "t"
-list / tuple of nodes | "L" / "P" list / tuple of plain values | "b" bytes (latin-1 text) | "n" numpy array |
-"dt" dtype | "dev" device | "c" complex.
+"extra": dict}; a node is a tagged tuple (a list once read back): "T" tensor index | "v" plain value (None,
+bool, int, float, str) | "d" / "o" dict / OrderedDict (plain keys, value nodes [, _metadata]) | "D" dict with
+key nodes | "l" / "t" list / tuple of nodes | "L" / "P" list / tuple of plain values | "b" bytes (latin-1
+text) | "n" numpy array | "dt" dtype | "dev" device | "c" complex.
 Tensors lie at 64-byte aligned offsets in the data buffer. The checksum: see checksum() (block sums, then crc32).
 """
 
