@@ -159,7 +159,7 @@ class SnapshotPolicy:
             if generation != self.decided_generation:
                 return True  # a recovery since the decision: the failure rate changed, decide again now
             # every `refresh` new pairs since the last decision (one per snapshot, or per probe at interval 1)
-            return self.wants(step) and len(self._pairs) >= self.refresh and self._new_pairs >= self.refresh
+            return self.wants(step) and self._new_pairs >= self.refresh
         return step == self._window()[1]
 
     def _record(self, after_snapshot: bool, seconds: float) -> None:

@@ -13,7 +13,6 @@ Tensors lie at 64-byte aligned offsets in the data buffer. The checksum: see che
 from __future__ import annotations
 
 import ctypes
-import io
 import json
 import warnings
 from collections import OrderedDict
