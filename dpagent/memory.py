@@ -1,4 +1,5 @@
-"""Malloc settings for a replica holder: received snapshots reuse freed memory instead of fresh pages.
+"""Host memory for snapshots: malloc settings for a replica holder (received snapshots reuse freed memory
+instead of fresh pages), and huge-page buffers for the big blocks that are new (huge_page_buffer).
 
 ZeroMQ allocates each received message; glibc serves any block over 32 MB with a fresh mmap, so every 100 MB
 snapshot costs ~27,000 page faults and zeroing, then an munmap when it is dropped. Measured on this project's
@@ -11,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 
 log = logging.getLogger("dpagent")
 
@@ -33,3 +35,17 @@ def reuse_freed_memory() -> bool:
     if not ok:
         log.debug("mallopt refused; big snapshots are received into fresh pages")
     return ok
+
+
+def huge_page_buffer(nbytes: int) -> mmap.mmap:
+    """`nbytes` of private anonymous memory, advised to be backed by transparent huge pages (Linux; elsewhere
+    plain pages). Memory new to a process costs a page fault per page on its first write: with 2 MB pages
+    instead of 4 KB, writing a fresh GB took 0.08 s against 0.25 s on this project's test host (THP in its
+    usual "madvise" mode; Python's default mmap is shared memory, which that mode leaves at 4 KB)."""
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP compiled out or disabled: plain pages
+            pass
+    return buf

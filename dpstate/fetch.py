@@ -12,6 +12,7 @@ import torch
 import zmq
 
 from dpagent import protocol as P
+from dpagent.memory import huge_page_buffer
 
 from . import snapshot as S
 from .abort import AbortSignal
@@ -47,8 +48,10 @@ class Slot:
             if share:
                 self.shared = SharedBuffer(max(nbytes, 1))
                 self.buffer = self.shared.tensor
-            else:
-                self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            elif pin:
+                self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+            else:  # written at once from end to end: huge pages fault it in faster (a restore's fetch)
+                self.buffer = torch.frombuffer(huge_page_buffer(nbytes), dtype=torch.uint8)
         if self.shared is not None:
             self.shared.begin_write()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -160,3 +161,73 @@ def test_a_holder_keeps_the_memory_of_a_dropped_snapshot_for_the_next_one():
     if out.stdout.strip() == "skip":
         pytest.skip("this C library has no mallopt")
     assert int(out.stdout) < 20 << 20, f"{int(out.stdout) >> 20} MB went back to the OS"
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode (always / madvise / never), "" where there is none."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return ""
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else ""
+
+
+def _vma_fields(address: int) -> dict[str, str]:
+    """/proc/self/smaps's fields for the mapping that holds `address`."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+            if inside:
+                fields["range"] = head
+        elif inside:
+            fields[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    return fields
+
+
+@pytest.mark.timeout(30)
+def test_a_fresh_snapshot_buffer_is_private_and_asks_for_huge_pages():
+    """A restore's fetch writes a new buffer end to end: private anonymous memory (Python's default anonymous
+    mmap is shared, which THP's usual "madvise" mode leaves at 4 KB pages) that the kernel may back with 2 MB
+    pages."""
+    import ctypes
+
+    from dpagent.memory import huge_page_buffer
+
+    buf = huge_page_buffer(8 << 20)
+    assert len(buf) == 8 << 20
+    buf[:4] = b"abcd"
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("no /proc/self/smaps here")
+    vma = _vma_fields(address)
+    assert int(vma["Shared_Dirty"].split()[0]) == 0 and int(vma["Private_Dirty"].split()[0]) > 0, vma
+    if _thp_mode() in ("always", "madvise") and "THPeligible" in vma:
+        assert vma["THPeligible"] == "1", vma
+
+
+@pytest.mark.timeout(30)
+def test_a_plain_host_slot_lives_in_a_huge_page_buffer_and_lets_it_go():
+    """Slot.reserve without pinning or sharing: the tensor is a view of a huge_page_buffer of the size asked,
+    writable, and the mapping goes away once the slot is released."""
+    import gc
+
+    from dpstate.fetch import Slot
+
+    slot = Slot()
+    slot.reserve(8 << 20, pin=False)
+    assert slot.buffer.numel() == 8 << 20
+    slot.buffer.fill_(7)
+    address = slot.buffer.data_ptr()
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("no /proc/self/smaps here")
+    vma = _vma_fields(address)
+    assert int(vma["Size"].split()[0]) * 1024 >= 8 << 20 and int(vma["Shared_Dirty"].split()[0]) == 0, vma
+    if _thp_mode() in ("always", "madvise") and "THPeligible" in vma:
+        assert vma["THPeligible"] == "1", vma
+    slot.release()
+    gc.collect()
+    assert _vma_fields(address).get("range") != vma["range"], "the buffer stayed mapped"
