@@ -86,9 +86,10 @@ def test_recovery_quick(procs, tmp_path):
 
 @pytest.mark.timeout(150)
 def test_scaling_quick(procs, tmp_path):
-    got = bench(procs, tmp_path, "scaling", "--sizes", "10", "--recovery-sizes", "10", "--reps", "1")
+    got = bench(procs, tmp_path, "scaling", "--sizes", "10", "--recovery-sizes", "10", "--reps", "2")
     (row,) = got["sizes"]
-    for key in ("capture_s", "replicate_s", "restore_s", "capture_ratio", "replicate_ratio", "restore_ratio"):
+    for key in ("capture_s", "replicate_s", "restore_s", "capture_ratio", "replicate_ratio", "restore_ratio",
+                "replicate_s_cold", "restore_s_cold", "replicate_cold_ratio", "restore_cold_ratio"):
         assert row[key] > 0, key
     (rec,) = got["recovery"]
     assert rec["returncode"] == 0 and rec["restore_s"] > 0
