@@ -4,6 +4,7 @@ messages, each chunk copied into a Slot (a host buffer for one snapshot) while t
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -16,7 +17,7 @@ from dpagent.memory import huge_page_buffer
 
 from . import snapshot as S
 from .abort import AbortSignal
-from .shared import SharedBuffer
+from .shared import PageLockError, SharedBuffer
 
 
 class ReplicationError(RuntimeError):
@@ -35,18 +36,27 @@ class Slot:
     capture_s: float = 0.0
     shared: SharedBuffer | None = None  # the buffer's memory, when the node's agent may map it
     digests: Any = None  # dpagent.checksum.block_digests of the data, when captured into a shared buffer
+    share_refused: bool = False  # CUDA would not page-lock a shared buffer: private pinned ones from then on
 
     @property
     def data(self) -> torch.Tensor:
         return self.buffer[: self.nbytes]
 
     def reserve(self, nbytes: int, pin: bool, share: bool = False) -> None:
-        """Make room for `nbytes` about to be written (a shared buffer counts the write: see dpstate.shared)."""
+        """Make room for `nbytes` about to be written (a shared buffer counts the write: see dpstate.shared).
+        Shared and pinned: a page-locked shared buffer, or a private pinned one where CUDA refuses that."""
         self.step, self.digests = -1, None
+        share = share and not self.share_refused
         if self.buffer.numel() < nbytes or (self.shared is not None) != share:
             self.release()  # drop the old one first (peak memory)
             if share:
-                self.shared = SharedBuffer(max(nbytes, 1))
+                try:
+                    self.shared = SharedBuffer(max(nbytes, 1), page_locked=pin)
+                except PageLockError as exc:
+                    print(f"dpstate: {exc}; this buffer is a private pinned one (its snapshots are sent whole)",
+                          file=sys.stderr, flush=True)
+                    self.share_refused = True
+            if self.shared is not None:
                 self.buffer = self.shared.tensor
             elif pin:
                 self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)

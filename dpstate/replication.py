@@ -2,7 +2,7 @@
 
 Keeps a ring of NSLOTS host buffers (the newest complete snapshots stay intact while the next is captured);
 fetch() pulls a snapshot back from a replica store and verifies its checksum. Which steps: dpstate.interval.
-On CPU the buffers are shared with this node's agent (dpstate.shared), which then holds peers' identical
+The buffers are shared with this node's agent (dpstate.shared; page-locked with CUDA), which holds peers' identical
 blocks (data parallel state) by reference: a holder is offered the block digests and asks for what it lacks.
 """
 
@@ -67,7 +67,8 @@ class Replicator:
         self.pin = torch.cuda.is_available()
         # this node's agent, told of each local snapshot so that it can hold peers' identical blocks by reference
         self.local_store = os.environ.get("DP_LOCAL_REPLICA", "")
-        self.share = bool(self.local_store) and not self.pin and shared.supported()
+        # with CUDA too, once the driver page-locks a shared buffer (the side stream copies into it asynchronously)
+        self.share = bool(self.local_store) and shared.supported() and (not self.pin or shared.can_page_lock())
         self.slots = [Slot() for _ in range(NSLOTS)]
         self.generation = -1
         self.endpoints: list[str] = []  # replica stores that get every snapshot

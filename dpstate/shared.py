@@ -3,6 +3,8 @@ page counts the writes to it, so that a holder referencing its bytes can tell wh
 
 The agent opens it as /proc/<pid>/fd/<fd> (dpagent.dedup), checks the inode, and keeps peers' identical
 blocks by reference; the memory goes away with the last process that maps it (nothing in /dev/shm).
+With CUDA the buffer is page-locked (cudaHostRegister), so that the side stream's device-to-host copy into it
+runs asynchronously, as into torch's own pinned memory.
 """
 
 from __future__ import annotations
@@ -21,10 +23,35 @@ def supported() -> bool:
     return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
-class SharedBuffer:
-    """`nbytes` of host memory in a memfd (tensor: a uint8 view of them) and its write counter."""
+_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context, as torch's own pin_memory helper asks
+_page_lock_works: bool | None = None
 
-    def __init__(self, nbytes: int):
+
+class PageLockError(RuntimeError):
+    """CUDA refused to page-lock a snapshot buffer."""
+
+
+def can_page_lock() -> bool:
+    """Whether CUDA page-locks a shared buffer here (tried once on one page, then remembered)."""
+    global _page_lock_works
+    if _page_lock_works is None:
+        try:
+            SharedBuffer(mmap.PAGESIZE, page_locked=True)  # registered, then unregistered once dropped
+            _page_lock_works = True
+        except Exception:  # noqa: BLE001 (no CUDA runtime: torch raises AssertionError; a refusal: PageLockError)
+            _page_lock_works = False
+    return _page_lock_works
+
+
+def _unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+class SharedBuffer:
+    """`nbytes` of host memory in a memfd (tensor: a uint8 view of them) and its write counter; page-locked for
+    CUDA if asked (PageLockError when CUDA refuses; it is unregistered before the memory is unmapped)."""
+
+    def __init__(self, nbytes: int, page_locked: bool = False):
         self.fd = os.memfd_create("dpstate-snapshot", os.MFD_CLOEXEC)
         weakref.finalize(self, os.close, self.fd)
         os.ftruncate(self.fd, HEADER_BYTES + nbytes)
@@ -33,6 +60,15 @@ class SharedBuffer:
         self._counter = np.frombuffer(self._map, dtype=np.uint64, count=1)
         self.tensor = (torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=HEADER_BYTES)
                        if nbytes else torch.empty(0, dtype=torch.uint8))
+        self.page_locked = False
+        if page_locked and nbytes:
+            address = self.tensor.data_ptr()  # page-aligned: the data starts a page into the mapping
+            err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _PORTABLE))
+            if err:
+                raise PageLockError(f"cudaHostRegister refused {nbytes} bytes of snapshot buffer (cudaError {err})")
+            # before the mapping goes: finalizers run before the object's attributes (the mmap) are released
+            weakref.finalize(self, _unregister, address)
+            self.page_locked = True
 
     @property
     def writes(self) -> int:

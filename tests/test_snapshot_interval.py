@@ -317,3 +317,90 @@ def test_nccl_is_the_default_backend_with_cuda(monkeypatch):
     assert default_backend() == "nccl"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_backend() == "gloo"
+
+
+class _FakeCudart:
+    """torch.cuda.cudart() stood in for: records cudaHostRegister / cudaHostUnregister, answers `error`."""
+
+    def __init__(self, error: int = 0):
+        self.error, self.registered, self.unregistered = error, [], []
+
+    def cudaHostRegister(self, address, nbytes, flags):  # noqa: N802 (CUDA's name)
+        if not self.error:
+            self.registered.append((address, nbytes, flags))
+        return self.error
+
+    def cudaHostUnregister(self, address):  # noqa: N802
+        self.unregistered.append(address)
+        return 0
+
+
+def _stand_in_cudart(monkeypatch, error: int = 0) -> _FakeCudart:
+    from dpstate import shared
+
+    cudart = _FakeCudart(error)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(shared, "_page_lock_works", None)  # probe again with the stand-in
+    return cudart
+
+
+def test_with_cuda_snapshot_buffers_are_shared_with_the_agent_and_page_locked(monkeypatch):
+    """CUDA's side stream copies into a shared buffer that CUDA page-locked (so the copy is asynchronous and
+    the node's agent can still hold peers' identical blocks by reference: 2 copies of the state on the host,
+    not 4); the buffer is unregistered when it is dropped, before its memory is unmapped."""
+    import gc
+
+    from dpstate import shared
+    from dpstate.fetch import Slot
+
+    cudart = _stand_in_cudart(monkeypatch)
+    monkeypatch.setenv("DP_LOCAL_REPLICA", "tcp://127.0.0.1:9")  # a node agent (never sent to: nothing captured)
+    rep = Replicator(P.Codec(TOKEN), 0, AbortSignal())
+    assert rep.pin and rep.share
+    slot = Slot()
+    slot.reserve(3 * 4096 + 10, pin=True, share=True)
+    assert slot.shared is not None and slot.shared.page_locked and slot.buffer is slot.shared.tensor
+    address = slot.buffer.data_ptr()
+    assert (address, 3 * 4096 + 10, 1) in cudart.registered and address % mmap_pagesize() == 0
+    slot.reserve(100, pin=True, share=True)  # smaller: the same buffer
+    assert cudart.registered.count((address, 3 * 4096 + 10, 1)) == 1
+    slot.release()
+    gc.collect()
+    assert address in cudart.unregistered
+    assert shared.can_page_lock()
+
+
+def test_where_cuda_will_not_page_lock_a_shared_buffer_snapshots_stay_private(monkeypatch):
+    """A driver that refuses cudaHostRegister: the probe says so, the Replicator keeps private pinned buffers
+    (sent whole, as before); a refusal later, for one big buffer, leaves that slot private for good."""
+    from dpstate import shared
+    from dpstate.fetch import Slot
+
+    _stand_in_cudart(monkeypatch, error=2)  # cudaErrorMemoryAllocation
+    monkeypatch.setenv("DP_LOCAL_REPLICA", "tcp://127.0.0.1:9")
+    assert not shared.can_page_lock()
+    rep = Replicator(P.Codec(TOKEN), 0, AbortSignal())
+    assert rep.pin and not rep.share
+    with pytest.raises(shared.PageLockError, match="cudaError 2"):
+        shared.SharedBuffer(4096, page_locked=True)
+    pinned: list[int] = []
+    real_empty = torch.empty
+
+    def empty(*size, pin_memory=False, **kw):  # pinned memory needs a real GPU: count the ask instead
+        if pin_memory:
+            pinned.append(size)
+        return real_empty(*size, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    slot = Slot()
+    slot.reserve(8192, pin=True, share=True)
+    assert slot.shared is None and slot.share_refused and pinned == [(8192,)] and slot.buffer.numel() == 8192
+    slot.reserve(8192, pin=True, share=True)  # not retried for every capture
+    assert pinned == [(8192,)]
+
+
+def mmap_pagesize() -> int:
+    import mmap
+
+    return mmap.PAGESIZE
