@@ -6,6 +6,7 @@ Everything it decides comes from dprun.controller.Controller; this only moves by
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 import threading
 import time
@@ -85,7 +86,8 @@ class ControllerServer:
         poller.register(self._inbox, zmq.POLLIN)
         next_tick = time.monotonic()
         while True:
-            ready = dict(poller.poll(max(0.0, next_tick - time.monotonic()) * 1000))
+            # whole milliseconds, rounded up: pyzmq truncates a float, so the last one before a tick spun at 0
+            ready = dict(poller.poll(max(0, math.ceil((next_tick - time.monotonic()) * 1000))))
             inputs = []
             if self.router in ready:
                 inputs.extend(self._drain_router())
