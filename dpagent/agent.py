@@ -6,7 +6,6 @@ Thin by design: workers.py spawns and watches workers, replica_server.py serves 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import signal
@@ -21,7 +20,7 @@ import psutil
 import zmq
 
 from . import faults
-from .channel import Channel, Incoming
+from .channel import Channel, Incoming, poll_ms
 from .events import EventPipe
 from .liveness import Liveness
 from .process import descendants, reap_orphans, set_child_subreaper, signal_procs
@@ -231,7 +230,7 @@ class Agent(RestartMode, ShutdownSequence):
             due.append(self.liveness.next_deadline())
         else:
             due.append(self.started + self.cfg.register_timeout)
-        return max(0, math.ceil((min(due) - now) * 1000))
+        return poll_ms(min(due), now)
 
     def _tick(self, now: float) -> None:
         if self._signalled and self.shutdown is None:

@@ -6,6 +6,7 @@ Shared by the agent and the controller. Nothing here blocks, and anything the Co
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -137,6 +138,12 @@ class Channel:
 
     def reply(self, incoming: Incoming, msg: Any, payload: Sequence[Any] = ()) -> bool:
         return self.send(msg, payload, to=incoming.envelope if self.router else None)
+
+
+def poll_ms(deadline: float, now: float) -> int:
+    """A zmq poll timeout that wakes at `deadline` (time.monotonic() seconds), not before: whole milliseconds
+    rounded up (pyzmq truncates a float, and a loop polling 0 ms until its deadline spins), 0 once past."""
+    return max(0, math.ceil((deadline - now) * 1000))
 
 
 def _bytes_view(frame: Any):

@@ -6,7 +6,6 @@ Everything it decides comes from dprun.controller.Controller; this only moves by
 from __future__ import annotations
 
 import dataclasses
-import math
 import pickle
 import threading
 import time
@@ -16,6 +15,7 @@ from typing import Callable
 import zmq
 
 from dpagent import protocol as p
+from dpagent.channel import poll_ms
 
 from .controller import Controller, Finish, JobSpec, Publish, Received, Send, Shutdown, Tick
 from .events import EventSink
@@ -86,8 +86,7 @@ class ControllerServer:
         poller.register(self._inbox, zmq.POLLIN)
         next_tick = time.monotonic()
         while True:
-            # whole milliseconds, rounded up: pyzmq truncates a float, so the last one before a tick spun at 0
-            ready = dict(poller.poll(max(0, math.ceil((next_tick - time.monotonic()) * 1000))))
+            ready = dict(poller.poll(poll_ms(next_tick, time.monotonic())))
             inputs = []
             if self.router in ready:
                 inputs.extend(self._drain_router())

@@ -9,7 +9,7 @@ import time
 import pytest
 import zmq
 
-from dpagent.channel import Channel
+from dpagent.channel import Channel, poll_ms
 from dpagent.events import EventPipe
 from dpagent.liveness import Liveness
 from dpagent.protocol import Codec, Ping, Pong
@@ -91,6 +91,25 @@ def test_channel_drops_and_counts_bad_messages():
         assert client.recv(timeout=2.0).msg == Pong("n", 2)
         with pytest.raises(ValueError):
             server.send(Pong("n", 3))  # a ROUTER needs to know whom to send to
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_poll_timeouts_round_up_so_that_a_loop_waiting_for_a_deadline_does_not_spin():
+    assert poll_ms(100.0004, 100.0) == 1  # pyzmq truncates 0.4 ms to 0: a poll that returns at once
+    assert poll_ms(100.05, 100.0) == 50 and poll_ms(99.0, 100.0) == 0
+    ctx = zmq.Context()
+    try:
+        idle = ctx.socket(zmq.PULL)
+        idle.bind("inproc://idle")
+        poller = zmq.Poller()
+        poller.register(idle, zmq.POLLIN)
+        for _ in range(5):  # as the controller's loop waits for its next tick, with no message coming
+            deadline, wakeups = time.monotonic() + 0.0207, 0
+            while time.monotonic() < deadline:
+                poller.poll(poll_ms(deadline, time.monotonic()))
+                wakeups += 1
+            assert wakeups <= 3, wakeups  # truncating, the last millisecond took hundreds of polls
     finally:
         ctx.destroy(linger=0)
 
