@@ -4,8 +4,10 @@ and the offers of peers' snapshots, held by reference to the identical blocks of
 Data parallel ranks hold the same parameters and optimizer state after every step; only a few blocks (the
 RNG state) differ. A peer offers its block digests (OfferSnapshot); the holder asks for the blocks that its
 own node's snapshot of that step lacks (SnapshotWants) and keeps the rest as views of that snapshot's memory.
-Correctness never rests on the match: a fetch checks the whole snapshot's checksum, and a local buffer
-written again (its write counter moved on) makes every copy that refers to it stale (served as not held).
+The data parallel blocks that a snapshot's CheckPlan leaves undigested are trusted: kept by reference when both
+snapshots lay that state out alike, while the sampled ones are compared (see decide). A fetch checks the
+checksum over what was digested, and a local buffer written again (its write counter moved on) makes every
+copy that refers to it stale (served as not held).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from .checksum import CHECKSUM_BLOCK
+from .checksum import CHECKSUM_BLOCK, CheckPlan
 from .protocol import CHUNK_BYTES, LocalSnapshot, OfferSnapshot, payload_bytes
 
 OFFER_WAIT_S = 2.0  # how long an offer waits for the local snapshot of its step before it is asked for whole
@@ -36,6 +38,7 @@ class LocalCopy:
     counter: np.ndarray  # a read-only view of the buffer's write counter
     data: memoryview  # a read-only view of the data
     digests: np.ndarray
+    plan: CheckPlan | None = None  # which blocks its digests cover (None: all)
 
     def valid(self) -> bool:
         """Still the bytes that were announced (the worker has not written the buffer again)?"""
@@ -65,6 +68,10 @@ class LocalCopies:
         digests = np.frombuffer(bytes(payload_bytes(payload[0])), dtype=np.int64)
         if msg.nbytes < 0 or digests.size != msg.nbytes // CHECKSUM_BLOCK:
             return f"{digests.size} block digests for {msg.nbytes} bytes"
+        try:
+            plan = CheckPlan.from_json(msg.checks)
+        except ValueError as exc:
+            return str(exc)
         key = (msg.pid, msg.fd, msg.inode)
         if key not in self._maps:
             try:
@@ -79,7 +86,7 @@ class LocalCopies:
             return f"bytes {msg.offset}..{msg.offset + msg.nbytes} are outside the buffer ({len(mapping)} bytes)"
         data = memoryview(mapping)[msg.offset : msg.offset + msg.nbytes]
         counter = np.frombuffer(mapping, dtype=np.uint64, count=1)
-        self._copies[key[:2]] = LocalCopy(msg.rank, msg.step, msg.nbytes, msg.writes, counter, data, digests)
+        self._copies[key[:2]] = LocalCopy(msg.rank, msg.step, msg.nbytes, msg.writes, counter, data, digests, plan)
         self._prune(msg.pid)
         return ""
 
@@ -131,8 +138,10 @@ class Offer:
     digests: np.ndarray
     data_nbytes: int
     deadline: float  # when it stops waiting for a local copy
+    plan: CheckPlan | None = None  # which blocks its digests cover (None: all)
     copy: LocalCopy | None = None
     wanted: list = field(default_factory=list)
+    differs: list = field(default_factory=list)  # data parallel blocks digested on both sides that differ
 
     @property
     def nblocks(self) -> int:
@@ -149,22 +158,42 @@ def parse_offer(incoming: Any, now: float) -> Offer | str:
     digests = np.frombuffer(bytes(payload_bytes(payload[1])), dtype=np.int64)
     if data_nbytes < 0 or digests.size != data_nbytes // CHECKSUM_BLOCK:
         return f"{digests.size} block digests for {msg.nbytes} bytes with {meta_len} of meta"
-    return Offer(incoming, msg, payload[0], digests, data_nbytes, now + OFFER_WAIT_S)
+    try:
+        plan = CheckPlan.from_json(msg.checks)
+    except ValueError as exc:
+        return str(exc)
+    return Offer(incoming, msg, payload[0], digests, data_nbytes, now + OFFER_WAIT_S, plan)
 
 
 def decide(offer: Offer, local: LocalCopies, now: float) -> bool:
-    """Settle which blocks `offer` needs (offer.copy, offer.wanted); False: wait for the local snapshot of
-    its step (a local worker is behind it and the offer's wait has time left)."""
+    """Settle which blocks `offer` needs (offer.copy, offer.wanted, offer.differs); False: wait for the local
+    snapshot of its step (a local worker is behind it and the offer's wait has time left).
+
+    A block the offer digested is kept by reference when the local copy digested it too, with the same digest.
+    A block it left unchecked (data parallel state, trusted) is kept by reference only when both snapshots
+    lay that state out alike (the same shared_key and shared_blocks), and only while every data parallel
+    block digested on both sides matches: one that differs (offer.differs) means the ranks diverged, and the
+    offer's unchecked blocks are asked for too."""
     copy = local.find(offer.msg.step, offer.data_nbytes)
     if copy is None and now < offer.deadline and local.coming(offer.msg.step, now):
         return False
     offer.copy = copy
     if copy is None:
         offer.wanted = list(range(offer.nblocks))
-    else:
-        offer.wanted = np.flatnonzero(offer.digests != copy.digests).tolist()
-        if offer.nblocks > offer.digests.size:  # the tail has no digest: always sent
-            offer.wanted.append(offer.digests.size)
+        return True
+    blocks = offer.digests.size
+    unchecked = offer.plan.unchecked(blocks) if offer.plan else np.zeros(blocks, dtype=bool)
+    local_unchecked = copy.plan.unchecked(blocks) if copy.plan else np.zeros(blocks, dtype=bool)
+    compared = ~unchecked & ~local_unchecked
+    differ = compared & (offer.digests != copy.digests)
+    trusted = (offer.plan is not None and copy.plan is not None and offer.plan.shared_key == copy.plan.shared_key
+               and offer.plan.shared_blocks == copy.plan.shared_blocks)
+    shared = np.arange(blocks) < (offer.plan.shared_blocks if trusted else 0)
+    offer.differs = np.flatnonzero(differ & shared).tolist()
+    keep = (compared & ~differ) | (unchecked & shared & (not offer.differs))
+    offer.wanted = np.flatnonzero(~keep).tolist()
+    if offer.nblocks > blocks:  # the tail has no digest: always sent
+        offer.wanted.append(blocks)
     return True
 
 

@@ -45,8 +45,9 @@ from typing import Any, Sequence
 
 from .checksum import CHECKSUM_BLOCK
 
-PROTOCOL_VERSION = 7  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
-#                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...)
+PROTOCOL_VERSION = 8  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
+#                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...);
+#                      8: check plans (data parallel blocks sampled: dpagent.checksum.CheckPlan)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -367,8 +368,9 @@ class LocalSnapshot:
     """A worker to its own node's agent: its snapshot of `step` lies in its shared buffer (a memfd: the agent
     maps /proc/<pid>/fd/<fd>, checked by inode) at `offset`, `nbytes` of data, written `writes` times so far
     (the buffer's write counter: a later write makes the copy stale). Payload: the data's block digests
-    (dpagent.checksum.block_digests, int64). Not answered; lets the agent hold peers' identical blocks
-    (data parallel state) by reference instead of receiving them."""
+    (dpagent.checksum.block_digests, int64; 0 where its CheckPlan `checks` leaves a block unchecked). Not
+    answered; lets the agent hold peers' identical blocks (data parallel state) by reference instead of
+    receiving them."""
 
     rank: int
     step: int
@@ -378,19 +380,22 @@ class LocalSnapshot:
     offset: int
     nbytes: int
     writes: int
+    checks: dict = field(default_factory=dict)  # CheckPlan.as_json() ({}: every block digested)
 
 
 @_message
 class OfferSnapshot:
     """A PutSnapshot whose data is sent only where the holder lacks it: payload = meta, then the data's block
-    digests (int64). Answered with SnapshotWants (the blocks to send as SnapshotBlocks), or at once with
-    SnapshotAck when the holder's own node has every block already."""
+    digests (int64; 0 where the CheckPlan `checks` leaves a block unchecked: the data parallel blocks that the
+    holder's own node's copy of the step stands for). Answered with SnapshotWants (the blocks to send as
+    SnapshotBlocks), or at once with SnapshotAck when the holder's own node has every block already."""
 
     rank: int
     step: int
     generation: int
     checksum: int
     nbytes: int  # meta + data, as in PutSnapshot
+    checks: dict = field(default_factory=dict)  # CheckPlan.as_json() ({}: every block digested)
 
 
 @_message
@@ -398,6 +403,7 @@ class SnapshotWants:
     rank: int
     step: int
     blocks: list = field(default_factory=list)  # block indexes (CHECKSUM_BLOCK bytes each; the last, the tail)
+    differs: list = field(default_factory=list)  # data parallel blocks digested on both sides that differ
 
 
 @_message

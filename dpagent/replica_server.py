@@ -158,7 +158,10 @@ class ReplicaServer:
         for key in [k for k in self._awaiting if k[1] == msg.rank and k[2] < msg.step]:
             del self._awaiting[key]  # superseded: its sender moved on
         self._awaiting[(offer.incoming.sender, msg.rank, msg.step)] = offer
-        self.channel.reply(offer.incoming, SnapshotWants(msg.rank, msg.step, offer.wanted))
+        if offer.differs:
+            log.warning("rank %d step %d: data parallel blocks %s differ from this node's copy of that step; "
+                        "all of its data parallel blocks are asked for", msg.rank, msg.step, offer.differs[:8])
+        self.channel.reply(offer.incoming, SnapshotWants(msg.rank, msg.step, offer.wanted, offer.differs))
 
     def _blocks(self, incoming: Incoming, msg: SnapshotBlocks) -> None:
         offer = self._awaiting.pop((incoming.sender, msg.rank, msg.step), None)

@@ -102,6 +102,12 @@ def run(
              "(measure a snapshot's cost and take the smallest interval that keeps it under 1%% of step time; "
              "auto:0.02 for 2%%), or 'off' (no snapshots: a failure cannot be recovered). Workers get it as "
              "DP_SNAPSHOT_INTERVAL."),
+    snapshot_check: Optional[str] = typer.Option(
+        None, "--snapshot-check",
+        help="Of the state that data parallel ranks hold alike (kept by a holder by reference to its own "
+             "node's copy), checksum one block in N per snapshot (default 8: a rank whose copy differs from its "
+             "peers' is caught within about N snapshots, for an N-th of the CPU), or 'full' (every block of "
+             "every snapshot). Workers get it as DP_SNAPSHOT_CHECK."),
     on_spare_exhausted: str = typer.Option(
         "fail", "--on-spare-exhausted",
         help="A failure with no spare left: 'fail' (stop with a message) or 'wait' (keep the survivors and "
@@ -219,6 +225,12 @@ def run(
             _fail(f"--snapshot-interval must be a positive number of steps, auto, auto:BUDGET (e.g. auto:0.02 "
                   f"or auto:2%) or off, got {snapshot_interval!r}")
         os.environ["DP_SNAPSHOT_INTERVAL"] = snapshot_interval  # the agents and their workers inherit it
+    if snapshot_check is not None:
+        snapshot_check = snapshot_check.strip().lower()
+        if not re.fullmatch(r"full|[1-9][0-9]*", snapshot_check):
+            _fail(f"--snapshot-check must be a positive number of blocks (1 in N is checked) or full, "
+                  f"got {snapshot_check!r}")
+        os.environ["DP_SNAPSHOT_CHECK"] = snapshot_check
     if replicas < 1:
         _fail(f"--replicas must be at least 1, got {replicas}")
     if on_spare_exhausted not in ("fail", "wait"):

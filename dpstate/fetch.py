@@ -13,11 +13,15 @@ import torch
 import zmq
 
 from dpagent import protocol as P
+from dpagent.checksum import CheckPlan
 from dpagent.memory import huge_page_buffer
 
 from . import snapshot as S
 from .abort import AbortSignal
 from .shared import PageLockError, SharedBuffer
+
+
+FETCHED = ("fetched",)  # Slot.layout of a fetched snapshot: the next capture into that slot zeroes it first
 
 
 class ReplicationError(RuntimeError):
@@ -36,6 +40,8 @@ class Slot:
     capture_s: float = 0.0
     shared: SharedBuffer | None = None  # the buffer's memory, when the node's agent may map it
     digests: Any = None  # dpagent.checksum.block_digests of the data, when captured into a shared buffer
+    plan: CheckPlan | None = None  # which blocks its checksum digests (None: all)
+    layout: Any = ()  # the tensor specs last captured here (FETCHED: a fetched snapshot's; (): new memory)
     share_refused: bool = False  # CUDA would not page-lock a shared buffer: private pinned ones from then on
 
     @property
@@ -45,7 +51,7 @@ class Slot:
     def reserve(self, nbytes: int, pin: bool, share: bool = False) -> None:
         """Make room for `nbytes` about to be written (a shared buffer counts the write: see dpstate.shared).
         Shared and pinned: a page-locked shared buffer, or a private pinned one where CUDA refuses that."""
-        self.step, self.digests = -1, None
+        self.step, self.digests, self.plan = -1, None, None
         share = share and not self.share_refused
         if self.buffer.numel() < nbytes or (self.shared is not None) != share:
             self.release()  # drop the old one first (peak memory)
@@ -65,16 +71,25 @@ class Slot:
         if self.shared is not None:
             self.shared.begin_write()
 
-    def seal(self, meta: Any, nbytes: int) -> int:
-        """The checksum of meta + the buffer's first `nbytes`; a shared buffer keeps the block digests too
-        (the same pass), which its node's agent is told."""
-        crc, digests = S.checksum_and_digests(meta, self.buffer[:nbytes])
+    def seal(self, meta: Any, nbytes: int, plan: CheckPlan | None) -> int:
+        """The checksum of meta + the buffer's first `nbytes` with `plan` (the meta's); a shared buffer keeps
+        the block digests too (the same pass), which its node's agent is told."""
+        crc, digests = S.checksum_and_digests(meta, self.buffer[:nbytes], plan)
+        self.plan = plan
         self.digests = digests if self.shared is not None else None
         return crc
 
+    def prepare_layout(self, specs: list, nbytes: int) -> None:
+        """Before a capture with `specs`: where the buffer last held another layout, zero it, so that the
+        padding between tensors is the same on every rank (data parallel blocks are compared and trusted
+        whole; a block whose padding kept another layout's bytes would differ)."""
+        if self.layout and self.layout != specs:
+            self.buffer[:nbytes].zero_()
+        self.layout = specs
+
     def release(self) -> None:
         """Empty, its memory given back."""
-        self.step, self.nbytes, self.shared, self.digests = -1, 0, None, None
+        self.step, self.nbytes, self.shared, self.digests, self.plan, self.layout = -1, 0, None, None, None, ()
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 

@@ -19,12 +19,14 @@ import torch
 import zmq
 
 from dpagent import protocol as P
+from dpagent.checksum import CheckPlan
 
 from . import shared
 from . import snapshot as S
 from .abort import AbortSignal
+from .checks import CheckPlanner
 from .interval import SnapshotPolicy
-from .fetch import ReplicationError, Slot, receive_snapshot
+from .fetch import FETCHED, ReplicationError, Slot, receive_snapshot
 from .priority import lower_io_threads, lower_priority
 from .profile import PhaseClock, SnapshotStats, write_profile
 
@@ -46,6 +48,7 @@ class _Job:
     seq: int = 0
     device: int = 0  # the CUDA device of the step (the copy stream is made on it)
     held_at: frozenset = frozenset()  # replica endpoints that already hold this snapshot: relabel, not resend
+    shared: Any = None  # the tensor_keys of tree's data parallel tensors, or a callable giving them (dpstate.checks)
     replicate: bool = True  # False once a reconfiguration dropped it: captured (kept locally), never sent
 
 
@@ -74,6 +77,7 @@ class Replicator:
         self.endpoints: list[str] = []  # replica stores that get every snapshot
         self.last_capture_s = 0.0
         self.policy = SnapshotPolicy.from_env()
+        self.checks = CheckPlanner()  # which blocks are checksummed (data parallel state: sampled)
         self.stats = SnapshotStats()
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
@@ -100,10 +104,11 @@ class Replicator:
             self.generation, self.endpoints, self.rank = generation, [e for e in endpoints if e], rank
             self._cond.notify_all()
 
-    def submit(self, step: int, tree: Any) -> None:
+    def submit(self, step: int, tree: Any, shared: Any = None) -> None:
         """Capture `tree` (the state after `step`) in the background and replicate it. Its containers must be
         its own and its tensors unchanged until wait_acked() returns (the snapshot gate, before the optimizer step).
-        With snapshots off (policy), nothing is taken."""
+        `shared`: the tensors that every data parallel rank holds alike (dpstate.checks.replicated_keys, or a
+        callable giving them in the background). With snapshots off (policy), nothing is taken."""
         if not self.policy.enabled:
             return
         event, device = None, 0
@@ -115,7 +120,7 @@ class Replicator:
             slot = self._free_slot(step)
             slot.step = -1
             self._submitted += 1
-            self._queue.append(_Job(step, slot, tree, event, self._submitted, device))
+            self._queue.append(_Job(step, slot, tree, event, self._submitted, device, shared=shared))
             self._cond.notify_all()
 
     def submit_packed(self, slot: Slot, held_at: Any = ()) -> None:
@@ -206,9 +211,11 @@ class Replicator:
 
         slot, reply = receive_snapshot(self.ctx, self.codec, self.abort, endpoint, rank, step, timeout, reserve)
         t1 = time.perf_counter()
+        slot.layout = FETCHED
         try:
-            S.check(slot.seal(slot.meta, slot.nbytes), reply.checksum)  # digests kept: its re-put announces it
-        except S.SnapshotError as exc:
+            plan = CheckPlan.from_meta(slot.meta)
+            S.check(slot.seal(slot.meta, slot.nbytes, plan), reply.checksum)  # digests kept: its re-put announces it
+        except (S.SnapshotError, ValueError) as exc:
             raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: {exc}") from None
         slot.checksum, slot.step = reply.checksum, step
         st = self.stats
@@ -284,10 +291,13 @@ class Replicator:
         Not interrupted by quiesce(): a reconfiguration waits for it (see NSLOTS)."""
         laps = PhaseClock(self.stats)
         skeleton, tensors = S.flatten(job.tree)
-        specs, nbytes = S.layout(tensors)
-        meta = S.encode_meta(skeleton, specs, nbytes, {"rank": self.rank})
+        specs, nbytes, shared_nbytes, flags = self.checks.layout(tensors, job.shared)
         slot = job.slot
         slot.reserve(nbytes, self.pin, self.share)
+        # data parallel blocks are trusted (sampled) only where a holder keeps them by reference to its node's
+        plan = self.checks.plan(specs, flags, shared_nbytes, job.step) if slot.shared is not None else None
+        meta = S.encode_meta(skeleton, specs, nbytes, {"rank": self.rank}, plan)
+        slot.prepare_layout(specs, nbytes)
         slot.nbytes = 0
         laps.lap("meta")
         if stream is not None:
@@ -299,7 +309,7 @@ class Replicator:
             S.copy_into(tensors, specs, slot.buffer)
         laps.lap("copy")
         job.tree = tensors = None  # the step's tensors may now change
-        crc = slot.seal(meta, nbytes)  # padding included: every byte that is sent
+        crc = slot.seal(meta, nbytes, plan)  # padding included: every byte that is sent
         laps.lap("crc")
         slot.meta, slot.nbytes, slot.checksum = meta, nbytes, crc
         slot.capture_s = self.last_capture_s = laps.finish()
@@ -314,7 +324,8 @@ class Replicator:
         """Tell this node's agent where the snapshot just captured lies (LocalSnapshot: not answered)."""
         buf = slot.shared
         msg = P.LocalSnapshot(rank=rank, step=slot.step, pid=os.getpid(), fd=buf.fd, inode=buf.inode,
-                              offset=shared.HEADER_BYTES, nbytes=slot.nbytes, writes=buf.writes)
+                              offset=shared.HEADER_BYTES, nbytes=slot.nbytes, writes=buf.writes,
+                              checks=slot.plan.as_json() if slot.plan else {})
         sock.send_multipart(self.codec.encode(msg, [slot.digests]))
 
     def _replicate(self, socks: dict[str, Any], job: _Job, epoch: int, generation: int, rank: int) -> bool:
@@ -327,7 +338,8 @@ class Replicator:
                             nbytes=len(slot.meta) + slot.nbytes)
         data = slot.data.numpy() if slot.nbytes else b""
         if slot.digests is not None:
-            offer = P.OfferSnapshot(rank, job.step, generation, slot.checksum, put.nbytes)
+            offer = P.OfferSnapshot(rank, job.step, generation, slot.checksum, put.nbytes,
+                                    slot.plan.as_json() if slot.plan else {})
             full = self.codec.encode(offer, [slot.meta, slot.digests])
         else:
             full = self.codec.encode(put, [slot.meta, *P.chunk_views(data)])
@@ -372,6 +384,8 @@ class Replicator:
                     continue
                 if (isinstance(ack, P.SnapshotWants) and slot.digests is not None and ack.rank == rank
                         and ack.step == job.step):
+                    if ack.differs:
+                        self.checks.divergence(rank, job.step, ack.differs)
                     send_blocks(sock, ack.blocks)
                     continue
                 if not (isinstance(ack, P.SnapshotAck) and ack.rank == rank and ack.step == job.step):

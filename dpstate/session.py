@@ -104,6 +104,7 @@ class Job:
         gate = None if self._standalone else self._gate
         proxy = DataParallel(module, self._abort, deterministic=deterministic, gate=gate, **ddp_kwargs)
         self._proxies.append(proxy)
+        self._tracked.replicate(module)  # its DDP is over every rank: snapshots share its state (dpstate.checks)
         return proxy
 
     def track(self, **objects: Any) -> None:
@@ -212,7 +213,7 @@ class Job:
                 print(f"dpstate: snapshot interval {policy.describe()}", file=sys.stderr, flush=True)
         snapshot = policy.wants(step.number)
         if snapshot:
-            self._replicator.submit(step.number, self._tracked.capture(step.number))
+            self._replicator.submit(step.number, self._tracked.capture(step.number), self._tracked.shared_keys)
         metrics = {k: _jsonable(v) for k, v in step.metrics.items()}
         self._send(P.Progress(node_id=self.node_id, generation=self.generation, rank=self.rank,
                               step=step.number, metrics=metrics, snapshot=snapshot))
@@ -318,7 +319,7 @@ class Job:
                 raise RuntimeError("dpstate: fresh start asked, but this worker trained and no longer holds step 0")
             self._sync_from_rank0()
             rep.forget_after(-1)
-            rep.submit(0, self._tracked.capture(0))
+            rep.submit(0, self._tracked.capture(0), self._tracked.shared_keys)
             return "", None
         slot, bad_copies = self._sources.take_prefetched(reconf, self.rank)
         slot, where = (slot, "replica") if slot is not None else (rep.local(step), "local")
@@ -328,7 +329,7 @@ class Job:
                 raise RuntimeError(f"dpstate: rank {self.rank} cannot keep its initial state as step {step} "
                                    f"(started: {self._started}, holds {rep.local_steps()})")
             rep.forget_after(-1)
-            rep.submit(0, self._tracked.capture(0))
+            rep.submit(0, self._tracked.capture(0), self._tracked.shared_keys)
             return "init", None
         if slot is None:
             slot, where = self._sources.fetch_any(reconf, self.rank, bad_copies), "replica"

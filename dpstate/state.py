@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checks import replicated_keys
+
 
 def _clone_tensors(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
@@ -79,6 +81,7 @@ class Tracked:
 
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
+        self.replicated: list[nn.Module] = []  # modules trained data parallel (job.data_parallel)
 
     def add(self, **objects: Any) -> None:
         for name, obj in objects.items():
@@ -90,6 +93,17 @@ class Tracked:
 
     def modules(self) -> list[nn.Module]:
         return [o for o in self.objects.values() if isinstance(o, nn.Module)]
+
+    def replicate(self, module: nn.Module) -> None:
+        """`module` is trained data parallel: its parameters and their optimizer state are the same on every
+        rank after a step (see shared_keys)."""
+        if not any(m is module for m in self.replicated):
+            self.replicated.append(module)
+
+    def shared_keys(self) -> set:
+        """dpstate.checks.tensor_key of each tensor that every data parallel rank holds alike after a step."""
+        optimizers = [o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
+        return replicated_keys(self.replicated, optimizers)
 
     def capture(self, step: int) -> dict:
         """The state tree of `step` (cheap: parameters and optimizer state are referenced, not copied)."""

@@ -72,6 +72,7 @@ def test_every_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path):
         "redirects": (["-r", "7", script], "bad --redirects '7'"),
         "ranks filter": (["--local-ranks-filter", "a,b", script], "bad --local-ranks-filter"),
         "recovery": (["--recovery", "maybe", script], "--recovery must be one of"),
+        "snapshot check": (["--snapshot-check", "0", script], "--snapshot-check must be a positive number"),
         "endpoint": (["--rdzv-endpoint", "nohostport", "--token-file", token, script], "expected HOST:PORT"),
         "no program": (["--no-python", "no-such-program-xyz"], "no such command: no-such-program-xyz"),
         "port in use": (["--rdzv-endpoint", f"127.0.0.1:{port}", "--node-rank", "0", "--token-file", token, script],
