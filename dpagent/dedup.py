@@ -139,6 +139,7 @@ class Offer:
     data_nbytes: int
     deadline: float  # when it stops waiting for a local copy
     plan: CheckPlan | None = None  # which blocks its digests cover (None: all)
+    tail: Any = b""  # the data past its last whole block, sent with the offer
     copy: LocalCopy | None = None
     wanted: list = field(default_factory=list)
     differs: list = field(default_factory=list)  # data parallel blocks digested on both sides that differ
@@ -149,25 +150,28 @@ class Offer:
 
 
 def parse_offer(incoming: Any, now: float) -> Offer | str:
-    """An Offer from an OfferSnapshot's frames (meta, digests), or why they are malformed."""
+    """An Offer from an OfferSnapshot's frames (meta, digests, tail), or why they are malformed."""
     msg, payload = incoming.msg, incoming.payload
-    if len(payload) != 2:
-        return f"expected 2 payload frames (meta, block digests), got {len(payload)}"
+    if len(payload) != 3:
+        return f"expected 3 payload frames (meta, block digests, tail), got {len(payload)}"
     meta_len = payload_bytes(payload[0]).nbytes
     data_nbytes = msg.nbytes - meta_len
     digests = np.frombuffer(bytes(payload_bytes(payload[1])), dtype=np.int64)
     if data_nbytes < 0 or digests.size != data_nbytes // CHECKSUM_BLOCK:
         return f"{digests.size} block digests for {msg.nbytes} bytes with {meta_len} of meta"
+    if payload_bytes(payload[2]).nbytes != data_nbytes % CHECKSUM_BLOCK:
+        return f"a tail of {payload_bytes(payload[2]).nbytes} bytes for {data_nbytes} bytes of data"
     try:
         plan = CheckPlan.from_json(msg.checks)
     except ValueError as exc:
         return str(exc)
-    return Offer(incoming, msg, payload[0], digests, data_nbytes, now + OFFER_WAIT_S, plan)
+    return Offer(incoming, msg, payload[0], digests, data_nbytes, now + OFFER_WAIT_S, plan, payload[2])
 
 
 def decide(offer: Offer, local: LocalCopies, now: float) -> bool:
-    """Settle which blocks `offer` needs (offer.copy, offer.wanted, offer.differs); False: wait for the local
-    snapshot of its step (a local worker is behind it and the offer's wait has time left).
+    """Settle which whole blocks `offer` needs (offer.copy, offer.wanted, offer.differs; the tail came with it);
+    False: wait for the local snapshot of its step (a local worker is behind it and the offer's wait has time
+    left).
 
     A block the offer digested is kept by reference when the local copy digested it too, with the same digest.
     A block it left unchecked (data parallel state, trusted) is kept by reference only when both snapshots
@@ -178,10 +182,10 @@ def decide(offer: Offer, local: LocalCopies, now: float) -> bool:
     if copy is None and now < offer.deadline and local.coming(offer.msg.step, now):
         return False
     offer.copy = copy
-    if copy is None:
-        offer.wanted = list(range(offer.nblocks))
-        return True
     blocks = offer.digests.size
+    if copy is None:
+        offer.wanted = list(range(blocks))
+        return True
     unchecked = offer.plan.unchecked(blocks) if offer.plan else np.zeros(blocks, dtype=bool)
     local_unchecked = copy.plan.unchecked(blocks) if copy.plan else np.zeros(blocks, dtype=bool)
     compared = ~unchecked & ~local_unchecked
@@ -192,8 +196,6 @@ def decide(offer: Offer, local: LocalCopies, now: float) -> bool:
     offer.differs = np.flatnonzero(differ & shared).tolist()
     keep = (compared & ~differ) | (unchecked & shared & (not offer.differs))
     offer.wanted = np.flatnonzero(~keep).tolist()
-    if offer.nblocks > blocks:  # the tail has no digest: always sent
-        offer.wanted.append(blocks)
     return True
 
 
@@ -206,6 +208,8 @@ def assemble(offer: Offer, blocks: list) -> list | str:
     if offer.copy is not None and not offer.copy.valid():
         return "this node's copy of those blocks changed meanwhile; offer the snapshot again"
     received = dict(zip(offer.wanted, blocks))
+    if offer.nblocks > offer.digests.size:
+        received[offer.digests.size] = offer.tail
     frames: list = []
     start = None  # the first block of the current run of local blocks (adjacent in the local buffer)
     for i in range(offer.nblocks + 1):

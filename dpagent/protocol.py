@@ -385,10 +385,12 @@ class LocalSnapshot:
 
 @_message
 class OfferSnapshot:
-    """A PutSnapshot whose data is sent only where the holder lacks it: payload = meta, then the data's block
+    """A PutSnapshot whose data is sent only where the holder lacks it: payload = meta, the data's block
     digests (int64; 0 where the CheckPlan `checks` leaves a block unchecked: the data parallel blocks that the
-    holder's own node's copy of the step stands for). Answered with SnapshotWants (the blocks to send as
-    SnapshotBlocks), or at once with SnapshotAck when the holder's own node has every block already."""
+    holder's own node's copy of the step stands for), then the data's tail (past its last whole block: the
+    per-rank state, as a capture lays it out). The holder makes room as for a ReserveSnapshot. Answered with
+    SnapshotWants (the whole blocks to send as SnapshotBlocks), or at once with SnapshotAck when the holder's
+    own node has every whole block already."""
 
     rank: int
     step: int
@@ -402,7 +404,7 @@ class OfferSnapshot:
 class SnapshotWants:
     rank: int
     step: int
-    blocks: list = field(default_factory=list)  # block indexes (CHECKSUM_BLOCK bytes each; the last, the tail)
+    blocks: list = field(default_factory=list)  # whole block indexes (CHECKSUM_BLOCK bytes each)
     differs: list = field(default_factory=list)  # data parallel blocks digested on both sides that differ
 
 

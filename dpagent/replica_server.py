@@ -1,6 +1,7 @@
 """Serves the replica store on the agent's replica ROUTER: PutSnapshot -> SnapshotAck, FetchSnapshot -> SnapshotData
 and its SnapshotChunks, ReserveSnapshot -> SnapshotReserved (room made for a snapshot on its way); dedup
-(dpagent.dedup): LocalSnapshot (not answered), OfferSnapshot -> SnapshotWants -> SnapshotBlocks -> SnapshotAck.
+(dpagent.dedup): LocalSnapshot (not answered), OfferSnapshot (room made as it comes) -> SnapshotAck, or
+SnapshotWants -> SnapshotBlocks -> SnapshotAck when the holder's node lacks some of its blocks.
 
 The holder checks sizes only: the checksum is checked end to end by the worker that loads a snapshot (a bad
 copy there is reported and another one used), so a holder spends no CPU per snapshot beyond receiving it.
@@ -133,6 +134,8 @@ class ReplicaServer:
         if isinstance(offer, str):
             self._answer(incoming, incoming.msg, offer)
             return
+        # as a ReserveSnapshot would: the oldest copy goes now (freed here), the blocks still to come take its memory
+        self.store.make_room(offer.msg.rank, offer.msg.step, offer.msg.generation)
         self._waiting.append(offer)
         self.tick(now)
 
@@ -178,7 +181,7 @@ class ReplicaServer:
         if isinstance(chunks, str):
             error = chunks
         else:
-            error = self.store.add(put, offer.meta, *chunks, base=offer.copy if len(blocks) < len(chunks) else None)
+            error = self.store.add(put, offer.meta, *chunks, base=offer.copy if len(blocks) < offer.digests.size else None)
         self._answer(offer.incoming, put, error)
 
     def relabel_checked(self, done: RelabelChecked) -> None:

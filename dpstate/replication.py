@@ -8,7 +8,6 @@ blocks (data parallel state) by reference: a holder is offered the block digests
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -27,6 +26,7 @@ from .abort import AbortSignal
 from .checks import CheckPlanner
 from .interval import SnapshotPolicy
 from .fetch import FETCHED, ReplicationError, Slot, receive_snapshot
+from .send import Delivery
 from .priority import lower_io_threads, lower_priority
 from .profile import PhaseClock, SnapshotStats, write_profile
 
@@ -260,11 +260,15 @@ class Replicator:
                         socks[endpoint] = self.ctx.socket(zmq.DEALER)
                         socks[endpoint].setsockopt(zmq.LINGER, 0)
                         socks[endpoint].connect(endpoint)
-                # holders make room while we capture: the snapshot then lands in their oldest copy's memory
-                reserve = P.ReserveSnapshot(rank=rank, step=job.step, generation=generation)
-                for endpoint in endpoints:
-                    if endpoint not in job.held_at and job.replicate:  # dropped while queued: capture only
-                        socks[endpoint].send_multipart(self.codec.encode(reserve))
+                delivery = Delivery(self.codec, self.stats, job.slot, rank, job.step, generation, job.held_at,
+                                    on_differs=lambda blocks, step=job.step: self.checks.divergence(rank, step, blocks),
+                                    cancelled=lambda e=epoch: e != self._epoch)
+                offered = job.slot.digests is not None if job.tree is None else self.share and not job.slot.share_refused
+                if not offered and job.replicate:  # sent whole: holders make room while we capture, and the
+                    reserve = self.codec.encode(delivery.reserve())  # snapshot lands in their oldest copy's memory
+                    delivery.reserved = frozenset(e for e in endpoints if e not in job.held_at)
+                    for endpoint in delivery.reserved:
+                        socks[endpoint].send_multipart(reserve)
                 if job.tree is not None:
                     if job.event is not None and (copy_stream is None or copy_stream.device.index != job.device):
                         torch.cuda.set_device(job.device)  # this thread's current device: the worker's
@@ -275,7 +279,7 @@ class Replicator:
                 with self._cond:
                     if not job.replicate:  # dropped by a reconfiguration: captured (kept locally), not sent
                         continue
-                ok = self._replicate({e: socks[e] for e in endpoints}, job, epoch, generation, rank)
+                ok = delivery.run({e: socks[e] for e in endpoints})
                 with self._cond:
                     if epoch == self._epoch and ok:
                         self._acked = max(self._acked, job.seq)
@@ -327,84 +331,3 @@ class Replicator:
                               offset=shared.HEADER_BYTES, nbytes=slot.nbytes, writes=buf.writes,
                               checks=slot.plan.as_json() if slot.plan else {})
         sock.send_multipart(self.codec.encode(msg, [slot.digests]))
-
-    def _replicate(self, socks: dict[str, Any], job: _Job, epoch: int, generation: int, rank: int) -> bool:
-        """Send the slot to every replica store (a relabel request to those that hold it already; to the
-        others, once they answer the ReserveSnapshot sent before the capture, the whole snapshot, or with block
-        digests an offer and then the blocks they ask for), then wait until each has acked it; a refused
-        relabel is answered with the whole snapshot (or the offer)."""
-        slot = job.slot
-        put = P.PutSnapshot(rank=rank, step=job.step, generation=generation, checksum=slot.checksum,
-                            nbytes=len(slot.meta) + slot.nbytes)
-        data = slot.data.numpy() if slot.nbytes else b""
-        if slot.digests is not None:
-            offer = P.OfferSnapshot(rank, job.step, generation, slot.checksum, put.nbytes,
-                                    slot.plan.as_json() if slot.plan else {})
-            full = self.codec.encode(offer, [slot.meta, slot.digests])
-        else:
-            full = self.codec.encode(put, [slot.meta, *P.chunk_views(data)])
-
-        def send(sock: Any, relabel: bool) -> None:
-            if relabel:
-                sock.send_multipart(self.codec.encode(dataclasses.replace(put, held=True)))
-            else:
-                sock.send_multipart(full, copy=False)
-                self.stats.offers += slot.digests is not None
-
-        def send_blocks(sock: Any, wanted: list) -> None:
-            blocks = P.block_views(data)
-            wanted = [i for i in wanted if isinstance(i, int) and 0 <= i < len(blocks)]
-            msg = P.SnapshotBlocks(rank, job.step, generation, wanted)
-            sock.send_multipart(self.codec.encode(msg, [blocks[i] for i in wanted]), copy=False)
-            self.stats.blocks_sent += len(wanted)
-
-        relabeled = {id(sock) for e, sock in socks.items() if e in job.held_at}
-        reserving = {id(sock) for sock in socks.values()} - relabeled
-        tries = {id(sock): 0 for sock in socks.values()}
-        waiting = list(socks.values())
-        t0 = time.perf_counter()
-        for sock in waiting:
-            if id(sock) in relabeled:
-                send(sock, True)
-        poller = zmq.Poller()
-        for sock in waiting:
-            poller.register(sock, zmq.POLLIN)
-        while waiting:
-            if epoch != self._epoch:
-                return False
-            for sock, _ in poller.poll(10):  # 10 ms: a reconfiguration is noticed that fast
-                try:
-                    ack, _ = self.codec.decode(sock.recv_multipart())
-                except P.ProtocolError:
-                    continue
-                if (isinstance(ack, P.SnapshotReserved) and id(sock) in reserving and ack.rank == rank
-                        and ack.step == job.step):
-                    reserving.discard(id(sock))
-                    send(sock, False)
-                    continue
-                if (isinstance(ack, P.SnapshotWants) and slot.digests is not None and ack.rank == rank
-                        and ack.step == job.step):
-                    if ack.differs:
-                        self.checks.divergence(rank, job.step, ack.differs)
-                    send_blocks(sock, ack.blocks)
-                    continue
-                if not (isinstance(ack, P.SnapshotAck) and ack.rank == rank and ack.step == job.step):
-                    continue
-                if ack.ok:
-                    waiting.remove(sock)
-                    poller.unregister(sock)
-                    continue
-                if id(sock) in relabeled:  # no longer held there: send it whole
-                    relabeled.discard(id(sock))
-                    self.stats.relabel_refused += 1
-                    send(sock, False)
-                    continue
-                tries[id(sock)] += 1
-                if tries[id(sock)] >= 3:
-                    raise ReplicationError(f"the replica store refused rank {rank} step {job.step}: {ack.error}")
-                send(sock, False)
-        if socks:
-            self.stats.sends += 1
-            self.stats.send_s += time.perf_counter() - t0
-            self.stats.relabels += len(relabeled)
-        return True

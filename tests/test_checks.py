@@ -151,7 +151,8 @@ def local_copy(data: np.ndarray, step: int, plan: CheckPlan | None) -> tuple[Loc
 def offer_of(data: np.ndarray, step: int, plan: CheckPlan | None) -> Offer:
     msg = P.OfferSnapshot(rank=1, step=step, generation=0, checksum=0, nbytes=data.size,
                           checks=plan.as_json() if plan else {})
-    return Offer(None, msg, b"", block_digests(data, plan), data.size, deadline=2.0, plan=plan)
+    tail = data[data.size // CHECKSUM_BLOCK * CHECKSUM_BLOCK :].tobytes()
+    return Offer(None, msg, b"", block_digests(data, plan), data.size, deadline=2.0, plan=plan, tail=tail)
 
 
 def test_trusted_blocks_are_kept_by_reference_and_a_sampled_difference_ends_the_trust():
@@ -164,12 +165,12 @@ def test_trusted_blocks_are_kept_by_reference_and_a_sampled_difference_ends_the_
     peer[1 * CHECKSUM_BLOCK] ^= 1  # an unchecked shared block differs: not seen in this snapshot
     same = offer_of(peer, 4, plan)
     assert decide(same, copies, 0.0)
-    assert same.wanted == [6, 8] and same.differs == []  # the per-rank block and the tail
+    assert same.wanted == [6] and same.differs == []  # the per-rank block (the tail came with the offer)
 
     peer[3 * CHECKSUM_BLOCK] ^= 1  # a sampled one differs too: the ranks diverged
     diverged = offer_of(peer, 4, plan)
     assert decide(diverged, copies, 0.0)
-    assert diverged.differs == [3] and diverged.wanted == [1, 2, 3, 4, 5, 6, 8]
+    assert diverged.differs == [3] and diverged.wanted == [1, 2, 3, 4, 5, 6]
     frames = assemble(diverged, [P.block_views(peer)[i] for i in diverged.wanted])
     assert b"".join(bytes(f) for f in frames) == peer.tobytes()  # the peer's own bytes, all of them
 
@@ -279,7 +280,7 @@ def test_a_data_parallel_peer_sends_only_its_tail_and_a_divergence_is_caught_and
     shared_snapshot(peer, theirs, 1)
     mine = peer.local(1)
     assert mine.plan is not None and mine.plan.every == 4 and mine.plan.shared_blocks >= 6
-    assert peer.stats.blocks_sent == 1, peer.stats  # only the tail: the per-rank part lies after the shared blocks
+    assert peer.stats.blocks_sent == 0, peer.stats  # the per-rank part lies in the tail, sent with the offer
     assert (mine.digests == 0).sum() >= mine.plan.shared_blocks - 2  # most shared blocks were not digested
     fetched = fetch(holder.replica_endpoint, 1, 1)  # checks the checksum under the plan
     assert torch.equal(fetched.data, mine.data)
@@ -306,7 +307,8 @@ def test_a_data_parallel_peer_sends_only_its_tail_and_a_divergence_is_caught_and
     sent = peer.stats.blocks_sent
     shared_snapshot(peer, theirs, seen)
     assert peer.checks.every == 1 and peer.checks.diverged
-    assert peer.stats.blocks_sent - sent >= mine.plan.shared_blocks
+    plan = peer.local(seen).plan  # taken while still sampling: every shared block it left unchecked, and the one
+    assert peer.stats.blocks_sent - sent == plan.unchecked(plan.shared_blocks).sum() + 1  # that differs, is sent
     assert "differ from a data parallel peer's" in capfd.readouterr().err
     assert torch.equal(fetch(holder.replica_endpoint, 1, seen).data, peer.local(seen).data)
     # from now on every block is checksummed, so the holder trusts none of it: what its own rank did not

@@ -91,7 +91,7 @@ def test_a_peer_sends_only_the_blocks_that_differ_and_the_copy_fetched_is_its_ow
     blocks = -(-mine.nbytes // CHECKSUM_BLOCK)
     assert blocks >= 6
     assert peer.stats.offers == 1
-    assert 1 <= peer.stats.blocks_sent <= 2, peer.stats  # the per-rank tensor's block and the tail
+    assert peer.stats.blocks_sent <= 1, peer.stats  # the per-rank tensors' block, if not in the tail (sent with the offer)
     held = holder.store.get(1, 5)
     assert held is not None and held.base is not None and held.base.step == 5
     assert holder.newest_stored(1) == 5
@@ -125,7 +125,7 @@ def test_an_offer_ahead_of_the_local_snapshot_waits_for_it(holder, peer_node, mo
     assert holder.newest_stored(1) == 1
     snapshot(local, state0, 2)
     peer.wait_acked(timeout=10)
-    assert peer.stats.blocks_sent - sent <= 2
+    assert peer.stats.blocks_sent - sent <= 1
     assert holder.store.get(1, 2).base is not None
 
 
@@ -137,7 +137,7 @@ def test_different_state_is_sent_whole_and_fetched_intact(holder, peer_node, mon
     snapshot(local, data_parallel_state(0, seed=0), 3)
     snapshot(peer, data_parallel_state(1, seed=1), 3)  # other parameters: every block differs
     mine = peer.local(3)
-    assert peer.stats.blocks_sent == -(-mine.nbytes // CHECKSUM_BLOCK)
+    assert peer.stats.blocks_sent == mine.nbytes // CHECKSUM_BLOCK  # every whole block; the tail came with the offer
     assert holder.store.get(1, 3).base is None
     fetched = Replicator(P.Codec(TOKEN), 2, AbortSignal()).fetch(holder.replica_endpoint, 1, 3, timeout=10)
     assert torch.equal(fetched.data, mine.data)
@@ -156,7 +156,8 @@ def announce(copies: LocalCopies, buf: SharedBuffer, step: int, nbytes: int, **c
 
 def offer(data: np.ndarray, step: int, now: float) -> Offer:
     msg = P.OfferSnapshot(rank=1, step=step, generation=0, checksum=0, nbytes=data.size)
-    return Offer(None, msg, b"", block_digests(data), data.size, deadline=now + 2.0)
+    tail = data[data.size // CHECKSUM_BLOCK * CHECKSUM_BLOCK :].tobytes()
+    return Offer(None, msg, b"", block_digests(data), data.size, deadline=now + 2.0, tail=tail)
 
 
 def test_local_copies_refuse_what_is_not_a_worker_buffer_of_this_node():
@@ -187,19 +188,19 @@ def test_decide_asks_for_differing_blocks_and_the_tail_and_assemble_joins_them()
     now = 100.0
     ahead = offer(peer, 8, now)
     assert not decide(ahead, copies, now)  # the local worker is at 7: worth waiting for its 8
-    assert decide(ahead, copies, now + 2.5) and ahead.copy is None and ahead.wanted == [0, 1, 2, 3]
+    assert decide(ahead, copies, now + 2.5) and ahead.copy is None and ahead.wanted == [0, 1, 2]
 
     same_step = offer(peer, 7, now)
     assert decide(same_step, copies, now)
-    assert same_step.copy is not None and same_step.wanted == [1, 3]
+    assert same_step.copy is not None and same_step.wanted == [1]  # the tail came with the offer
     blocks = P.block_views(peer)
-    frames = assemble(same_step, [blocks[1], blocks[3]])
+    frames = assemble(same_step, [blocks[1]])
     assert b"".join(bytes(f) for f in frames) == peer.tobytes()
-    assert "expected 2 blocks" in assemble(same_step, [blocks[1]])
+    assert "expected 1 blocks" in assemble(same_step, [blocks[1], blocks[2]])
 
     buf.begin_write()  # the worker writes its buffer again: the copy no longer vouches for those bytes
     assert not same_step.copy.valid()
-    assert "changed meanwhile" in assemble(same_step, [blocks[1], blocks[3]])
+    assert "changed meanwhile" in assemble(same_step, [blocks[1]])
     assert copies.find(7, nbytes) is None
 
 
@@ -226,7 +227,7 @@ def test_assemble_joins_runs_of_local_blocks_into_chunks_of_at_most_chunk_bytes(
     peer = buf.tensor.numpy().copy()
     peer[(per_chunk + 1) * CHECKSUM_BLOCK] ^= 0xFF  # one block in the middle differs
     same = offer(peer, 3, 0.0)
-    assert decide(same, copies, 0.0) and same.wanted == [per_chunk + 1, 2 * per_chunk + 3]
+    assert decide(same, copies, 0.0) and same.wanted == [per_chunk + 1]
     blocks = P.block_views(peer)
     frames = assemble(same, [blocks[i] for i in same.wanted])
     sizes = [memoryview(f).nbytes for f in frames]
