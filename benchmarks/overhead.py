@@ -40,7 +40,7 @@ AUTO_STEPS = "3,8"  # dpstate's default: 3 warm-up steps, then 8 pairs measured:
 
 
 def command(config: str, args, folder: Path) -> tuple[list[str], dict[str, str]]:
-    model = C.SMALL_MODEL if args.quick else C.BIG_MODEL
+    model = model_args(args)
     script = [str(C.TRAIN), "--steps", str(args.steps), "--seed", "0", *model, "--log-every", "0",
               "--timings", "timings.jsonl", "--summary", "summary.json", "--stats", "stats.json"]
     env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "DP_SNAPSHOT_AUTO_STEPS": args.auto_steps}
@@ -49,10 +49,19 @@ def command(config: str, args, folder: Path) -> tuple[list[str], dict[str, str]]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 *script], env
     interval = {"off": "off", "per_step": "1", "auto": f"auto:{args.budget}", "alternate": "2"}[config]
-    if config == "per_step":
+    if config in ("per_step", "off"):  # off: for its main thread's CPU (what a snapshot slows down beside it)
         env["DP_SNAPSHOT_PROFILE"] = str(folder / "profile")
     return [sys.executable, "-m", "dprun", "--nnodes", "2", "--no-tui", "--snapshot-interval", interval,
             "--events-file", "events.jsonl", *script], env
+
+
+def model_args(args) -> list[str]:
+    """The trainer's model flags, with --batch-size when given (more tokens per step: more compute per byte
+    of state, so a snapshot costs a smaller share of a step)."""
+    model = list(C.SMALL_MODEL if args.quick else C.BIG_MODEL)
+    if args.batch_size:
+        model[model.index("--batch-size") + 1] = str(args.batch_size)
+    return model
 
 
 def auto_window(summary: dict | None, steps: int, decided: int) -> tuple[int, int]:
@@ -79,12 +88,21 @@ def paired_cost(timings: list[dict], lo: int, hi: int) -> tuple[float | None, in
     return (C.median(diffs) / base if diffs and base else None), len(diffs)
 
 
+def main_thread_ms_per_step(result: C.RunResult, steps: int) -> float | None:
+    """CPU of the training thread (MainThread) per step and rank, over the whole run (start-up included: alike
+    in every configuration, so differences between them are per-step costs)."""
+    files = sorted(glob.glob(str(result.folder / "profile.rank*.json")))
+    cpu = [json.loads(Path(f).read_text()).get("threads_cpu_s", {}).get("MainThread") for f in files]
+    cpu = [c for c in cpu if c is not None]
+    return sum(cpu) / len(cpu) / steps * 1000 if cpu and steps else None
+
+
 def profile_of(result: C.RunResult) -> dict | None:
     files = sorted(glob.glob(str(result.folder / "profile.rank*.json")))
-    if not files:
-        return None
     ranks = [json.loads(Path(f).read_text()) for f in files]
-    n = sum(r["captures"] for r in ranks) or 1
+    n = sum(r["captures"] for r in ranks)
+    if not n:
+        return None
     per = lambda key: sum(r[key] for r in ranks) / n * 1000  # noqa: E731  ms per snapshot
     threads: dict[str, float] = {}
     for r in ranks:
@@ -110,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=0.01, help="auto's budget (fraction of step time)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--quick", action="store_true", help="small model, few steps: a ~1 minute smoke run")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="sequences per rank and step (default 8: 1,024 tokens per rank and step)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--keep", action="store_true", help="keep the run folders")
     ap.add_argument("--timeout", type=float, default=600)
@@ -152,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary = {**(res.json_file("summary.json") or {}), **(res.json_file("stats.json") or {})}
                 rate = C.window_rate(res.timings(), lo, hi)
                 if tokens is None and summary:
-                    model = C.SMALL_MODEL if args.quick else C.BIG_MODEL
+                    model = model_args(args)
                     opt = dict(zip(model[::2], model[1::2]))
                     tokens = int(opt["--block-size"]) * int(opt["--batch-size"]) * int(summary.get("world_size", 2))
                 steps = sorted(C.step_times(res.timings()).items())
@@ -167,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     "snapshot_cost": summary.get("snapshot_cost"), "max_lost_steps": summary.get("max_lost_steps"),
                     "peak_rss": res.peak_rss_by_role(), "cpu_s": res.cpu_by_role_thread(),
                     "profile": profile_of(res) if config == "per_step" else None,
+                    "main_thread_ms_per_step": main_thread_ms_per_step(res, args.steps),
                     # from step 4: the first snapshot into each of the 2 buffers faults its pages in
                     "paired": paired_cost(res.timings(), 4, args.steps) if config == "alternate" else None,
                 })
@@ -221,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         prof["agent_cpu_ms_per_snapshot"] = {
             name: (sec - (base["cpu_s"].get("agent", {}).get(name, 0.0) if base else 0.0)) / prof["snapshots"] * 1000
             for name, sec in threads.items() if sec > 0.05}
+    # the training thread's CPU per step with per-step snapshots minus without, per rank, paired within a
+    # repetition: the main thread's own part of a snapshot (~1 ms) and how much the capture beside it slows it
+    slowed = []
+    for rep in range(args.reps):
+        pair = {r["config"]: r["main_thread_ms_per_step"] for r in runs if r["rep"] == rep}
+        if pair.get("off") is not None and pair.get("per_step") is not None:
+            slowed.append(pair["per_step"] - pair["off"])
     result = {
         "benchmark": "overhead", "machine": C.machine(), "steps": args.steps, "reps": args.reps,
         "quick": args.quick, "state_bytes_per_node": state, "tokens_per_step": tokens,
@@ -237,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "auto_budget": args.budget,
         "profile": profiles[0] if len(profiles) == 1 else ({"per_rep": profiles} if profiles else None),
         "agent_cpu_s": agent_cpu,
+        "main_thread_slowed_ms_per_step": C.median(slowed),
         "others_cpu_share": {c: C.median(r["others_cpu_share"] for r in runs if r["config"] == c) for c in configs},
         "floor": floor,
         "peak_rss": peak,
@@ -273,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         print("agent (replica holder) CPU ms per snapshot: " + ", ".join(
             f"{'Python threads (verify, store, ack)' if k == 'python' else k} {v:.1f}"
             for k, v in prof.get("agent_cpu_ms_per_snapshot", {}).items()))
+    if result["main_thread_slowed_ms_per_step"] is not None:
+        print(f"training thread CPU per step and rank, per-step snapshots minus off: "
+              f"{result['main_thread_slowed_ms_per_step']:+.1f} ms (its own part of a snapshot, ~1 ms, and the "
+              f"capture beside it slowing it: per repetition {', '.join(f'{v:+.1f}' for v in slowed)})")
     if result["overhead_per_step_paired"] is not None:
         each = ", ".join(f"{r['paired'][0]:+.2%}" for r in runs if r.get("paired") and r["paired"][0] is not None)
         print(f"per-step snapshots, paired within runs (every 2nd step snapshotted, {result['paired_pairs']} pairs "
