@@ -23,7 +23,7 @@ from dpstate.checks import CheckPlanner, check_every_from_env, replicated_keys, 
 from dpstate.replication import Replicator
 from dpstate.shared import HEADER_BYTES, SharedBuffer
 from dpstate.state import Tracked
-from test_dedup import holder, peer_node, replicator  # noqa: F401 (fixtures)
+from test_dedup import data_parallel_state, holder, peer_node, replicators  # noqa: F401 (fixtures)
 from test_dpstate_harness import TOKEN
 
 pytestmark = pytest.mark.timeout(60)
@@ -235,27 +235,10 @@ def test_random_plans_and_differences_give_the_peers_checksum_and_its_checked_by
 
 
 def data_parallel(rank: int) -> Tracked:
-    """~6 MB of data parallel state (the same on every rank) and a per-rank position, the model replicated."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(512, 1024)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(4, 512)).sum().backward()
-    opt.step()
-    tracked = Tracked()
-    tracked.add(model=model, optimizer=opt, position=_Position(rank))
-    tracked.replicate(model)
+    """test_dedup's ~6 MB of data parallel state and per-rank position, the model declared data parallel."""
+    tracked = data_parallel_state(rank)
+    tracked.replicate(tracked.objects["model"])
     return tracked
-
-
-class _Position:
-    def __init__(self, rank: int):
-        self.where = torch.full((1000,), rank, dtype=torch.int64)
-
-    def state_dict(self):
-        return {"where": self.where}
-
-    def load_state_dict(self, state):
-        self.where.copy_(state["where"])
 
 
 def shared_snapshot(rep: Replicator, tracked: Tracked, step: int) -> None:
@@ -270,10 +253,7 @@ def fetch(endpoint: str, rank: int, step: int):
 def test_a_data_parallel_peer_sends_only_its_tail_and_a_divergence_is_caught_and_ends_the_trust(
         holder, peer_node, monkeypatch, capfd):  # noqa: F811 (fixtures)
     monkeypatch.setenv("DP_SNAPSHOT_CHECK", "4")
-    local = replicator(monkeypatch, 0, holder.replica_endpoint)
-    local.configure(0, [], 0)
-    peer = replicator(monkeypatch, 1, peer_node.replica_endpoint)
-    peer.configure(0, holder.replica_endpoint, 1)
+    local, peer = replicators(monkeypatch, holder, peer_node)
     ours, theirs = data_parallel(0), data_parallel(1)
 
     shared_snapshot(local, ours, 1)

@@ -73,16 +73,23 @@ def replicator(monkeypatch, rank: int, local_store: str) -> Replicator:
     return rep
 
 
+def replicators(monkeypatch, holder, peer_node) -> tuple[Replicator, Replicator]:
+    """The holder's own worker (rank 0: its snapshots stay on its node, announced to it) and a peer (rank 1,
+    on peer_node) that replicates to the holder."""
+    local = replicator(monkeypatch, 0, holder.replica_endpoint)
+    local.configure(0, [], 0)
+    peer = replicator(monkeypatch, 1, peer_node.replica_endpoint)
+    peer.configure(0, holder.replica_endpoint, 1)
+    return local, peer
+
+
 def snapshot(rep: Replicator, tracked: Tracked, step: int) -> None:
     rep.submit(step, tracked.capture(step))
     rep.wait_acked(timeout=10)
 
 
 def test_a_peer_sends_only_the_blocks_that_differ_and_the_copy_fetched_is_its_own(holder, peer_node, monkeypatch):
-    local = replicator(monkeypatch, 0, holder.replica_endpoint)
-    local.configure(0, [], 0)  # the holder's own worker: its snapshots stay on its node (announced)
-    peer = replicator(monkeypatch, 1, peer_node.replica_endpoint)
-    peer.configure(0, holder.replica_endpoint, 1)
+    local, peer = replicators(monkeypatch, holder, peer_node)
     state0, state1 = data_parallel_state(0), data_parallel_state(1)
 
     snapshot(local, state0, 5)
@@ -111,10 +118,7 @@ def test_a_peer_sends_only_the_blocks_that_differ_and_the_copy_fetched_is_its_ow
 
 
 def test_an_offer_ahead_of_the_local_snapshot_waits_for_it(holder, peer_node, monkeypatch):
-    local = replicator(monkeypatch, 0, holder.replica_endpoint)
-    local.configure(0, [], 0)
-    peer = replicator(monkeypatch, 1, peer_node.replica_endpoint)
-    peer.configure(0, holder.replica_endpoint, 1)
+    local, peer = replicators(monkeypatch, holder, peer_node)
     state0, state1 = data_parallel_state(0), data_parallel_state(1)
     snapshot(local, state0, 1)
     snapshot(peer, state1, 1)
@@ -130,10 +134,7 @@ def test_an_offer_ahead_of_the_local_snapshot_waits_for_it(holder, peer_node, mo
 
 
 def test_different_state_is_sent_whole_and_fetched_intact(holder, peer_node, monkeypatch):
-    local = replicator(monkeypatch, 0, holder.replica_endpoint)
-    local.configure(0, [], 0)
-    peer = replicator(monkeypatch, 1, peer_node.replica_endpoint)
-    peer.configure(0, holder.replica_endpoint, 1)
+    local, peer = replicators(monkeypatch, holder, peer_node)
     snapshot(local, data_parallel_state(0, seed=0), 3)
     snapshot(peer, data_parallel_state(1, seed=1), 3)  # other parameters: every block differs
     mine = peer.local(3)
