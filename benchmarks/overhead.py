@@ -17,7 +17,7 @@ process's peak RSS (VmHWM) and per-thread CPU.
 
 JSON: {"throughput": {"off", "per_step", "auto", "torchrun", "alternate"} (tokens/s, medians),
 "overhead_per_step", "overhead_per_step_paired", "paired_pairs", "overhead_auto", "auto_interval",
-"auto_max_lost_steps", "auto_cost", "profile", "peak_rss", "runs": [...]}.
+"auto_max_lost_steps", "auto_cost", "auto_cost_bound", "profile", "peak_rss", "runs": [...]}.
 torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see DESIGN.md) and the same thread settings.
 """
 
@@ -36,7 +36,7 @@ import _common as C  # noqa: E402
 import _limits  # noqa: E402
 
 CONFIGS = ("off", "per_step", "auto", "torchrun", "alternate")
-AUTO_STEPS = "3,8"  # dpstate's default: 3 warm-up steps, then 8 pairs measured: decided at step 20
+AUTO_STEPS = "3,16"  # dpstate's default: 3 warm-up steps, then 16 pairs measured: decided at step 36
 
 
 def command(config: str, args, folder: Path) -> tuple[list[str], dict[str, str]]:
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                     "window": [lo, hi], "steps_per_s": rate, "state_bytes": summary.get("state_bytes"),
                     "snapshot_policy": summary.get("snapshot_policy"),
                     "snapshot_interval": summary.get("snapshot_interval"),
-                    "snapshot_cost": summary.get("snapshot_cost"), "max_lost_steps": summary.get("max_lost_steps"),
+                    "snapshot_cost": summary.get("snapshot_cost"),
+                    "snapshot_cost_bound": summary.get("snapshot_cost_bound"), "max_lost_steps": summary.get("max_lost_steps"),
                     "peak_rss": res.peak_rss_by_role(), "cpu_s": res.cpu_by_role_thread(),
                     "profile": profile_of(res) if config == "per_step" else None,
                     "main_thread_ms_per_step": main_thread_ms_per_step(res, args.steps),
@@ -262,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         "auto_interval": C.median(r["snapshot_interval"] for r in auto_runs if r["snapshot_interval"]),
         "auto_max_lost_steps": C.median(r["max_lost_steps"] for r in auto_runs if r["max_lost_steps"]),
         "auto_cost": C.median(r["snapshot_cost"] for r in auto_runs if r["snapshot_cost"] is not None),
+        "auto_cost_bound": C.median(r["snapshot_cost_bound"] for r in auto_runs
+                                    if r["snapshot_cost_bound"] is not None),
         "auto_budget": args.budget,
         "profile": profiles[0] if len(profiles) == 1 else ({"per_rep": profiles} if profiles else None),
         "agent_cpu_s": agent_cpu,
@@ -288,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"state (params + AdamW) per node: {state / 1e6:.0f} MB; peak RSS is per process (max over runs)")
     if auto_runs:
         print(f"auto: interval {result['auto_interval']} (measured cost of one snapshot "
-              f"{C.fmt(result['auto_cost'], '.1%')} of a step, budget {args.budget:.1%}); worst case "
+              f"{C.fmt(result['auto_cost'], '.1%')} of a step, at most {C.fmt(result['auto_cost_bound'], '.1%')} "
+              f"within one standard error; budget {args.budget:.1%}); worst case "
               f"{result['auto_max_lost_steps']} steps lost")
     for prof in profiles[:1]:
         ms = prof["ms_per_snapshot"]

@@ -14,6 +14,7 @@ POLICY_NAME = "__dpstate_snapshot_policy__"  # the name under which an auto poli
 DEFAULT_BUDGET = 0.01
 MAX_INTERVAL = 10_000
 PROBE_EVERY = 16  # at an auto interval of 1, one step in this many is not snapshotted, to keep measuring
+COST_BOUND_SE = 1.0  # auto picks its interval for the cost plus this many standard errors (~84 % one-sided)
 
 
 class SnapshotPolicy:
@@ -26,9 +27,11 @@ class SnapshotPolicy:
     * ``auto`` / ``auto:BUDGET``: measure what a snapshot costs and take the smallest interval that keeps the
       cost under BUDGET (a fraction of step time; DP_SNAPSHOT_BUDGET, default 0.01). After `warmup` steps
       snapshotted every step, `pairs` steps after a snapshot and `pairs` steps after none alternate; the cost
-      of one snapshot is the median over adjacent pairs of (step after one - step after none), over the median
-      step after none, the largest over the ranks (an all-reduce at the same step on every rank), and the
-      interval is ceil(cost / budget).
+      of one snapshot is the interquartile mean over adjacent pairs of (step after one - step after none), over
+      the median step after none, the largest over the ranks (an all-reduce at the same step on every rank),
+      and the interval is ceil(bound / budget), where the bound is the cost plus COST_BOUND_SE standard errors
+      of that mean: on a noisy host the interval errs toward keeping the budget (a few more steps at risk)
+      rather than toward exceeding it; where steps are steady the bound is the cost.
       Once the job has seen failures, the interval is also bounded by Young and Daly's optimum
       sqrt(2 x cost x MTBF / step time) (MTBF: time since the first step / recoveries so far): where failures
       come often, the steps a failure throws away cost more than the snapshots that would have saved them.
@@ -42,7 +45,7 @@ class SnapshotPolicy:
     """
 
     def __init__(self, spec: str | None = "1", budget: float | str | None = None,
-                 warmup: int = 3, pairs: int = 8, refresh: int = 4):
+                 warmup: int = 3, pairs: int = 16, refresh: int = 4):
         text = (spec or "1").strip().lower()
         self.budget = float(budget) if budget not in (None, "") else DEFAULT_BUDGET
         if text.startswith("auto"):
@@ -67,6 +70,7 @@ class SnapshotPolicy:
         self.decisions = 0
         self.decided = self.mode != "auto"
         self.cost: float | None = None  # measured fraction of a step's time that one snapshot costs (auto)
+        self.cost_bound: float | None = None  # the cost plus COST_BOUND_SE standard errors: what sets the interval
         self.decided_at = -1
         self.decided_generation = -1
         self.mtbf_s: float | None = None  # failures seen: the interval is bounded by Young/Daly's optimum
@@ -76,9 +80,9 @@ class SnapshotPolicy:
 
     @classmethod
     def from_env(cls) -> "SnapshotPolicy":
-        warmup, _, pairs = os.environ.get("DP_SNAPSHOT_AUTO_STEPS", "3,8").partition(",")
+        warmup, _, pairs = os.environ.get("DP_SNAPSHOT_AUTO_STEPS", "3,16").partition(",")
         return cls(os.environ.get("DP_SNAPSHOT_INTERVAL", "1"), os.environ.get("DP_SNAPSHOT_BUDGET"),
-                   int(warmup or 3), int(pairs or 8))
+                   int(warmup or 3), int(pairs or 16))
 
     def __repr__(self) -> str:
         return f"SnapshotPolicy({self.describe()})"
@@ -92,7 +96,9 @@ class SnapshotPolicy:
             return f"auto (budget {self.budget:.1%}, measuring)"
         why = (f", bounded by the failures so far (one every {self.mtbf_s:.0f} s)"
                if self.mtbf_s is not None and self.interval < self.budget_interval else "")
-        return (f"auto: one snapshot costs {self.cost:.2%} of a step, budget {self.budget:.1%} -> every "
+        bound = (f" (at most {self.cost_bound:.2%} within one standard error)"
+                 if self.cost_bound is not None and self.cost_bound > (self.cost or 0.0) else "")
+        return (f"auto: one snapshot costs {self.cost:.2%} of a step{bound}, budget {self.budget:.1%} -> every "
                 f"{self.interval} step(s){why}, worst case {self.max_lost_steps} step(s) lost")
 
     @property
@@ -113,8 +119,9 @@ class SnapshotPolicy:
 
     @property
     def budget_interval(self) -> int:
-        """The smallest interval that keeps the measured cost under the budget."""
-        return min(MAX_INTERVAL, max(1, math.ceil((self.cost or 0.0) / self.budget - 1e-9)))
+        """The smallest interval that keeps the measured cost (its upper bound) under the budget."""
+        cost = max(self.cost or 0.0, self.cost_bound or 0.0)
+        return min(MAX_INTERVAL, max(1, math.ceil(cost / self.budget - 1e-9)))
 
     # ------------------------------------------------------------------ schedule
 
@@ -187,23 +194,36 @@ class SnapshotPolicy:
         if base <= 0:
             return self.cost or 0.0
         if self._pairs:
-            return max(0.0, statistics.median(self._pairs) / base)
+            return max(0.0, interquartile_mean(self._pairs) / base)
         return max(0.0, (statistics.median(self._with) - base) / base) if self._with else (self.cost or 0.0)
 
+    def local_cost_bound(self) -> float:
+        """local_cost() plus COST_BOUND_SE standard errors of its interquartile mean (from the winsorized
+        spread of the pairs); the cost itself with fewer than 4 pairs."""
+        cost = self.local_cost()
+        base = statistics.median(self._without) if self._without else 0.0
+        if len(self._pairs) < 4 or base <= 0:
+            return cost
+        return cost + COST_BOUND_SE * interquartile_mean_error(self._pairs) / base
+
     def local_measurements(self) -> list[float]:
-        """[cost of a snapshot (fraction of a step), seconds since the job's first step, step time]: every rank
-        all-reduces them with MAX and passes the result to decide_from()."""
+        """[cost of a snapshot (fraction of a step), its upper bound, seconds since the job's first step, step
+        time]: every rank all-reduces them with MAX and passes the result to decide_from()."""
         step_s = statistics.median(self._without) if self._without else self._step_s
-        return [self.local_cost(), max(0.0, time.time() - (self.t0 or time.time())), step_s or 0.0]
+        return [self.local_cost(), self.local_cost_bound(), max(0.0, time.time() - (self.t0 or time.time())),
+                step_s or 0.0]
 
     def decide_from(self, agreed: list[float], step: int = -1) -> int:
-        cost, elapsed, step_s = (float(x) for x in agreed)
-        return self.decide(cost, step, elapsed_s=elapsed, step_s=step_s)
+        cost, bound, elapsed, step_s = (float(x) for x in agreed)
+        return self.decide(cost, step, elapsed_s=elapsed, step_s=step_s, bound=bound)
 
-    def decide(self, cost: float, step: int = -1, elapsed_s: float = 0.0, step_s: float = 0.0) -> int:
-        """Fix the interval from the cost agreed over the ranks (the largest): the budget's, bounded by Young
-        and Daly's optimum once failures were seen (generation > 0 recoveries in elapsed_s)."""
+    def decide(self, cost: float, step: int = -1, elapsed_s: float = 0.0, step_s: float = 0.0,
+               bound: float | None = None) -> int:
+        """Fix the interval from the cost and its upper bound agreed over the ranks (the largest): the budget's,
+        bounded by Young and Daly's optimum for the cost once failures were seen (generation > 0 recoveries in
+        elapsed_s)."""
         self.cost = max(0.0, float(cost))
+        self.cost_bound = max(self.cost, float(bound)) if bound is not None else self.cost
         self.interval = self.budget_interval
         self.mtbf_s = None
         if step_s <= 0 and self._without:
@@ -235,7 +255,7 @@ class SnapshotPolicy:
 
     def state_dict(self) -> dict:
         return {"mode": self.mode, "interval": self.interval, "decided": self.decided,
-                "cost": self.cost, "budget": self.budget, "decided_at": self.decided_at,
+                "cost": self.cost, "cost_bound": self.cost_bound, "budget": self.budget, "decided_at": self.decided_at,
                 "decided_generation": self.decided_generation, "t0": self.t0, "step_s": self._step_s,
                 "mtbf_s": self.mtbf_s}
 
@@ -243,8 +263,31 @@ class SnapshotPolicy:
         if state.get("mode") == self.mode:
             self.interval, self.decided = int(state["interval"]), bool(state["decided"])
             self.cost, self.decided_at = state.get("cost"), int(state.get("decided_at", -1))
+            self.cost_bound = state.get("cost_bound", self.cost)
             self.decided_generation = int(state.get("decided_generation", -1))
             self.t0 = state.get("t0", self.t0)
             self._step_s = float(state.get("step_s") or 0.0)
             self.mtbf_s = state.get("mtbf_s")
         self._reset_samples()  # a rollback: measure again from the restore step if undecided
+
+
+def interquartile_mean(values: list[float]) -> float:
+    """The mean of the middle half of `values` (a quarter dropped at each end; all of them when fewer than 4).
+    On this host's step times it spread a fifth less than the median of as many pairs, and like the median it
+    is not moved by a burst that slows a few steps (docs/performance.md, Auto)."""
+    ordered = sorted(values)
+    cut = len(ordered) // 4
+    middle = ordered[cut: len(ordered) - cut]
+    return sum(middle) / len(middle)
+
+
+def interquartile_mean_error(values: list[float]) -> float:
+    """The standard error of interquartile_mean(values): the spread of the values winsorized at the quarters
+    (Tukey and McLaughlin's estimate for a trimmed mean), over (1 - 2 x the trimmed share) x sqrt(n)."""
+    ordered = sorted(values)
+    n, cut = len(ordered), len(ordered) // 4
+    if n < 2:
+        return 0.0
+    low, high = ordered[cut], ordered[n - 1 - cut]
+    winsorized = [min(max(v, low), high) for v in ordered]
+    return statistics.stdev(winsorized) / ((1 - 2 * cut / n) * math.sqrt(n))

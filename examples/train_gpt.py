@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             stats["ckpt_save_s"] = round(ckpt.save_s, 3)
         if policy is not None:
             stats.update(snapshot_policy=policy.describe(), snapshot_interval=policy.interval,
-                         snapshot_cost=policy.cost, max_lost_steps=policy.max_lost_steps,
+                         snapshot_cost=policy.cost, snapshot_cost_bound=policy.cost_bound,
+                         max_lost_steps=policy.max_lost_steps,
                          snapshot_decided_at=policy.decided_at)
         write_json(args.stats, stats)
     return 0

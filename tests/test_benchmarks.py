@@ -70,6 +70,7 @@ def test_overhead_quick(procs, tmp_path):
     assert got["paired_pairs"] == 3  # steps 7, 9, 11 (each after a snapshot step) against 6, 8, 10
     assert got["profile"]["capture_cpu_ms_median"] > 0
     assert got["auto_interval"] >= 1 and got["auto_max_lost_steps"] == got["auto_interval"] + 1
+    assert got["auto_cost_bound"] >= got["auto_cost"] >= 0  # the interval is chosen for the bound
     assert got["peak_rss"]["per_step"]["worker"] > 0 and got["peak_rss"]["per_step"]["agent"] > 0
     assert got["profile"]["snapshots"] > 0
 
