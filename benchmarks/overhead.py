@@ -11,12 +11,14 @@ every run of a repetition: whole snapshot intervals of the auto run after its de
 snapshot), else the steps after the decision. Overheads are medians over repetitions of 1 - throughput /
 throughput(off) within a repetition. Whole runs differ by several % on a shared host, more than the cost of a
 snapshot; the alternate runs resolve it: the median over adjacent steps of (a step that carries a snapshot's
-capture - the step before it, which carries none), over a step's time (overhead_per_step_paired). The
+capture - the step before it, which carries none), over a step's time (overhead_per_step_paired); that cost
+over the interval each auto run chose is what auto costs once decided (overhead_auto_paired). The
 per-step runs also write dpstate's snapshot profile (DP_SNAPSHOT_PROFILE); the benchmark samples every
 process's peak RSS (VmHWM) and per-thread CPU.
 
 JSON: {"throughput": {"off", "per_step", "auto", "torchrun", "alternate"} (tokens/s, medians),
-"overhead_per_step", "overhead_per_step_paired", "paired_pairs", "overhead_auto", "auto_interval",
+"overhead_per_step", "overhead_per_step_paired", "paired_pairs", "overhead_auto", "overhead_auto_paired",
+"auto_interval",
 "auto_max_lost_steps", "auto_cost", "auto_cost_bound", "profile", "peak_rss", "runs": [...]}.
 torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see DESIGN.md) and the same thread settings.
 """
@@ -86,6 +88,14 @@ def paired_cost(timings: list[dict], lo: int, hi: int) -> tuple[float | None, in
     diffs = [d - plain[k - 1] for k, d in took.items() if not (k - 1) % 2 and k - 1 in plain]
     base = C.median(plain.values())
     return (C.median(diffs) / base if diffs and base else None), len(diffs)
+
+
+def auto_paired(runs: list[dict]) -> float | None:
+    """What auto costs once decided, from the paired cost of one snapshot (the alternate runs, many more pairs
+    than auto's own) over the interval each auto run chose: whether auto's estimate kept the budget."""
+    cost = C.median(r["paired"][0] for r in runs if r.get("paired") and r["paired"][0] is not None)
+    intervals = [r["snapshot_interval"] for r in runs if r["config"] == "auto" and r["snapshot_interval"]]
+    return C.median(max(cost, 0.0) / n for n in intervals) if cost is not None and intervals else None
 
 
 def main_thread_ms_per_step(result: C.RunResult, steps: int) -> float | None:
@@ -260,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_per_step_paired": C.median(r["paired"][0] for r in runs if r.get("paired")),
         "paired_pairs": sum(r["paired"][1] for r in runs if r.get("paired")),
         "overhead_torchrun": overhead("torchrun") if "torchrun" in configs else None,
+        # auto's chosen interval held against that independent cost: what auto costs once it has decided
+        "overhead_auto_paired": auto_paired(runs),
         "auto_interval": C.median(r["snapshot_interval"] for r in auto_runs if r["snapshot_interval"]),
         "auto_max_lost_steps": C.median(r["max_lost_steps"] for r in auto_runs if r["max_lost_steps"]),
         "auto_cost": C.median(r["snapshot_cost"] for r in auto_runs if r["snapshot_cost"] is not None),
@@ -315,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"per-step snapshots, paired within runs (every 2nd step snapshotted, {result['paired_pairs']} pairs "
               f"of adjacent steps): one snapshot costs {result['overhead_per_step_paired']:+.2%} of a step "
               f"(per repetition: {each})")
+    if result["overhead_auto_paired"] is not None:
+        print(f"auto, once decided: that paired cost over the interval it chose costs "
+              f"{result['overhead_auto_paired']:+.2%} (budget {args.budget:.1%})")
     if floor.get("overhead_per_step_floor") is not None:
         print(f"floor: copying the state once + moving it over loopback TCP costs {per_node_cpu * 1000:.0f} ms of CPU "
               f"per node and snapshot ({floor['overhead_per_step_floor']:.1%} of a {off_step:.2f} s step with 2 "

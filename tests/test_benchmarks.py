@@ -65,12 +65,13 @@ def test_overhead_quick(procs, tmp_path):
     assert set(got["throughput"]) == {"off", "per_step", "auto", "torchrun", "alternate"}
     assert all(v and v > 0 for v in got["throughput"].values()), got["throughput"]
     for key in ("overhead_per_step", "overhead_auto", "auto_interval", "overhead_per_step_paired",
-                "main_thread_slowed_ms_per_step"):
+                "main_thread_slowed_ms_per_step", "overhead_auto_paired"):
         assert isinstance(got[key], (int, float)), key
     assert got["paired_pairs"] == 3  # steps 7, 9, 11 (each after a snapshot step) against 6, 8, 10
     assert got["profile"]["capture_cpu_ms_median"] > 0
     assert got["auto_interval"] >= 1 and got["auto_max_lost_steps"] == got["auto_interval"] + 1
     assert got["auto_cost_bound"] >= got["auto_cost"] >= 0  # the interval is chosen for the bound
+    assert got["overhead_auto_paired"] == pytest.approx(max(got["overhead_per_step_paired"], 0) / got["auto_interval"])
     assert got["peak_rss"]["per_step"]["worker"] > 0 and got["peak_rss"]["per_step"]["agent"] > 0
     assert got["profile"]["snapshots"] > 0
 
