@@ -6,9 +6,9 @@ and what one snapshot costs, paired within a run that snapshots every 2nd step (
 
 Default model: 9.0 M parameters; parameters + AdamW state = 108 MB per node. Each configuration runs `--reps`
 times, in rotated order (off, per_step, auto, torchrun, alternate; then per_step, auto, ..., off; ...), so
-that slow phases of a shared machine hit all of them. Throughput is tokens per second over the same window of steps in
-every run of a repetition: whole snapshot intervals of the auto run after its decision (each holds exactly one
-snapshot), else the steps after the decision. Overheads are medians over repetitions of 1 - throughput /
+that slow phases of a shared machine hit all of them. Throughput is tokens per second from step 4 (both snapshot
+buffers written once) to the end; auto's over whole snapshot intervals after its decision (each holds exactly
+one snapshot), against off's over the same steps. Overheads are medians over repetitions of 1 - throughput /
 throughput(off) within a repetition. Whole runs differ by several % on a shared host, more than the cost of a
 snapshot; the alternate runs resolve it: the median over adjacent steps of (a step that carries a snapshot's
 capture - the step before it, which carries none), over a step's time (overhead_per_step_paired); that cost
@@ -38,6 +38,7 @@ import _common as C  # noqa: E402
 import _limits  # noqa: E402
 
 CONFIGS = ("off", "per_step", "auto", "torchrun", "alternate")
+STEADY_FROM = 4  # from step 4 on, a snapshot goes into a buffer written before (the first two fault pages in)
 AUTO_STEPS = "3,16"  # dpstate's default: 3 warm-up steps, then 16 pairs measured: decided at step 36
 
 
@@ -172,14 +173,18 @@ def main(argv: list[str] | None = None) -> int:
                     work.keep = True  # keep its logs
                     print(res.output[-2500:], file=sys.stderr)
                     print(f"  (kept: {res.folder})", file=sys.stderr)
-        # the measurement window of each repetition: from its auto run (else the steps after the decision)
+        # the measurement windows of each repetition: auto's from its decision (the same steps in every run of
+        # the repetition, compared with off's); the others' from the first step whose snapshot goes into a
+        # buffer written before (both buffers' pages faulted in) to the end
         tokens = None
         for rep in range(args.reps):
             auto = results.get((rep, "auto"))
-            lo, hi = auto_window(auto.json_file("stats.json") if auto else None, args.steps, first_decision)
+            auto_lo, auto_hi = auto_window(auto.json_file("stats.json") if auto else None, args.steps,
+                                           first_decision)
             for config in configs:
                 res = results[(rep, config)]
                 summary = {**(res.json_file("summary.json") or {}), **(res.json_file("stats.json") or {})}
+                lo, hi = (auto_lo, auto_hi) if config == "auto" else (STEADY_FROM, args.steps)
                 rate = C.window_rate(res.timings(), lo, hi)
                 if tokens is None and summary:
                     model = model_args(args)
@@ -191,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append({
                     "rep": rep, "config": config, "returncode": res.returncode, "wall_s": round(res.wall_s, 2),
                     "others_cpu_share": round(res.others_cpu_share, 3), "median_step_s": step_s,
-                    "window": [lo, hi], "steps_per_s": rate, "state_bytes": summary.get("state_bytes"),
+                    "window": [lo, hi], "steps_per_s": rate,
+                    "auto_window_steps_per_s": C.window_rate(res.timings(), auto_lo, auto_hi),
+                    "state_bytes": summary.get("state_bytes"),
                     "snapshot_policy": summary.get("snapshot_policy"),
                     "snapshot_interval": summary.get("snapshot_interval"),
                     "snapshot_cost": summary.get("snapshot_cost"),
@@ -213,12 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     throughput = {c: (C.median(by(c, "steps_per_s")) or 0) * tokens or None for c in configs}
 
     def overhead(config: str) -> float | None:
+        key = "auto_window_steps_per_s" if config == "auto" else "steps_per_s"  # off over the same steps
         ratios = []
         for rep in range(args.reps):
             base = [r for r in runs if r["rep"] == rep and r["config"] == "off"]
             this = [r for r in runs if r["rep"] == rep and r["config"] == config]
-            if base and this and base[0]["steps_per_s"] and this[0]["steps_per_s"]:
-                ratios.append(1 - this[0]["steps_per_s"] / base[0]["steps_per_s"])
+            if base and this and base[0][key] and this[0][key]:
+                ratios.append(1 - this[0][key] / base[0][key])
         return C.median(ratios)
 
     auto_runs = [r for r in runs if r["config"] == "auto"]
