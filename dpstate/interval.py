@@ -14,6 +14,7 @@ POLICY_NAME = "__dpstate_snapshot_policy__"  # the name under which an auto poli
 DEFAULT_BUDGET = 0.01
 MAX_INTERVAL = 10_000
 PROBE_EVERY = 16  # at an auto interval of 1, one step in this many is not snapshotted, to keep measuring
+AUTO_WARMUP, AUTO_PAIRS = 3, 16  # auto's defaults (DP_SNAPSHOT_AUTO_STEPS): decided at the end of step 36
 COST_BOUND_SE = 1.0  # auto picks its interval for the cost plus this many standard errors (~84 % one-sided)
 
 
@@ -45,7 +46,7 @@ class SnapshotPolicy:
     """
 
     def __init__(self, spec: str | None = "1", budget: float | str | None = None,
-                 warmup: int = 3, pairs: int = 16, refresh: int = 4):
+                 warmup: int = AUTO_WARMUP, pairs: int = AUTO_PAIRS, refresh: int = 4):
         text = (spec or "1").strip().lower()
         self.budget = float(budget) if budget not in (None, "") else DEFAULT_BUDGET
         if text.startswith("auto"):
@@ -80,9 +81,9 @@ class SnapshotPolicy:
 
     @classmethod
     def from_env(cls) -> "SnapshotPolicy":
-        warmup, _, pairs = os.environ.get("DP_SNAPSHOT_AUTO_STEPS", "3,16").partition(",")
+        warmup, _, pairs = os.environ.get("DP_SNAPSHOT_AUTO_STEPS", "").partition(",")
         return cls(os.environ.get("DP_SNAPSHOT_INTERVAL", "1"), os.environ.get("DP_SNAPSHOT_BUDGET"),
-                   int(warmup or 3), int(pairs or 16))
+                   int(warmup or AUTO_WARMUP), int(pairs or AUTO_PAIRS))
 
     def __repr__(self) -> str:
         return f"SnapshotPolicy({self.describe()})"
