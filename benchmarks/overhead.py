@@ -185,19 +185,20 @@ def main(argv: list[str] | None = None) -> int:
                 res = results[(rep, config)]
                 summary = {**(res.json_file("summary.json") or {}), **(res.json_file("stats.json") or {})}
                 lo, hi = (auto_lo, auto_hi) if config == "auto" else (STEADY_FROM, args.steps)
-                rate = C.window_rate(res.timings(), lo, hi)
+                timings = res.timings()
+                rate = C.window_rate(timings, lo, hi)
                 if tokens is None and summary:
                     model = model_args(args)
                     opt = dict(zip(model[::2], model[1::2]))
                     tokens = int(opt["--block-size"]) * int(opt["--batch-size"]) * int(summary.get("world_size", 2))
-                steps = sorted(C.step_times(res.timings()).items())
+                steps = sorted(C.step_times(timings).items())
                 step_s = C.median(b[1] - a[1] for a, b in zip(steps, steps[1:])
                                   if b[0] == a[0] + 1 and lo < b[0] <= hi)
                 runs.append({
                     "rep": rep, "config": config, "returncode": res.returncode, "wall_s": round(res.wall_s, 2),
                     "others_cpu_share": round(res.others_cpu_share, 3), "median_step_s": step_s,
                     "window": [lo, hi], "steps_per_s": rate,
-                    "auto_window_steps_per_s": C.window_rate(res.timings(), auto_lo, auto_hi),
+                    "auto_window_steps_per_s": C.window_rate(timings, auto_lo, auto_hi),
                     "state_bytes": summary.get("state_bytes"),
                     "snapshot_policy": summary.get("snapshot_policy"),
                     "snapshot_interval": summary.get("snapshot_interval"),
@@ -206,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                     "peak_rss": res.peak_rss_by_role(), "cpu_s": res.cpu_by_role_thread(),
                     "profile": profile_of(res) if config == "per_step" else None,
                     "main_thread_ms_per_step": main_thread_ms_per_step(res, args.steps),
-                    # from step 4: the first snapshot into each of the 2 buffers faults its pages in
-                    "paired": paired_cost(res.timings(), 4, args.steps) if config == "alternate" else None,
+                    "paired": paired_cost(timings, STEADY_FROM, args.steps) if config == "alternate" else None,
                 })
         state_guess = C.median(r["state_bytes"] for r in runs if r["state_bytes"]) or 1e6
         print("  measuring the limits (memcpy, loopback TCP) ...", flush=True)
