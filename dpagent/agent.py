@@ -26,7 +26,7 @@ from .liveness import Liveness
 from .process import descendants, reap_orphans, set_child_subreaper, signal_procs
 from .protocol import (
     NO_RANK, Codec, Heartbeat, Hello, Inject, PeerError, Ping, Pong, Progress, RankFinished, Reconfigure,
-    Register, RestoreFailed, Stop, Welcome, WorkerExited, WorkerReady, WorkerStatus,
+    Register, RestoreFailed, Standby, Stop, Welcome, WorkerExited, WorkerReady, WorkerStatus,
 )
 from .output import OutputSpec
 from .replica_server import RelabelChecked, ReplicaServer
@@ -76,6 +76,7 @@ class Agent(RestartMode, ShutdownSequence):
         self.welcome: Welcome | None = None
         self.liveness: Liveness | None = None
         self.latest_reconfigure: Reconfigure | None = None
+        self.standby: Standby | None = None  # a spare's: the snapshot sizes its workers make room for
         self.shutdown: Shutdown | None = None
         self.exit_code: int | None = None
         self._peers: dict[bytes, int] = {}  # worker identity -> local rank, once it said Hello
@@ -295,6 +296,10 @@ class Agent(RestartMode, ShutdownSequence):
                      msg.generation, msg.node_rank, msg.restore_step,
                      f" ({msg.reason})" if msg.reason else "", len(self._peers))
             self._to_workers(msg)
+        elif isinstance(msg, Standby):
+            if self.latest_reconfigure is None:  # still a spare: its workers make room for a restore
+                self.standby = msg
+                self._to_workers(msg)
         elif isinstance(msg, Stop):
             self._begin_shutdown(msg.exit_code, f"stop from controller: {msg.reason}", "stop", msg)
         elif isinstance(msg, Inject) and msg.kind == "corrupt-replicas":
@@ -367,6 +372,8 @@ class Agent(RestartMode, ShutdownSequence):
                 self.worker_ch.send(Stop(self.shutdown.reason, self.shutdown.code), to=identity)
             elif self.latest_reconfigure is not None:
                 self.worker_ch.send(self.latest_reconfigure, to=identity)
+            elif self.standby is not None:
+                self.worker_ch.send(self.standby, to=identity)
         else:
             self.worker_ch.drop_unexpected(incoming)
 

@@ -15,8 +15,8 @@ Who sends what (the reconstruction protocol of docs/DESIGN.md):
 agent -> controller : Register, Heartbeat, Pong, WorkerExited, and relayed from workers:
                       Progress, WorkerReady, PeerError, RestoreFailed, RankFinished; from its replica
                       store: SnapshotStored
-controller -> agent : Welcome, Reconfigure, Stop, Ping, Inject
-agent -> worker     : Reconfigure, Stop (relayed)
+controller -> agent : Welcome, Reconfigure, Stop, Ping, Inject, Standby (to spares)
+agent -> worker     : Reconfigure, Stop, Standby (relayed)
 worker -> agent     : Hello, WorkerStatus (kept by the agent, summarised in its Heartbeat), Progress,
                       WorkerReady, PeerError, RestoreFailed, RankFinished
 worker -> replica   : PutSnapshot (+ payload frames: meta, then data in chunks; none with held=True)
@@ -45,9 +45,10 @@ from typing import Any, Sequence
 
 from .checksum import CHECKSUM_BLOCK
 
-PROTOCOL_VERSION = 8  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
+PROTOCOL_VERSION = 9  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
 #                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...);
-#                      8: check plans (data parallel blocks sampled: dpagent.checksum.CheckPlan)
+#                      8: check plans (data parallel blocks sampled: dpagent.checksum.CheckPlan);
+#                      9: SnapshotStored.nbytes and Standby (spares reserve snapshot memory while idle)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -135,6 +136,7 @@ class SnapshotStored:
     rank: int
     step: int
     generation: int
+    nbytes: int = 0  # the snapshot's size (meta + data): what a spare taking this rank over must make room for
 
 
 # ----------------------------------------------------------------------------- worker -> agent (-> controller)
@@ -279,6 +281,14 @@ class Stop:
 @_message
 class Ping:
     seq: int
+
+
+@_message
+class Standby:
+    """To a spare (and relayed to its workers): the largest snapshot of each local rank on any node, in bytes
+    (meta + data), so that each worker makes room for its restore while idle, not after a failure."""
+
+    snapshot_bytes: list[int]  # local rank -> bytes
 
 
 @_message
@@ -441,6 +451,8 @@ def _check_type(value: Any, annotation: Any) -> bool:
         return isinstance(value, dict)
     if annotation in ("list", list):
         return isinstance(value, list)
+    if annotation == "list[int]":
+        return isinstance(value, list) and all(_check_type(item, int) for item in value)
     return True
 
 

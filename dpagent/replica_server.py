@@ -199,7 +199,7 @@ class ReplicaServer:
             log.warning("refused snapshot of rank %d step %d: %s", put.rank, put.step, error)
         else:
             log.debug("stored snapshot rank %d step %d (%d bytes)", put.rank, put.step, put.nbytes)
-            self._report(SnapshotStored(self.node_id, put.rank, put.step, put.generation))
+            self._report(SnapshotStored(self.node_id, put.rank, put.step, put.generation, put.nbytes))
         self.channel.reply(incoming, SnapshotAck(put.rank, put.step, ok=not error, error=error))
 
     def _fetch(self, incoming: Incoming, msg: FetchSnapshot) -> None:

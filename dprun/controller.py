@@ -19,6 +19,7 @@ from .faults import FaultPlan
 from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .reconstruction import Reconstruction
+from .standby import SpareSizing
 
 PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
 
@@ -35,6 +36,7 @@ class Controller(Reconstruction):
         self.spec = spec
         self.table = NodeTable()
         self.ledger = ReplicaLedger()
+        self.sizing = SpareSizing(spec.nproc_per_node)  # what spares reserve memory for (Standby)
         self.faults = FaultPlan(list(spec.faults))
         self.started_at = now
         self.training_since: float | None = None
@@ -181,6 +183,9 @@ class Controller(Reconstruction):
             heartbeat_interval=self.spec.heartbeat_interval, heartbeat_timeout=self.spec.heartbeat_timeout,
             prespawn=not self.spec.restart_mode,
         ))
+        standby = self.sizing.message()
+        if node.role == SPARE and standby is not None:
+            self._send(node.node_id, standby)
 
     def _on_Heartbeat(self, node: Node, msg: p.Heartbeat, now: float) -> None:
         node.workers = msg.workers  # last_heard is already updated
@@ -210,6 +215,9 @@ class Controller(Reconstruction):
 
     def _on_SnapshotStored(self, node: Node, msg: p.SnapshotStored, now: float) -> None:
         self.ledger.stored(msg.rank, msg.step, node.node_id)
+        if self.sizing.stored(msg.rank, msg.nbytes):
+            for spare in self.table.with_role(SPARE):
+                self._send(spare.node_id, self.sizing.message())
 
     def _on_WorkerReady(self, node: Node, msg: p.WorkerReady, now: float) -> None:
         self.unrestored.discard(msg.rank)

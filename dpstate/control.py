@@ -1,6 +1,7 @@
 """The worker's line to its agent: a background thread owns the DEALER, sends Hello, relays the outbox.
 
-Reconfigure sets the abort signal at once and wakes waiters; Stop aborts and, unless the rank finished, exits.
+Reconfigure sets the abort signal at once and wakes waiters; Stop aborts and, unless the rank finished, exits;
+Standby (a spare's) goes to on_standby.
 Any thread may send: messages go through an inproc PUSH/PULL outbox to the thread that owns the socket.
 """
 
@@ -11,7 +12,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -37,6 +38,8 @@ class Control:
         # what this worker is doing, sent to the agent every status_interval: the controller's hang evidence
         self.status: Any = None  # callable returning a WorkerStatus, or None
         self.status_interval = float(os.environ.get("DP_STATUS_INTERVAL", "0.5"))
+        self.on_standby: Callable[[P.Standby], None] | None = None  # called on this thread: must not block
+        self.standby: P.Standby | None = None  # the newest one (it may come before on_standby is set)
         self._cond = threading.Condition()
         self._latest: P.Reconfigure | None = None
         self._stop: P.Stop | None = None
@@ -140,6 +143,10 @@ class Control:
                 self._latest = msg
                 self._cond.notify_all()
             self.abort.request(msg.generation, msg.reason)
+        elif isinstance(msg, P.Standby):
+            self.standby = msg
+            if self.on_standby is not None:
+                self.on_standby(msg)
         elif isinstance(msg, P.Stop):
             with self._cond:
                 if self._stop is not None:

@@ -71,6 +71,14 @@ class Slot:
         if self.shared is not None:
             self.shared.begin_write()
 
+    def prefault(self) -> None:
+        """Fault the buffer's memory in now (a spare's, made room in while idle), so that writing it later
+        costs no page faults; a page-locked buffer is resident already."""
+        if self.shared is not None:
+            self.shared.populate()
+        elif not self.buffer.is_pinned():
+            self.buffer.zero_()
+
     def seal(self, meta: Any, nbytes: int, plan: CheckPlan | None) -> int:
         """The checksum of meta + the buffer's first `nbytes` with `plan` (the meta's); a shared buffer keeps
         the block digests too (the same pass), which its node's agent is told."""

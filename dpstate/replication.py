@@ -87,6 +87,7 @@ class Replicator:
         self._submitted = 0  # sequence number of the newest job handed over
         self._acked = 0  # ... and of the newest one acked
         self._error: BaseException | None = None
+        self._idle = True  # no capture or fetch yet: the slots may be made room in ahead (reserve_ahead)
         self._thread = threading.Thread(target=self._run, name="dpstate-replication", daemon=True)
         self._thread.start()
         if os.environ.get("DP_SNAPSHOT_PROFILE"):
@@ -188,8 +189,23 @@ class Replicator:
         with self._cond:
             return sorted(s.step for s in self.slots if s.step >= 0)
 
+    def reserve_ahead(self, nbytes: int) -> int:
+        """A spare while it idles: give every slot room for a snapshot of `nbytes` and fault its memory in, so
+        that its restore and first capture after a failure write to memory already there. Stops at the first
+        capture or fetch (a slot in use is never touched). Returns how many slots it prepared."""
+        prepared = 0
+        for slot in self.slots:
+            with self._cond:  # a fetch starting meanwhile waits for this slot, then takes it as it is
+                if not self._idle or not self.policy.enabled:
+                    break
+                slot.reserve(nbytes, self.pin, self.share)
+                slot.prefault()
+                prepared += 1
+        return prepared
+
     def _free_slot(self, step: int) -> Slot:
         """An empty slot, else the one with the oldest snapshot; never one the thread works on. Under _cond."""
+        self._idle = False
         in_use = [j.slot for j in self._queue] + ([self._active.slot] if self._active is not None else [])
         candidates = [s for s in self.slots if not any(s is u for u in in_use)]
         if not candidates:

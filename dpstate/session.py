@@ -28,6 +28,7 @@ from .pgroup import GroupManager, default_backend, local_device
 from .interval import POLICY_NAME, SnapshotPolicy
 from .replication import Replicator, ReplicationError, Slot
 from .sources import SnapshotSources, named_sources
+from .standby import RestoreRoom
 from .state import Tracked
 from .watch import WATCHER
 
@@ -92,6 +93,9 @@ class Job:
         self.activity = "idle"  # compute, snapshot, recovering, idle: see protocol.WorkerStatus
         if control is not None:
             control.status = self._status
+            control.on_standby = RestoreRoom(self._replicator, self.local_rank).on_message  # a spare makes room
+            if control.standby is not None:  # came first
+                control.on_standby(control.standby)
 
     def __repr__(self) -> str:
         return (f"Job(rank={self.rank}, world_size={self.world_size}, node_rank={self.node_rank}, "

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 HEADER_BYTES = mmap.PAGESIZE  # the write counter; the data starts page-aligned after it
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+; Python 3.11's mmap lacks the name
 
 
 def supported() -> bool:
@@ -73,6 +74,16 @@ class SharedBuffer:
     @property
     def writes(self) -> int:
         return int(self._counter[0])
+
+    def populate(self) -> None:
+        """Fault every page in now, writable (memory for a restore, made while a spare idles): the kernel does it
+        in one call where it can, else the data is zeroed, which faults it in too."""
+        if self.page_locked or not len(self.tensor):
+            return  # page-locking made it resident
+        try:
+            self._map.madvise(MADV_POPULATE_WRITE, HEADER_BYTES, len(self.tensor))
+        except (OSError, ValueError):  # an older kernel
+            self.tensor.zero_()
 
     def begin_write(self) -> int:
         """Count a write about to start (a reader that saw an older count no longer trusts the bytes)."""

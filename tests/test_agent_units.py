@@ -12,7 +12,7 @@ import zmq
 from dpagent.channel import Channel, poll_ms
 from dpagent.events import EventPipe
 from dpagent.liveness import Liveness
-from dpagent.protocol import Codec, Ping, Pong
+from dpagent.protocol import PROTOCOL_VERSION, Codec, Ping, Pong, ProtocolError, Standby
 from dpagent.workers import describe_exit, is_loopback, worker_command, worker_env
 
 
@@ -81,7 +81,7 @@ def test_channel_drops_and_counts_bad_messages():
         client = Channel(dealer, Codec("good"), "client")
         dealer.send_multipart(Codec("evil").encode(Ping(1)))  # wrong token
         dealer.send_multipart([b"garbage"])
-        dealer.send_multipart([b"DP\x09", b"Ping", b"{}", b"x" * 32])  # another version
+        dealer.send_multipart([b"DP" + bytes([PROTOCOL_VERSION + 1]), b"Ping", b"{}", b"x" * 32])  # another version
         client.send(Ping(2))
         got = server.recv(timeout=2.0)
         assert got.msg == Ping(2) and got.sender == b"peer"
@@ -93,6 +93,14 @@ def test_channel_drops_and_counts_bad_messages():
             server.send(Pong("n", 3))  # a ROUTER needs to know whom to send to
     finally:
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("sizes", [["1"], [1.5], [True], "12", [[1]], [1, None]])
+def test_a_standby_whose_sizes_are_not_whole_numbers_is_refused(sizes):
+    codec = Codec("token")
+    assert codec.decode(codec.encode(Standby([0, 5 << 30])))[0] == Standby([0, 5 << 30])
+    with pytest.raises(ProtocolError, match="Standby.snapshot_bytes"):
+        codec.decode(codec.encode(Standby(sizes)))
 
 
 def test_poll_timeouts_round_up_so_that_a_loop_waiting_for_a_deadline_does_not_spin():

@@ -544,3 +544,37 @@ def test_a_plan_goes_down_the_grid_to_the_newest_step_every_rank_has_a_copy_of()
     assert (plan.step, plan.sources, plan.lost) == (3, {0: "x", 1: "x"}, [])
     ledger.discard(1, 3, "x")  # and with that copy bad too, no step has a copy of both: lost, naming rank 1
     assert ledger.plan(2, failed_ranks={0}, floors={1: 9}, no_local={1: 6}).lost == [1]
+
+
+def test_spares_are_told_the_snapshot_sizes_to_make_room_for_and_only_when_they_grow():
+    """Standby: the largest stored snapshot of each local rank (with headroom), to every spare, when a snapshot
+    outgrows it; a spare that registers later hears it after its Welcome; active nodes never do."""
+    from dprun.standby import with_headroom
+
+    h = Harness(spec(nproc_per_node=2))
+    h.register("a", rank=0, nproc=2)
+    h.register("b", rank=1, nproc=2)
+    h.register("s", spare=True, nproc=2)
+    assert not h.sent_to("s", p.Standby), "no size is known before the first snapshot"
+    h.msg("b", p.SnapshotStored("b", 1, 0, 0, nbytes=1000))  # rank 1: local rank 1 of node 0
+    (first,) = h.sent_to("s", p.Standby)
+    assert first.snapshot_bytes == [0, with_headroom(1000)]
+    h.msg("a", p.SnapshotStored("a", 2, 0, 0, nbytes=50_000_000))  # rank 2: local rank 0 of node 1
+    h.msg("a", p.SnapshotStored("a", 3, 0, 0, nbytes=999))
+    h.msg("b", p.SnapshotStored("b", 0, 1, 0, nbytes=50_000_100))  # a few bytes more: within the headroom
+    sizes = [m.snapshot_bytes for m in h.sent_to("s", p.Standby)]
+    assert sizes == [[0, with_headroom(1000)], [with_headroom(50_000_000), with_headroom(1000)]]
+    h.register("late", spare=True, nproc=2)
+    assert [type(m) for m in (s.msg for s in h.sent if s.node_id == "late")] == [p.Welcome, p.Standby]
+    h.msg("a", p.SnapshotStored("a", 3, 1, 0, nbytes=with_headroom(1000) + 1))
+    assert h.sent_to("late", p.Standby)[-1].snapshot_bytes[1] == with_headroom(with_headroom(1000) + 1)
+    assert len(h.sent_to("s", p.Standby)) == 3 and not h.sent_to("a", p.Standby) + h.sent_to("b", p.Standby)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 1000, (1 << 20) - 1, 1 << 20, 108_123_456, 5 << 30, 80 << 30])
+def test_headroom_covers_a_slightly_larger_snapshot_in_whole_mib(nbytes):
+    from dprun.standby import MAX_HEADROOM, ROUND_BYTES, with_headroom
+
+    room = with_headroom(nbytes)
+    headroom = min(nbytes // 64, MAX_HEADROOM)
+    assert room % ROUND_BYTES == 0 and nbytes + headroom < room <= nbytes + headroom + ROUND_BYTES

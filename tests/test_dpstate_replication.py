@@ -288,3 +288,64 @@ def test_a_prefetch_serves_the_restore_it_was_started_for_and_nothing_else(repli
     finally:
         silent.close(0)
         ctx.term()
+
+
+def _rss_shmem() -> int:
+    """Bytes of shared memory this process has faulted in (RssShmem)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("RssShmem:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["private-buffers", "shared-with-the-agent"])
+def test_a_spare_makes_room_while_idle_and_its_restore_and_next_capture_write_there(replica, monkeypatch, share):
+    """Standby: a spare's worker reserves its ring while idle and faults it in (dpstate.standby), so that after
+    a failure its restore's fetch and its first capture write to that very memory, not to fresh pages; once a
+    slot is in use, reserving ahead touches nothing."""
+    from dprun.standby import with_headroom
+    from dpstate.replication import NSLOTS
+
+    if share:
+        monkeypatch.setenv("DP_LOCAL_REPLICA", replica.replica_endpoint)  # the holder plays the spare's agent too
+    _, _, tracked = state()
+    owner = replicator()
+    owner.configure(0, replica.replica_endpoint, 1)
+    owner.submit(5, tracked.capture(5))
+    owner.wait_acked(timeout=10)
+    room = with_headroom(len(owner.local(5).meta) + owner.local(5).nbytes)
+
+    spare = replicator()
+    assert spare.share is share
+    before = _rss_shmem()
+    assert spare.reserve_ahead(room) == NSLOTS
+    if share:
+        assert _rss_shmem() - before >= NSLOTS * room, "the shared buffers were not faulted in"
+    memory = sorted(slot.buffer.data_ptr() for slot in spare.slots)
+    assert all(slot.buffer.numel() >= room for slot in spare.slots)
+
+    restored = spare.fetch(replica.replica_endpoint, 1, 5, timeout=10)
+    assert restored.buffer.data_ptr() in memory and torch.equal(restored.data, owner.local(5).data)
+    spare.configure(1, replica.replica_endpoint, 1)
+    spare.submit(6, tracked.capture(6))
+    spare.wait_acked(timeout=10)
+    assert spare.local_steps() == [5, 6]
+    assert sorted(slot.buffer.data_ptr() for slot in spare.slots) == memory
+    assert spare.reserve_ahead(2 * room) == 0, "a slot in use was reserved again"
+    assert sorted(slot.buffer.data_ptr() for slot in spare.slots) == memory and spare.local_steps() == [5, 6]
+
+
+def test_standby_makes_room_for_its_local_ranks_size_on_a_thread_and_only_for_a_larger_one():
+    from dpstate.standby import RestoreRoom
+
+    rep = replicator()
+    standby = RestoreRoom(rep, local_rank=1)
+    standby.on_message(P.Standby([1 << 30, 3 << 20]))  # local rank 0's size is not this worker's
+    standby.join(timeout=10)
+    assert standby.prepared == (2, 3 << 20) and all(s.buffer.numel() == 3 << 20 for s in rep.slots)
+    standby.on_message(P.Standby([0, 2 << 20]))  # smaller: nothing to do
+    standby.on_message(P.Standby([5]))  # no size for local rank 1
+    standby.join(timeout=10)
+    assert standby.prepared == (2, 3 << 20) and all(s.buffer.numel() == 3 << 20 for s in rep.slots)
+    standby.on_message(P.Standby([0, 4 << 20]))
+    standby.join(timeout=10)
+    assert standby.prepared == (2, 4 << 20) and all(s.buffer.numel() == 4 << 20 for s in rep.slots)

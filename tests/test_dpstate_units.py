@@ -357,6 +357,7 @@ class _Control:
         self.sent = []
         self.finished = False
         self.stop_message = None
+        self.standby = None  # no Standby came (not a spare's)
 
     def send(self, msg):
         self.sent.append(msg)

@@ -5,6 +5,7 @@ A recovered run must be bitwise identical to the failure-free one (exactly-once 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -107,3 +108,70 @@ def test_multi_node_mode_survives_a_killed_dprun(procs, tmp_path, reference):
     assert result["params_sha256"] == reference.summary["params_sha256"]
     wait_for(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                              for pid in victim_tree), timeout=10, what="the killed node's processes to be gone")
+
+
+def _snapshot_buffers(pid: int) -> dict[int, int]:
+    """inode -> size of the snapshot buffers (dpstate's memfds) that process `pid` holds open."""
+    found = {}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:  # it exited
+        return found
+    for fd in fds:
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            if "dpstate-snapshot" in os.readlink(path):
+                found[os.stat(path).st_ino] = os.stat(path).st_size
+        except FileNotFoundError:  # closed meanwhile
+            continue
+    return found
+
+
+def _rss_shmem(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith("RssShmem:")).split()[1]) * 1024
+
+
+def _workers_by_node(root: int) -> dict[str, psutil.Process]:
+    """Node id -> its worker process (the one with DP_AGENT_ENDPOINT in its environment), under dprun `root`."""
+    workers = {}
+    for proc in psutil.Process(root).children(recursive=True):
+        try:
+            env = proc.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if env.get("DP_AGENT_ENDPOINT"):
+            workers[env["DP_NODE_ID"]] = proc
+    return workers
+
+
+def test_a_spare_restores_into_memory_it_made_room_in_while_idle(procs, tmp_path, reference):
+    """The spare's worker is told the snapshot size (Standby) and reserves + faults in its ring of buffers while
+    it idles; after node1 is SIGKILLed, its restore and the captures after it use those very buffers."""
+    events, summary = tmp_path / "events.jsonl", tmp_path / "summary.json"
+    run = procs.dprun("--nnodes", "2", "--spares", "1", "--events-file", events, TRAIN, "--steps", STEPS,
+                      *TRAIN_ARGS, "--step-sleep", "0.2", "--summary", summary, cwd=tmp_path,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 5 for e in read_events(events)),
+             timeout=90, what="training to pass step 5")
+    workers = wait_for(lambda: len(_workers_by_node(run.pid)) == 3 and _workers_by_node(run.pid), timeout=10,
+                       what="the 3 workers")
+    spare = workers["node2"].pid
+    largest = max(_snapshot_buffers(workers["node0"].pid).values())
+
+    def room_made():
+        buffers = _snapshot_buffers(spare)
+        ready = len(buffers) == 2 and min(buffers.values()) >= largest
+        return buffers if ready and _rss_shmem(spare) >= sum(buffers.values()) - (64 << 10) else None
+
+    reserved = wait_for(room_made, timeout=30, what="the spare's worker to reserve and fault in 2 snapshot buffers")
+    victim = workers["node1"]
+    for proc in (victim.parent(), victim):  # the node: its agent and its worker
+        proc.kill()
+    wait_for(lambda: any(e["event"] == "recovery_complete" for e in read_events(events)), timeout=60,
+             what="the recovery to complete")
+    assert set(_snapshot_buffers(spare)) == set(reserved), "the promoted spare restored into new memory"
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err[-3000:]
+    assert "spare worker 0 made room for a restore while idle" in out + err
+    assert json.loads(summary.read_text())["params_sha256"] == reference.summary["params_sha256"]
