@@ -22,7 +22,7 @@ import zmq
 
 from dpagent.protocol import (
     Codec, Heartbeat, Inject, Ping, Pong, Progress, PutSnapshot, Reconfigure, Register, SnapshotAck,
-    SnapshotChunk, SnapshotData, SnapshotStored, Stop, FetchSnapshot, Welcome, WorkerExited,
+    SnapshotChunk, SnapshotData, SnapshotStored, Standby, Stop, FetchSnapshot, Welcome, WorkerExited,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -207,6 +207,21 @@ def test_reconfigure_relayed_progress_forwarded(start_agent):
     assert agent.wait() == 0
 
 
+def test_a_spare_relays_standby_to_its_workers_until_it_is_promoted(start_agent):
+    agent = start_agent(nproc=2)
+    agent.welcome(role="spare")
+    sizes = [5 << 20, 7 << 20]
+    agent.ctl.send(Standby(sizes))  # most likely before the workers' Hello: relayed when they say it
+    echoes = agent.ctl.recv_all(Progress, 2, timeout=10.0)
+    assert sorted((e.rank, e.metrics["standby"]) for e in echoes) == [(0, sizes), (1, sizes)]
+    agent.reconfigure(generation=0, node_rank=1)  # promoted
+    assert sorted(p.rank for p in agent.ctl.recv_all(Progress, 2)) == [2, 3]
+    agent.ctl.send(Standby([9 << 20, 9 << 20]))  # no longer a spare: not relayed, so no echo before the exits
+    agent.ctl.send(Stop("done", 0))
+    assert sorted(e.local_rank for e in agent.ctl.recv_all(WorkerExited, 2)) == [0, 1]
+    assert agent.wait() == 0
+
+
 def test_ping_pong_and_bad_messages_dropped(start_agent):
     agent = start_agent(nproc=1, agent_args=["--verbose"])
     agent.welcome()
@@ -358,7 +373,7 @@ def test_replica_put_fetch_round_trip(start_agent):
         meta, data = b'{"step": 1}', os.urandom(4 << 20)
         ack, _ = put(3, 1, meta, data)
         assert ack == SnapshotAck(3, 1, ok=True)
-        assert agent.ctl.recv(SnapshotStored) == SnapshotStored("n1", 3, 1, 0)
+        assert agent.ctl.recv(SnapshotStored) == SnapshotStored("n1", 3, 1, 0, nbytes=len(meta) + len(data))
         reply, payload = request(FetchSnapshot(3, 1))
         assert reply == SnapshotData(3, 1, True, zlib.crc32(data, zlib.crc32(meta)), len(meta) + len(data), chunks=1)
         assert payload == [meta] and chunks(reply) == [data]

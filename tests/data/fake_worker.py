@@ -1,6 +1,7 @@
 """A tiny torch-free worker for the agent tests: speaks to its agent like dpstate would, and obeys argv.
 
 Hello -> waits for Reconfigure -> Progress(step 0, metrics={"generation": G}) -> exits 0 (or --stop-exit) on Stop.
+A Standby is echoed as Progress(generation -1, rank = local rank, metrics={"standby": its sizes}).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import zmq  # noqa: E402
 
-from dpagent.protocol import Codec, Hello, Progress, ProtocolError, Reconfigure, Stop  # noqa: E402
+from dpagent.protocol import Codec, Hello, Progress, ProtocolError, Reconfigure, Standby, Stop  # noqa: E402
 
 ENV_KEYS = (
     "DP_NODE_ID", "DP_AGENT_ENDPOINT", "DP_JOB_TOKEN", "DP_JOB_ID", "DP_ROLE", "DP_NPROC_PER_NODE",
@@ -62,6 +63,8 @@ def main() -> int:
         if isinstance(msg, Reconfigure):
             rank = msg.node_rank * msg.nproc_per_node + local_rank
             sock.send_multipart(codec.encode(Progress(node_id, msg.generation, rank, 0, {"generation": msg.generation})))
+        elif isinstance(msg, Standby):
+            sock.send_multipart(codec.encode(Progress(node_id, -1, local_rank, 0, {"standby": msg.snapshot_bytes})))
         elif isinstance(msg, Stop) and not args.ignore_stop:
             sock.close()
             return args.stop_exit
