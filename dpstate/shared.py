@@ -9,6 +9,7 @@ runs asynchronously, as into torch's own pinned memory.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import weakref
@@ -77,12 +78,15 @@ class SharedBuffer:
 
     def populate(self) -> None:
         """Fault every page in now, writable (memory for a restore, made while a spare idles): the kernel does it
-        in one call where it can, else the data is zeroed, which faults it in too."""
+        in one call where it can, else the data is zeroed, which faults it in too. OSError when the memory is
+        not there (ENOMEM): a write would have been killed by SIGBUS instead."""
         if self.page_locked or not len(self.tensor):
             return  # page-locking made it resident
         try:
             self._map.madvise(MADV_POPULATE_WRITE, HEADER_BYTES, len(self.tensor))
-        except (OSError, ValueError):  # an older kernel
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14 does not know the advice
+                raise
             self.tensor.zero_()
 
     def begin_write(self) -> int:

@@ -349,3 +349,13 @@ def test_standby_makes_room_for_its_local_ranks_size_on_a_thread_and_only_for_a_
     standby.on_message(P.Standby([0, 4 << 20]))
     standby.join(timeout=10)
     assert standby.prepared == (2, 4 << 20) and all(s.buffer.numel() == 4 << 20 for s in rep.slots)
+
+
+def test_on_a_kernel_without_the_populate_advice_a_buffer_is_faulted_in_by_zeroing(monkeypatch):
+    from dpstate import shared
+
+    monkeypatch.setattr(shared, "MADV_POPULATE_WRITE", 12345)  # unknown advice: EINVAL, as before Linux 5.14
+    buffer = shared.SharedBuffer(4 << 20)
+    before = _rss_shmem()
+    buffer.populate()
+    assert _rss_shmem() - before >= 4 << 20
