@@ -348,7 +348,8 @@ class Agent(RestartMode, ShutdownSequence):
 
     def _worker_statuses(self, now: float) -> dict:
         """Each worker's latest status and its age: a stopped or wedged worker's age keeps growing."""
-        return {str(local): {"rank": st.rank, "step": st.step, "activity": st.activity, "age": round(now - t, 3)}
+        return {str(local): {"rank": st.rank, "step": st.step, "activity": st.activity, "age": round(now - t, 3),
+                             "room": st.room}
                 for local, (st, t) in self._statuses.items()}
 
     def _to_workers(self, msg) -> None:

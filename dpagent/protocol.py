@@ -193,6 +193,7 @@ class WorkerStatus:
 
     activity: "compute" (in the step body), "collective" (waiting on peers), "snapshot" (waiting for a
     replica ack), "recovering", "idle" (spare, or between steps).
+    room: bytes a spare's worker has reserved and faulted in for its restore (Standby), 0 if none.
     """
 
     node_id: str
@@ -201,6 +202,7 @@ class WorkerStatus:
     generation: int
     step: int
     activity: str
+    room: int = 0
 
 
 @_message

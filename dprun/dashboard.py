@@ -177,6 +177,8 @@ def node_cells(r: dict) -> tuple[dict, str]:
     note = r.get("cause", "") if r["role"] in ("failed", "fenced") else ""
     if role == "promoted":
         note = f"was spare; node rank {r['node_rank']} since gen {r['promoted']}"
+    elif role == "spare" and r.get("room"):
+        note = f"{r['room'] / 1e6:,.0f} MB reserved for a restore"
     idle = r["role"] in ("failed", "fenced", "spare", "joining")
     cells = {
         "node": r["node_id"][:16], "host": (r.get("host") or "")[:12], "role": role,

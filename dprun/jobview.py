@@ -43,6 +43,7 @@ class NodeInfo:
     holder: str = ""  # the node that holds this node's snapshots
     replicated: int | None = None  # newest step of all its ranks held by `holder`
     generation: int = -1  # of its newest step
+    room: int = 0  # a spare's: bytes its workers reserved and faulted in for a restore (Standby)
 
 
 def recovery_cost(rec: dict) -> float:
@@ -231,6 +232,7 @@ class JobView:
             if s.get("last_step", -1) > node.step and node.last_step_at is None:
                 node.step = s["last_step"]
             node.holder, node.replicated = s.get("holder", ""), s.get("replicated")
+            node.room = s.get("room", 0)
 
     # ------------------------------------------------------------------ derived
 
@@ -354,7 +356,8 @@ def controller_state(ctrl: Any, now: float) -> dict:
     for node_id, node in getattr(getattr(ctrl, "table", None), "nodes", {}).items():
         entry = {"host": node.host, "pid": node.pid, "role": node.role, "node_rank": node.node_rank,
                  "age": round(max(0.0, now - node.last_heard), 3), "cause": node.cause,
-                 "last_step": getattr(node, "last_step", -1)}
+                 "last_step": getattr(node, "last_step", -1),
+                 "room": sum(w.get("room", 0) for w in getattr(node, "workers", {}).values() if isinstance(w, dict))}
         r = rank_of.get(node_id, -1)
         if r >= 0 and node.role == "active":
             holder = holders.get(r, [])

@@ -93,7 +93,8 @@ class Job:
         self.activity = "idle"  # compute, snapshot, recovering, idle: see protocol.WorkerStatus
         if control is not None:
             control.status = self._status
-            control.on_standby = RestoreRoom(self._replicator, self.local_rank).on_message  # a spare makes room
+            self._room = RestoreRoom(self._replicator, self.local_rank)  # a spare makes room for its restore
+            control.on_standby = self._room.on_message
             if control.standby is not None:  # came first
                 control.on_standby(control.standby)
 
@@ -347,8 +348,10 @@ class Job:
         activity = self.activity
         if activity == "compute" and WATCHER.pending:
             activity = "collective"  # the step waits on its peers (an all-reduce is in flight)
+        slots, nbytes = self._room.prepared
         return P.WorkerStatus(node_id=self.node_id, local_rank=self.local_rank, rank=self.rank,
-                              generation=self.generation, step=self._last_step, activity=activity)
+                              generation=self.generation, step=self._last_step, activity=activity,
+                              room=slots * nbytes)
 
     def _load(self, slot: Slot, step: int) -> None:
         tree = S.unpack(slot.meta, slot.data, clone=False)  # views of the slot: restore() copies into place

@@ -117,9 +117,12 @@ def test_controller_state_reads_the_real_controller():
     for rank in range(4):  # node rank r's snapshots live on node rank r+1 (a ring)
         holder = f"n{1 - rank // 2}"
         ctl.handle(Received(holder, p.SnapshotStored(holder, rank, 3, 0)), 1.0)
+    ctl.handle(Received("n2", p.Heartbeat("n2", -1, {"0": {"activity": "idle", "room": 2 << 20},
+                                                     "1": {"activity": "idle", "room": 3 << 20}})), 0.0)
     state = controller_state(ctl, 1.5)
     assert state["job_id"] == "dp-x" and state["generation"] == 0 and state["world_size"] == 4
     assert state["nodes"]["n2"]["role"] == "spare" and state["nodes"]["n2"]["age"] == pytest.approx(1.5)
+    assert state["nodes"]["n2"]["room"] == 5 << 20 and state["nodes"]["n0"]["room"] == 0
     assert state["nodes"]["n0"]["age"] == pytest.approx(0.5)
     assert state["nodes"]["n0"]["holder"] == "n1" and state["nodes"]["n0"]["replicated"] == 3
     assert state["restore_point"] == 3
@@ -127,6 +130,8 @@ def test_controller_state_reads_the_real_controller():
     view.on_controller(state)
     m = view.model(2.0)
     assert {n["node_id"]: n["role"] for n in m["nodes"]} == {"n0": "active", "n1": "active", "n2": "spare"}
+    (spare_row,) = [line for line in screen(m) if "n2" in line and "spare" in line]
+    assert "5 MB reserved for a restore" in spare_row, spare_row
 
 
 def test_frame_at_80_columns_shows_nodes_promotion_and_recovery():

@@ -409,3 +409,16 @@ def test_restore_sources_local_init_fresh_and_missing():
     job._replicator.forget_after(-1)
     with pytest.raises(RuntimeError, match="cannot keep its initial state"):
         job._restore(_reconf(0, "init"))
+
+
+def test_a_spare_job_makes_room_on_standby_and_reports_it_in_its_status():
+    """Standby reaches a Job through its Control (even one that came before the Job was made), and what its
+    worker reserved goes to the agent in WorkerStatus.room (the dashboard shows it on the spare's row)."""
+    control = _Control()
+    control.standby = P.Standby([3 << 20])  # came before the Job wired its handler
+    job = Job(control, AbortSignal(), None)
+    job._room.join(timeout=10)
+    assert job._status().room == 2 * (3 << 20)
+    control.on_standby(P.Standby([5 << 20]))
+    job._room.join(timeout=10)
+    assert job._status().room == 2 * (5 << 20)

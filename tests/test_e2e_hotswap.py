@@ -6,6 +6,7 @@ A recovered run must be bitwise identical to the failure-free one (exactly-once 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -147,7 +148,8 @@ def _workers_by_node(root: int) -> dict[str, psutil.Process]:
 
 def test_a_spare_restores_into_memory_it_made_room_in_while_idle(procs, tmp_path, reference):
     """The spare's worker is told the snapshot size (Standby) and reserves + faults in its ring of buffers while
-    it idles; after node1 is SIGKILLed, its restore and the captures after it use those very buffers."""
+    it idles (which `dprun status` shows); after node1 is SIGKILLed, its restore and the captures after it use
+    those very buffers."""
     events, summary = tmp_path / "events.jsonl", tmp_path / "summary.json"
     run = procs.dprun("--nnodes", "2", "--spares", "1", "--events-file", events, TRAIN, "--steps", STEPS,
                       *TRAIN_ARGS, "--step-sleep", "0.2", "--summary", summary, cwd=tmp_path,
@@ -165,6 +167,14 @@ def test_a_spare_restores_into_memory_it_made_room_in_while_idle(procs, tmp_path
         return buffers if ready and _rss_shmem(spare) >= sum(buffers.values()) - (64 << 10) else None
 
     reserved = wait_for(room_made, timeout=30, what="the spare's worker to reserve and fault in 2 snapshot buffers")
+
+    def room_on_the_dashboard():
+        probe = procs.dprun("status", "--json", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        out, _ = probe.communicate(timeout=30)
+        rows = {n["node_id"]: n for n in json.loads(out)["nodes"]} if probe.returncode == 0 else {}
+        return rows.get("node2", {}).get("room") == sum(reserved.values()) - 2 * mmap.PAGESIZE  # less the headers
+
+    wait_for(room_on_the_dashboard, timeout=20, what="dprun status to show the spare's reserved memory")
     victim = workers["node1"]
     for proc in (victim.parent(), victim):  # the node: its agent and its worker
         proc.kill()
