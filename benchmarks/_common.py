@@ -65,6 +65,11 @@ def _scratch() -> Path:
     return _SCRATCH[0]
 
 
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process a benchmark starts: unbuffered, TMPDIR in the scratch folder, then `env`."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(_scratch()), **(env or {})}
+
+
 def _cleanup_all(*_args) -> None:
     for pid in list(_LIVE):
         _kill_group(pid)
@@ -189,8 +194,7 @@ class RunResult:
 def run(name: str, cmd: Sequence[str], *, folder: Path, env: dict[str, str] | None = None, timeout: float = 600,
         sample_s: float = 0.25, quiet: bool = True) -> RunResult:
     """Run `cmd` in `folder` in its own session; sample peak RSS and per-thread CPU of every descendant."""
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(_scratch()))
-    full_env.update(env or {})
+    full_env = child_env(env)
     log = open(folder / "output.log", "wb")
     busy0 = machine_busy_s()
     t_start = time.time()

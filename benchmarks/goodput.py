@@ -36,7 +36,8 @@ from recovery import RECOVERY_MODEL  # noqa: E402
 
 def _popen(cmd, folder: Path, env: dict, log_name: str) -> subprocess.Popen:
     log = open(folder / log_name, "ab")
-    proc = subprocess.Popen(list(map(str, cmd)), cwd=folder, env=dict(os.environ, PYTHONUNBUFFERED="1", **env),
+    # TMPDIR in the benchmark's scratch folder: a SIGKILLed node cannot remove its run folder itself
+    proc = subprocess.Popen(list(map(str, cmd)), cwd=folder, env=C.child_env(env),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     C._LIVE.add(proc.pid)
