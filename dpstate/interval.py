@@ -184,10 +184,10 @@ class SnapshotPolicy:
         del self._without[:-64]
 
     def local_cost(self) -> float:
-        """This rank's measured cost of one snapshot, as a fraction of a step without one: the median over
-        pairs of adjacent steps (one after a snapshot, the next after none) of their difference, over the
-        median step without one. Adjacent steps share the host's condition, so other jobs' bursts on a shared
-        machine mostly cancel out (a difference of two medians of separate steps does not). Without new
+        """This rank's measured cost of one snapshot, as a fraction of a step without one: the interquartile
+        mean over pairs of adjacent steps (one after a snapshot, the next after none) of their difference, over
+        the median step without one. Adjacent steps share the host's condition, so other jobs' bursts on a
+        shared machine mostly cancel out (a difference of two medians of separate steps does not). Without new
         samples (the first step after a recovery): the cost decided before."""
         if not self._without:
             return self.cost or 0.0

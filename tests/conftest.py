@@ -23,6 +23,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rss_shmem(pid: int | str = "self") -> int:
+    """Bytes of shared memory (memfds, /dev/shm) that process `pid` has faulted in (RssShmem)."""
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith("RssShmem:")).split()[1]) * 1024
+
+
 class Processes:
     """Starts commands in their own session and kills every descendant at teardown.
 

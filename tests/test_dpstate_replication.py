@@ -17,6 +17,7 @@ from dpstate.abort import Aborted, AbortSignal
 from dpstate.prefetch import Prefetch
 from dpstate.replication import Replicator, ReplicationError
 from dpstate.state import Tracked
+from conftest import rss_shmem
 from test_dpstate_harness import TOKEN, FakeAgents
 
 pytestmark = pytest.mark.timeout(60)
@@ -290,13 +291,6 @@ def test_a_prefetch_serves_the_restore_it_was_started_for_and_nothing_else(repli
         ctx.term()
 
 
-def _rss_shmem() -> int:
-    """Bytes of shared memory this process has faulted in (RssShmem)."""
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("RssShmem:"))
-    return int(line.split()[1]) * 1024
-
-
 @pytest.mark.parametrize("share", [False, True], ids=["private-buffers", "shared-with-the-agent"])
 def test_a_spare_makes_room_while_idle_and_its_restore_and_next_capture_write_there(replica, monkeypatch, share):
     """Standby: a spare's worker reserves its ring while idle and faults it in (dpstate.standby), so that after
@@ -316,10 +310,10 @@ def test_a_spare_makes_room_while_idle_and_its_restore_and_next_capture_write_th
 
     spare = replicator()
     assert spare.share is share
-    before = _rss_shmem()
+    before = rss_shmem()
     assert spare.reserve_ahead(room) == NSLOTS
     if share:
-        assert _rss_shmem() - before >= NSLOTS * room, "the shared buffers were not faulted in"
+        assert rss_shmem() - before >= NSLOTS * room, "the shared buffers were not faulted in"
     memory = sorted(slot.buffer.data_ptr() for slot in spare.slots)
     assert all(slot.buffer.numel() >= room for slot in spare.slots)
 
@@ -356,6 +350,6 @@ def test_on_a_kernel_without_the_populate_advice_a_buffer_is_faulted_in_by_zeroi
 
     monkeypatch.setattr(shared, "MADV_POPULATE_WRITE", 12345)  # unknown advice: EINVAL, as before Linux 5.14
     buffer = shared.SharedBuffer(4 << 20)
-    before = _rss_shmem()
+    before = rss_shmem()
     buffer.populate()
-    assert _rss_shmem() - before >= 4 << 20
+    assert rss_shmem() - before >= 4 << 20

@@ -14,7 +14,7 @@ import subprocess
 import psutil
 import pytest
 
-from conftest import free_port
+from conftest import free_port, rss_shmem
 from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
 
 pytestmark = pytest.mark.slow
@@ -128,11 +128,6 @@ def _snapshot_buffers(pid: int) -> dict[int, int]:
     return found
 
 
-def _rss_shmem(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        return int(next(line for line in status if line.startswith("RssShmem:")).split()[1]) * 1024
-
-
 def _workers_by_node(root: int) -> dict[str, psutil.Process]:
     """Node id -> its worker process (the one with DP_AGENT_ENDPOINT in its environment), under dprun `root`."""
     workers = {}
@@ -164,7 +159,7 @@ def test_a_spare_restores_into_memory_it_made_room_in_while_idle(procs, tmp_path
     def room_made():
         buffers = _snapshot_buffers(spare)
         ready = len(buffers) == 2 and min(buffers.values()) >= largest
-        return buffers if ready and _rss_shmem(spare) >= sum(buffers.values()) - (64 << 10) else None
+        return buffers if ready and rss_shmem(spare) >= sum(buffers.values()) - (64 << 10) else None
 
     reserved = wait_for(room_made, timeout=30, what="the spare's worker to reserve and fault in 2 snapshot buffers")
 
