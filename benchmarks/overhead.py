@@ -38,6 +38,9 @@ import _common as C  # noqa: E402
 import _limits  # noqa: E402
 
 CONFIGS = ("off", "per_step", "auto", "torchrun", "alternate")
+# also on request (--configs): the same with every snapshot a copy, as before dpstate.AdamW's steps landed in
+# the snapshot buffers (DP_SNAPSHOT_LANDING=0), to measure what landing saves side by side
+COPY_CONFIGS = ("per_step_copy", "alternate_copy")
 STEADY_FROM = 4  # from step 4 on, a snapshot goes into a buffer written before (the first two fault pages in)
 AUTO_STEPS = "3,16"  # dpstate's default: 3 warm-up steps, then 16 pairs measured: decided at step 36
 
@@ -51,6 +54,8 @@ def command(config: str, args, folder: Path) -> tuple[list[str], dict[str, str]]
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 *script], env
+    if config.endswith("_copy"):
+        config, env["DP_SNAPSHOT_LANDING"] = config[: -len("_copy")], "0"
     interval = {"off": "off", "per_step": "1", "auto": f"auto:{args.budget}", "alternate": "2"}[config]
     if config in ("per_step", "off"):  # off: for its main thread's CPU (what a snapshot slows down beside it)
         env["DP_SNAPSHOT_PROFILE"] = str(folder / "profile")
@@ -94,7 +99,8 @@ def paired_cost(timings: list[dict], lo: int, hi: int) -> tuple[float | None, in
 def auto_paired(runs: list[dict]) -> float | None:
     """What auto costs once decided, from the paired cost of one snapshot (the alternate runs, many more pairs
     than auto's own) over the interval each auto run chose: whether auto's estimate kept the budget."""
-    cost = C.median(r["paired"][0] for r in runs if r.get("paired") and r["paired"][0] is not None)
+    cost = C.median(r["paired"][0] for r in runs
+                    if r["config"] == "alternate" and r.get("paired") and r["paired"][0] is not None)
     intervals = [r["snapshot_interval"] for r in runs if r["config"] == "auto" and r["snapshot_interval"]]
     return C.median(max(cost, 0.0) / n for n in intervals) if cost is not None and intervals else None
 
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                     "peak_rss": res.peak_rss_by_role(), "cpu_s": res.cpu_by_role_thread(),
                     "profile": profile_of(res) if config == "per_step" else None,
                     "main_thread_ms_per_step": main_thread_ms_per_step(res, args.steps),
-                    "paired": paired_cost(timings, STEADY_FROM, args.steps) if config == "alternate" else None,
+                    "paired": paired_cost(timings, STEADY_FROM, args.steps) if config.startswith("alternate") else None,
                 })
         state_guess = C.median(r["state_bytes"] for r in runs if r["state_bytes"]) or 1e6
         print("  measuring the limits (memcpy, loopback TCP) ...", flush=True)
@@ -275,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_per_step": overhead("per_step") if "per_step" in configs else None,
         "overhead_auto": overhead("auto") if "auto" in configs else None,
         # the same cost resolved within one run: adjacent steps with and without a snapshot (every 2nd step)
-        "overhead_per_step_paired": C.median(r["paired"][0] for r in runs if r.get("paired")),
-        "paired_pairs": sum(r["paired"][1] for r in runs if r.get("paired")),
+        "overhead_per_step_paired": C.median(r["paired"][0] for r in runs if r.get("paired") and r["config"] == "alternate"),
+        "paired_pairs": sum(r["paired"][1] for r in runs if r.get("paired") and r["config"] == "alternate"),
+        "overhead_per_step_paired_copy": C.median(r["paired"][0] for r in runs
+                                                  if r.get("paired") and r["config"] == "alternate_copy"),
         "overhead_torchrun": overhead("torchrun") if "torchrun" in configs else None,
         # auto's chosen interval held against that independent cost: what auto costs once it has decided
         "overhead_auto_paired": auto_paired(runs),
@@ -331,10 +339,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{result['main_thread_slowed_ms_per_step']:+.1f} ms (its own part of a snapshot, ~1 ms, and the "
               f"capture beside it slowing it: per repetition {', '.join(f'{v:+.1f}' for v in slowed)})")
     if result["overhead_per_step_paired"] is not None:
-        each = ", ".join(f"{r['paired'][0]:+.2%}" for r in runs if r.get("paired") and r["paired"][0] is not None)
+        each = ", ".join(f"{r['paired'][0]:+.2%}" for r in runs
+                         if r["config"] == "alternate" and r.get("paired") and r["paired"][0] is not None)
         print(f"per-step snapshots, paired within runs (every 2nd step snapshotted, {result['paired_pairs']} pairs "
               f"of adjacent steps): one snapshot costs {result['overhead_per_step_paired']:+.2%} of a step "
               f"(per repetition: {each})")
+    if result["overhead_per_step_paired_copy"] is not None:
+        each = ", ".join(f"{r['paired'][0]:+.2%}" for r in runs
+                         if r["config"] == "alternate_copy" and r.get("paired") and r["paired"][0] is not None)
+        print(f"the same with every snapshot a copy (DP_SNAPSHOT_LANDING=0): "
+              f"{result['overhead_per_step_paired_copy']:+.2%} (per repetition: {each})")
     if result["overhead_auto_paired"] is not None:
         print(f"auto, once decided: that paired cost over the interval it chose costs "
               f"{result['overhead_auto_paired']:+.2%} (budget {args.budget:.1%})")

@@ -43,6 +43,7 @@ class Slot:
     plan: CheckPlan | None = None  # which blocks its checksum digests (None: all)
     layout: Any = ()  # the tensor specs last captured here (FETCHED: a fetched snapshot's; (): new memory)
     share_refused: bool = False  # CUDA would not page-lock a shared buffer: private pinned ones from then on
+    live: bool = False  # the optimizer's state lies in it (dpstate.landing): written by the step, not a copy
 
     @property
     def data(self) -> torch.Tensor:
@@ -98,6 +99,7 @@ class Slot:
     def release(self) -> None:
         """Empty, its memory given back."""
         self.step, self.nbytes, self.shared, self.digests, self.plan, self.layout = -1, 0, None, None, None, ()
+        self.live = False
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 

@@ -25,6 +25,7 @@ from . import snapshot as S
 from .abort import AbortSignal
 from .checks import CheckPlanner
 from .interval import SnapshotPolicy
+from .landing import Landing, enabled_by_env
 from .fetch import FETCHED, ReplicationError, Slot, receive_snapshot
 from .send import Delivery
 from .priority import lower_io_threads, lower_priority
@@ -78,6 +79,7 @@ class Replicator:
         self.last_capture_s = 0.0
         self.policy = SnapshotPolicy.from_env()
         self.checks = CheckPlanner()  # which blocks are checksummed (data parallel state: sampled)
+        self.landing = Landing(enabled=enabled_by_env() and not self.pin)  # optimizer steps into the slots
         self.stats = SnapshotStats()
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
@@ -118,7 +120,7 @@ class Replicator:
             event = torch.cuda.Event()
             event.record()  # the copy stream waits for the step's kernels
         with self._cond:
-            slot = self._free_slot(step)
+            slot = self._free_slot(step, live_first=True)
             slot.step = -1
             self._submitted += 1
             self._queue.append(_Job(step, slot, tree, event, self._submitted, device, shared=shared))
@@ -203,14 +205,37 @@ class Replicator:
                 prepared += 1
         return prepared
 
-    def _free_slot(self, step: int) -> Slot:
-        """An empty slot, else the one with the oldest snapshot; never one the thread works on. Under _cond."""
+    def _in_use(self) -> list[Slot]:
+        return [j.slot for j in self._queue] + ([self._active.slot] if self._active is not None else [])
+
+    def _free_slot(self, step: int, live_first: bool = False) -> Slot:
+        """An empty slot, else the one with the oldest snapshot; never one the thread works on. `live_first`: the
+        one the optimizer's state lies in (dpstate.landing), when it holds no snapshot yet. Under _cond."""
         self._idle = False
-        in_use = [j.slot for j in self._queue] + ([self._active.slot] if self._active is not None else [])
+        in_use = self._in_use()
         candidates = [s for s in self.slots if not any(s is u for u in in_use)]
         if not candidates:
             raise RuntimeError("no free snapshot buffer: snapshots are submitted faster than they are acked")
-        return min(candidates, key=lambda s: s.step)
+        live = [s for s in candidates if s.live and s.step < 0] if live_first else []
+        return live[0] if live else min(candidates, key=lambda s: s.step)
+
+    # ------------------------------------------------------------------ landing (main thread, optimizer steps)
+
+    def land(self) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+        """Before an optimizer step (past the snapshot gate): where each tensor of the state it makes goes
+        (dpstate.landing), or None: in place, as usual."""
+        if not self.policy.enabled:
+            return None
+        with self._cond:
+            target = self.landing.choose(self.slots, self._in_use(), self.share)
+            return self.landing.destination(target, list(self.slots)) if target is not None else None
+
+    def unland(self) -> None:
+        """The optimizers' state went back home (a reconfiguration): no slot holds it any more."""
+        with self._cond:
+            for slot in self.slots:
+                slot.live = False
+            self.landing.reset()
 
     # ------------------------------------------------------------------ fetch (main thread, own socket)
 
@@ -313,6 +338,10 @@ class Replicator:
         skeleton, tensors = S.flatten(job.tree)
         specs, nbytes, shared_nbytes, flags = self.checks.layout(tensors, job.shared)
         slot = job.slot
+        if slot.live and slot.layout != specs:  # the optimizer's state lies here in another layout: leave it be
+            with self._cond:
+                index = next(i for i, s in enumerate(self.slots) if s is slot)
+                slot = job.slot = self.slots[index] = Slot()
         slot.reserve(nbytes, self.pin, self.share)
         # data parallel blocks are trusted (sampled) only where a holder keeps them by reference to its node's
         plan = self.checks.plan(specs, flags, shared_nbytes, job.step) if slot.shared is not None else None
@@ -328,6 +357,7 @@ class Replicator:
         else:
             S.copy_into(tensors, specs, slot.buffer)
         laps.lap("copy")
+        kept = tensors  # where they lay (dpstate.landing); the references go at the end of this capture
         job.tree = tensors = None  # the step's tensors may now change
         crc = slot.seal(meta, nbytes, plan)  # padding included: every byte that is sent
         laps.lap("crc")
@@ -339,6 +369,7 @@ class Replicator:
         stats.bytes += nbytes + len(meta)
         with self._cond:
             slot.step = job.step
+            self.landing.record(kept, specs, nbytes)
 
     def _announce(self, sock: Any, slot: Slot, rank: int) -> None:
         """Tell this node's agent where the snapshot just captured lies (LocalSnapshot: not answered)."""

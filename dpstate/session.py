@@ -26,6 +26,7 @@ from .control import Control
 from .ddp import DataParallel
 from .pgroup import GroupManager, default_backend, local_device
 from .interval import POLICY_NAME, SnapshotPolicy
+from .optim import AdamW
 from .replication import Replicator, ReplicationError, Slot
 from .sources import SnapshotSources, named_sources
 from .standby import RestoreRoom
@@ -202,12 +203,15 @@ class Job:
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """A step whose collectives did not pass the gate (no data_parallel, all_reduce or barrier of ours in
-        it) passes it here, then meets the other ranks at a barrier, which is what makes the gate global."""
+        it) passes it here, then meets the other ranks at a barrier, which is what makes the gate global. A
+        dpstate.AdamW is then told where its step lands (dpstate.landing)."""
         if self._gated < self._replicator.submitted:
             if self.world_size > 1:
                 self.barrier()
             else:
                 self._gate()
+        if isinstance(optimizer, AdamW):  # past the gate: the older snapshot buffer may take the new state
+            optimizer.landing = self._replicator.land()
 
     def _after_step(self, step: Step) -> None:
         policy = self._replicator.policy
@@ -263,6 +267,10 @@ class Job:
                 error, newer_than = exc, reconf.generation
 
     def _enter(self, reconf: P.Reconfigure, restore: bool) -> None:
+        for optimizer in self._tracked.objects.values():  # out of the snapshot buffers, which recovery reuses
+            if isinstance(optimizer, AdamW):
+                optimizer.go_home()
+        self._replicator.unland()
         self._sources.drop_stale(reconf.generation)
         self._abort.enter(reconf.generation)
         old_rank = self.rank

@@ -142,7 +142,7 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
         if tag == "b":
             return node[1].encode("latin1")
         if tag == "dt":
-            return _dtype(node[1])
+            return dtype_of(node[1])
         if tag == "dev":
             return torch.device(node[1])
         if tag == "c":
@@ -159,7 +159,7 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
         raise SnapshotError(f"malformed skeleton: {exc}") from None
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_of(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
@@ -227,6 +227,8 @@ def copy_into(tensors: list[torch.Tensor], specs: list[TensorSpec], buffer: torc
         if src.numel() != spec.nbytes:  # memmove trusts the sizes: a tensor resized since layout() must not overrun
             raise SnapshotError(f"a tensor of {src.numel()} bytes does not fit its {spec.nbytes}-byte place")
         if src.device.type == "cpu":
+            if src.data_ptr() == base + spec.offset:
+                continue  # it lies there already (an optimizer step landed it: dpstate.landing)
             ctypes.memmove(base + spec.offset, src.data_ptr(), spec.nbytes)
         else:
             buffer[spec.offset : spec.offset + spec.nbytes].copy_(src, non_blocking=non_blocking)
@@ -303,7 +305,7 @@ def unpack(meta: Any, data: Any, *, clone: bool = True) -> Any:
     tensors = []
     try:
         for dtype_name, shape, offset, nbytes in parsed["tensors"]:
-            dtype, shape = _dtype(dtype_name), tuple(int(s) for s in shape)
+            dtype, shape = dtype_of(dtype_name), tuple(int(s) for s in shape)
             count = 1
             for s in shape:
                 count *= s

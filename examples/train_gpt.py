@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     device = dpstate.local_device()
     model = GPT(len(vocab), args.block_size, args.n_layer, args.n_embd, args.n_head, args.dropout).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    # torch.optim.AdamW whose steps write into the snapshot buffers under dprun (no copy per snapshot)
+    opt = dpstate.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps)))))
     )
