@@ -127,6 +127,8 @@ def profile_of(result: C.RunResult) -> dict | None:
             threads[name] = threads.get(name, 0.0) + sec
     return {
         "snapshots": n, "bytes_per_snapshot": sum(r["bytes"] for r in ranks) / n,
+        # what dpstate.AdamW's steps had written in place already (dpstate.landing): not copied
+        "landed_bytes_per_snapshot": sum(r.get("landed_bytes", 0) for r in ranks) / n,
         "ms_per_snapshot": {"meta": per("meta_s"), "copy": per("copy_s"), "crc": per("crc_s"),
                             "capture": per("capture_s"), "send_to_ack": per("send_s"),
                             "gate_wait": per("wait_s")},
@@ -328,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
               ", ".join(f"{k} {v:.1f}" for k, v in ms.items()))
         print("capture, CPU ms per snapshot (background thread): " +
               ", ".join(f"{k} {v:.1f}" for k, v in prof["cpu_ms_per_snapshot"].items())
-              + f" (mean); the median capture {C.fmt(prof['capture_cpu_ms_median'], '.1f')}")
+              + f" (mean); the median capture {C.fmt(prof['capture_cpu_ms_median'], '.1f')}; "
+              f"{prof['landed_bytes_per_snapshot'] / 1e6:.0f} of {prof['bytes_per_snapshot'] / 1e6:.0f} MB "
+              "per snapshot landed by the optimizer step (not copied)")
         print("worker CPU ms per snapshot: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                           prof["worker_cpu_ms_per_snapshot"].items()))
         print("agent (replica holder) CPU ms per snapshot: " + ", ".join(

@@ -22,6 +22,7 @@ class SnapshotStats:
 
     captures: int = 0
     bytes: int = 0
+    landed_bytes: int = 0  # of those, what an optimizer step had written in place already (not copied)
     meta_s: float = 0.0
     copy_s: float = 0.0
     crc_s: float = 0.0

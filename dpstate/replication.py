@@ -355,7 +355,7 @@ class Replicator:
                 S.copy_into(tensors, specs, slot.buffer, non_blocking=True)
             stream.synchronize()
         else:
-            S.copy_into(tensors, specs, slot.buffer)
+            self.stats.landed_bytes += S.copy_into(tensors, specs, slot.buffer)
         laps.lap("copy")
         kept = tensors  # where they lay (dpstate.landing); the references go at the end of this capture
         job.tree = tensors = None  # the step's tensors may now change

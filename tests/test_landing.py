@@ -133,6 +133,8 @@ def test_every_step_lands_in_the_older_buffer_and_the_previous_snapshot_stays_in
             previous = rep.local(step - 1)
             assert previous is not None and previous is not held
             assert same_state(S.unpack(previous.meta, previous.data), expected[step - 1]), "the step wrote over the previous snapshot"
+    state_bytes = sum(3 * p.numel() * p.element_size() for p in m.parameters())  # parameters + 2 moments
+    assert rep.stats.landed_bytes == (10 - 1) * state_bytes, "captures copied what had landed"  # steps 2..10
     stored = Replicator(P.Codec(TOKEN), 2, AbortSignal()).fetch(replica.replica_endpoint, 1, 10, timeout=10)
     assert same_state(S.unpack(stored.meta, stored.data), expected[10])
 
@@ -180,6 +182,8 @@ def test_without_landing_every_capture_copies(replica, monkeypatch):
     rep.configure(0, replica.replica_endpoint, 1)
     for step, m, opt, _ in train(rep, 4, lr=3e-3):
         assert not any(lies_in_a_slot(p, rep) for p in m.parameters())
+    rep.wait_acked(timeout=10)
+    assert rep.stats.landed_bytes == 0
 
 
 class Counter:
@@ -212,3 +216,23 @@ def test_a_capture_in_another_layout_does_not_clobber_the_state_that_lies_in_its
         held = rep.local(step)
         assert same_state(S.unpack(held.meta, held.data), expected[step])
     assert all(lies_in_a_slot(p, rep) for p in m.parameters()), "it did not land again after the new layout"
+
+
+
+def test_a_tensor_in_a_snapshot_buffer_that_cannot_land_leaves_it_instead_of_writing_it(replica):
+    """A step told of no place for a tensor that lies in a snapshot buffer (its place unknown) writes that
+    tensor's new value to fresh memory: the snapshot it lies in stays as captured."""
+    expected = reference_states(5, lr=3e-3)
+    rep = Replicator(P.Codec(TOKEN), 1, AbortSignal())
+    rep.configure(0, replica.replica_endpoint, 1)
+    for step, m, opt, tracked in train(rep, 4, lr=3e-3):
+        pass
+    rep.wait_acked(timeout=10)
+    held = rep.local(4)
+    before = held.data.clone()
+    backward(m, 5)
+    opt.landing = lambda t: None
+    opt.step()
+    assert torch.equal(held.data, before), "a snapshot buffer was written in place"
+    assert not any(lies_in_a_slot(t, rep) for t in [*m.parameters(), *S.flatten(opt.state_dict())[1]])
+    assert same_state(S.unpack(*S.pack(tracked.capture(5))), expected[5])
