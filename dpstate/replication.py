@@ -315,6 +315,7 @@ class Replicator:
                         torch.cuda.set_device(job.device)  # this thread's current device: the worker's
                         copy_stream = torch.cuda.Stream(device=job.device)
                     self._capture(job, copy_stream)
+                    delivery.slot = job.slot  # a new one where the optimizer's state lay in the old (landing)
                 if local is not None and job.slot.digests is not None:  # captured, or restored (re-put)
                     self._announce(local, job.slot, rank)
                 with self._cond:

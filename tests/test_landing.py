@@ -215,6 +215,8 @@ def test_a_capture_in_another_layout_does_not_clobber_the_state_that_lies_in_its
         rep.wait_acked(timeout=10)
         held = rep.local(step)
         assert same_state(S.unpack(held.meta, held.data), expected[step])
+        stored = Replicator(P.Codec(TOKEN), 2, AbortSignal()).fetch(replica.replica_endpoint, 1, step, timeout=10)
+        assert same_state(S.unpack(stored.meta, stored.data), expected[step]), f"the holder's copy of step {step}"
     assert all(lies_in_a_slot(p, rep) for p in m.parameters()), "it did not land again after the new layout"
 
 
