@@ -17,6 +17,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture
+def replica(tmp_path):
+    """A real replica store (dpagent's ReplicaServer behind fake agents) for a Replicator to send to."""
+    from test_dpstate_harness import FakeAgents
+
+    agents = FakeAgents(tmp_path, [])
+    yield agents
+    agents.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

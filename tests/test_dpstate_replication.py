@@ -18,16 +18,9 @@ from dpstate.prefetch import Prefetch
 from dpstate.replication import Replicator, ReplicationError
 from dpstate.state import Tracked
 from conftest import rss_shmem
-from test_dpstate_harness import TOKEN, FakeAgents
+from test_dpstate_harness import TOKEN
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def replica(tmp_path):
-    agents = FakeAgents(tmp_path, [])
-    yield agents
-    agents.close()
 
 
 def state(seed: int = 0):

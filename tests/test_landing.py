@@ -13,16 +13,9 @@ from dpstate import snapshot as S
 from dpstate.abort import AbortSignal
 from dpstate.replication import Replicator
 from dpstate.state import Tracked
-from test_dpstate_harness import TOKEN, FakeAgents
+from test_dpstate_harness import TOKEN
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def replica(tmp_path):
-    agents = FakeAgents(tmp_path, [])
-    yield agents
-    agents.close()
 
 
 def model(seed: int = 0) -> torch.nn.Module:
