@@ -2,7 +2,7 @@
 with an automatic interval, with snapshots off, and under plain torchrun (same script, same seed), interleaved;
 and what one snapshot costs, paired within a run that snapshots every 2nd step (alternate).
 
-    python benchmarks/overhead.py [--reps 2] [--steps 60] [--json overhead.json] [--quick]
+    python benchmarks/overhead.py [--reps 2] [--steps 50] [--json overhead.json] [--quick]
 
 Default model: 9.0 M parameters; parameters + AdamW state = 108 MB per node. Each configuration runs `--reps`
 times, in rotated order (off, per_step, auto, torchrun, alternate; then per_step, auto, ..., off; ...), so
@@ -143,7 +143,7 @@ def profile_of(result: C.RunResult) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=None, help="repetitions of every configuration (2; --quick 1)")
-    ap.add_argument("--steps", type=int, default=None, help="steps per run (60; --quick 30)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (50; --quick 30)")
     ap.add_argument("--budget", type=float, default=0.01, help="auto's budget (fraction of step time)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--quick", action="store_true", help="small model, few steps: a ~1 minute smoke run")
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 2)
-    args.steps = args.steps or (30 if args.quick else 60)
+    args.steps = args.steps or (30 if args.quick else 50)  # 5 configs x 2 reps: ~10 min here
     args.auto_steps = "2,3" if args.quick else AUTO_STEPS
     warm, pairs = (int(x) for x in args.auto_steps.split(","))
     first_decision = 1 + warm + 2 * pairs  # the step at which auto first decides (dpstate.interval)
