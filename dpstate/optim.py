@@ -59,13 +59,16 @@ class AdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, p in enumerate(self._params()):
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            targets = [self._where((index, name), t, destination)
-                       for name, t in (("param", p.data), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"]))]
-            _adamw_into(p, state, self._group_of(p), *targets)
+        index = -1  # of the parameter over every group, as _params() and the state dict number them
+        for group in self.param_groups:
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                targets = [self._where((index, name), t, destination) for name, t in
+                           (("param", p.data), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"]))]
+                _adamw_into(p, state, group, *targets)
         return loss
 
     @torch.no_grad()
@@ -96,9 +99,6 @@ class AdamW(torch.optim.AdamW):
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
-
-    def _group_of(self, p: torch.Tensor) -> dict:
-        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
 
 def _adamw_into(p: torch.Tensor, state: dict, group: dict, new_p: torch.Tensor, new_avg: torch.Tensor,
