@@ -96,11 +96,15 @@ def paired_cost(timings: list[dict], lo: int, hi: int) -> tuple[float | None, in
     return (C.median(diffs) / base if diffs and base else None), len(diffs)
 
 
+def paired_costs(runs: list[dict], config: str) -> list[float]:
+    """The paired cost of one snapshot in each run of `config` (an alternate one) that measured it."""
+    return [r["paired"][0] for r in runs if r["config"] == config and r.get("paired") and r["paired"][0] is not None]
+
+
 def auto_paired(runs: list[dict]) -> float | None:
     """What auto costs once decided, from the paired cost of one snapshot (the alternate runs, many more pairs
     than auto's own) over the interval each auto run chose: whether auto's estimate kept the budget."""
-    cost = C.median(r["paired"][0] for r in runs
-                    if r["config"] == "alternate" and r.get("paired") and r["paired"][0] is not None)
+    cost = C.median(paired_costs(runs, "alternate"))
     intervals = [r["snapshot_interval"] for r in runs if r["config"] == "auto" and r["snapshot_interval"]]
     return C.median(max(cost, 0.0) / n for n in intervals) if cost is not None and intervals else None
 
@@ -145,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="repetitions of every configuration (2; --quick 1)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (50; --quick 30)")
     ap.add_argument("--budget", type=float, default=0.01, help="auto's budget (fraction of step time)")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated, of {', '.join(CONFIGS + COPY_CONFIGS)} (default: all but the last two)")
     ap.add_argument("--quick", action="store_true", help="small model, few steps: a ~1 minute smoke run")
     ap.add_argument("--batch-size", type=int, default=None,
                     help="sequences per rank and step (default 8: 1,024 tokens per rank and step)")
@@ -283,10 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_per_step": overhead("per_step") if "per_step" in configs else None,
         "overhead_auto": overhead("auto") if "auto" in configs else None,
         # the same cost resolved within one run: adjacent steps with and without a snapshot (every 2nd step)
-        "overhead_per_step_paired": C.median(r["paired"][0] for r in runs if r.get("paired") and r["config"] == "alternate"),
+        "overhead_per_step_paired": C.median(paired_costs(runs, "alternate")),
         "paired_pairs": sum(r["paired"][1] for r in runs if r.get("paired") and r["config"] == "alternate"),
-        "overhead_per_step_paired_copy": C.median(r["paired"][0] for r in runs
-                                                  if r.get("paired") and r["config"] == "alternate_copy"),
+        "overhead_per_step_paired_copy": C.median(paired_costs(runs, "alternate_copy")),
         "overhead_torchrun": overhead("torchrun") if "torchrun" in configs else None,
         # auto's chosen interval held against that independent cost: what auto costs once it has decided
         "overhead_auto_paired": auto_paired(runs),
@@ -343,14 +347,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{result['main_thread_slowed_ms_per_step']:+.1f} ms (its own part of a snapshot, ~1 ms, and the "
               f"capture beside it slowing it: per repetition {', '.join(f'{v:+.1f}' for v in slowed)})")
     if result["overhead_per_step_paired"] is not None:
-        each = ", ".join(f"{r['paired'][0]:+.2%}" for r in runs
-                         if r["config"] == "alternate" and r.get("paired") and r["paired"][0] is not None)
+        each = ", ".join(f"{cost:+.2%}" for cost in paired_costs(runs, "alternate"))
         print(f"per-step snapshots, paired within runs (every 2nd step snapshotted, {result['paired_pairs']} pairs "
               f"of adjacent steps): one snapshot costs {result['overhead_per_step_paired']:+.2%} of a step "
               f"(per repetition: {each})")
     if result["overhead_per_step_paired_copy"] is not None:
-        each = ", ".join(f"{r['paired'][0]:+.2%}" for r in runs
-                         if r["config"] == "alternate_copy" and r.get("paired") and r["paired"][0] is not None)
+        each = ", ".join(f"{cost:+.2%}" for cost in paired_costs(runs, "alternate_copy"))
         print(f"the same with every snapshot a copy (DP_SNAPSHOT_LANDING=0): "
               f"{result['overhead_per_step_paired_copy']:+.2%} (per repetition: {each})")
     if result["overhead_auto_paired"] is not None:
