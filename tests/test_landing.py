@@ -56,6 +56,19 @@ def same_state(tree: dict, expected: dict) -> bool:
     return True
 
 
+def sender(replica) -> Replicator:
+    """Rank 1's replicator, sending to the replica store."""
+    rep = Replicator(P.Codec(TOKEN), 1, AbortSignal())
+    rep.configure(0, replica.replica_endpoint, 1)
+    return rep
+
+
+def held_by(replica, step: int) -> dict:
+    """Rank 1's snapshot of `step` as the replica store holds it, fetched by another rank."""
+    stored = Replicator(P.Codec(TOKEN), 2, AbortSignal()).fetch(replica.replica_endpoint, 1, step, timeout=10)
+    return S.unpack(stored.meta, stored.data)
+
+
 def slot_memory(rep: Replicator) -> list[tuple[int, int]]:
     return [(s.buffer.data_ptr(), s.buffer.data_ptr() + s.buffer.numel()) for s in rep.slots]
 
@@ -113,8 +126,7 @@ def test_every_step_lands_in_the_older_buffer_and_the_previous_snapshot_stays_in
     is captured next, which the capture then finds in place; the previous snapshot, in the other slot, is
     the previous step's state bit for bit, and so is what the replica store holds."""
     expected = reference_states(10, lr=3e-3)
-    rep = Replicator(P.Codec(TOKEN), 1, AbortSignal())
-    rep.configure(0, replica.replica_endpoint, 1)
+    rep = sender(replica)
     for step, m, opt, _ in train(rep, 10, lr=3e-3):
         rep.wait_acked(timeout=10)
         held = rep.local(step)
@@ -128,16 +140,14 @@ def test_every_step_lands_in_the_older_buffer_and_the_previous_snapshot_stays_in
             assert same_state(S.unpack(previous.meta, previous.data), expected[step - 1]), "the step wrote over the previous snapshot"
     state_bytes = sum(3 * p.numel() * p.element_size() for p in m.parameters())  # parameters + 2 moments
     assert rep.stats.landed_bytes == (10 - 1) * state_bytes, "captures copied what had landed"  # steps 2..10
-    stored = Replicator(P.Codec(TOKEN), 2, AbortSignal()).fetch(replica.replica_endpoint, 1, 10, timeout=10)
-    assert same_state(S.unpack(stored.meta, stored.data), expected[10])
+    assert same_state(held_by(replica, 10), expected[10])
 
 
 def test_between_snapshots_the_state_stays_in_the_scratch_buffer_and_the_snapshot_is_kept(replica):
     """Every 3rd step: the step after a snapshot moves the state out of its buffer, the next ones update it
     in place; the newest snapshot is intact all along and the run is torch's."""
     expected = reference_states(12, lr=3e-3)
-    rep = Replicator(P.Codec(TOKEN), 1, AbortSignal())
-    rep.configure(0, replica.replica_endpoint, 1)
+    rep = sender(replica)
     for step, m, opt, tracked in train(rep, 12, every=3, lr=3e-3):
         rep.wait_acked(timeout=10)
         newest = max(rep.local_steps())
@@ -153,8 +163,7 @@ def test_between_snapshots_the_state_stays_in_the_scratch_buffer_and_the_snapsho
 def test_go_home_leaves_the_buffers_and_the_state_is_unchanged(replica):
     """A reconfiguration (dpstate.session) sends the state back to its own memory before the buffers are
     reused; a buffer written afterwards leaves the model alone."""
-    rep = Replicator(P.Codec(TOKEN), 1, AbortSignal())
-    rep.configure(0, replica.replica_endpoint, 1)
+    rep = sender(replica)
     for step, m, opt, tracked in train(rep, 4, lr=3e-3):
         pass
     rep.wait_acked(timeout=10)
@@ -171,8 +180,7 @@ def test_go_home_leaves_the_buffers_and_the_state_is_unchanged(replica):
 
 def test_without_landing_every_capture_copies(replica, monkeypatch):
     monkeypatch.setenv("DP_SNAPSHOT_LANDING", "0")
-    rep = Replicator(P.Codec(TOKEN), 1, AbortSignal())
-    rep.configure(0, replica.replica_endpoint, 1)
+    rep = sender(replica)
     for step, m, opt, _ in train(rep, 4, lr=3e-3):
         assert not any(lies_in_a_slot(p, rep) for p in m.parameters())
     rep.wait_acked(timeout=10)
@@ -196,8 +204,7 @@ def test_a_capture_in_another_layout_does_not_clobber_the_state_that_lies_in_its
     """The tracked tree changes shape while the state lies in the buffer about to be captured: that buffer is
     left to the state and the capture goes into a new one; the next steps land again and the run is torch's."""
     expected = reference_states(9, lr=3e-3)
-    rep = Replicator(P.Codec(TOKEN), 1, AbortSignal())
-    rep.configure(0, replica.replica_endpoint, 1)
+    rep = sender(replica)
     counter = Counter()
     for step, m, opt, tracked in train(rep, 9, lr=3e-3):
         if step == 1:
@@ -208,8 +215,7 @@ def test_a_capture_in_another_layout_does_not_clobber_the_state_that_lies_in_its
         rep.wait_acked(timeout=10)
         held = rep.local(step)
         assert same_state(S.unpack(held.meta, held.data), expected[step])
-        stored = Replicator(P.Codec(TOKEN), 2, AbortSignal()).fetch(replica.replica_endpoint, 1, step, timeout=10)
-        assert same_state(S.unpack(stored.meta, stored.data), expected[step]), f"the holder's copy of step {step}"
+        assert same_state(held_by(replica, step), expected[step]), f"the holder's copy of step {step}"
     assert all(lies_in_a_slot(p, rep) for p in m.parameters()), "it did not land again after the new layout"
 
 
@@ -218,8 +224,7 @@ def test_a_tensor_in_a_snapshot_buffer_that_cannot_land_leaves_it_instead_of_wri
     """A step told of no place for a tensor that lies in a snapshot buffer (its place unknown) writes that
     tensor's new value to fresh memory: the snapshot it lies in stays as captured."""
     expected = reference_states(5, lr=3e-3)
-    rep = Replicator(P.Codec(TOKEN), 1, AbortSignal())
-    rep.configure(0, replica.replica_endpoint, 1)
+    rep = sender(replica)
     for step, m, opt, tracked in train(rep, 4, lr=3e-3):
         pass
     rep.wait_acked(timeout=10)
