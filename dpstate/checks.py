@@ -62,6 +62,7 @@ class CheckPlanner:
     def __init__(self, every: int | None = None):
         self.every = check_every_from_env() if every is None else every
         self._cached: tuple[Any, Any, int] = ((), (), 0)  # (specs, flags, shared_key) of the last layout
+        self._last_layout: tuple[Any, Any] = (None, None)  # ((flags, dtypes and shapes), layout()'s result)
         self.diverged = False
 
     def layout(self, tensors: list[torch.Tensor], shared: Callable[[], Any] | Any | None,
@@ -70,8 +71,11 @@ class CheckPlanner:
         tensor_keys of the shared tensors (or is a callable that does, evaluated now)."""
         keys = shared() if callable(shared) else shared
         flags = [tensor_key(t) in keys for t in tensors] if keys else [False] * len(tensors)
-        specs, nbytes, shared_nbytes = S.layout_shared(tensors, flags)
-        return specs, nbytes, shared_nbytes, flags
+        key = (flags, [(t.dtype, t.shape) for t in tensors])
+        if key != self._last_layout[0]:  # else the very same specs: comparing them later is an identity check
+            specs, nbytes, shared_nbytes = S.layout_shared(tensors, flags)
+            self._last_layout = (key, (specs, nbytes, shared_nbytes, flags))
+        return self._last_layout[1]
 
     def plan(self, specs: list[S.TensorSpec], flags: list[bool], shared_nbytes: int, step: int) -> CheckPlan | None:
         """The CheckPlan of a capture of `step` whose shared part is `shared_nbytes` (None: nothing shared)."""

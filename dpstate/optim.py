@@ -44,7 +44,7 @@ class AdamW(torch.optim.AdamW):
             if isinstance(group["lr"], torch.Tensor) or any(isinstance(b, torch.Tensor) for b in group["betas"]):
                 return False
             for p in group["params"]:
-                if p.device.type != "cpu" or torch.is_complex(p) or (p.grad is not None and p.grad.is_sparse):
+                if not p.is_cpu or torch.is_complex(p) or (p.grad is not None and p.grad.is_sparse):
                     return False
         return True
 
