@@ -1,0 +1,258 @@
+"""What the simulated cluster's dpstate workers do: restore, lockstep steps behind the snapshot gate, snapshots
+sent to replica stores and acked, exits. Methods of World (world.py), which keeps the clock and the network.
+"""
+
+from __future__ import annotations
+
+from dpagent import protocol as p
+
+from .nodes import KEEP_LOCAL, Put, SimNode
+
+
+class WorkerSide:
+    """The worker half of World: it needs World's clock (at, now, rng), network (_link_delay, _agent_send,
+    _frozen, node_of), nodes, job (spec, steps, interval, measure_until) and bookkeeping (ready, entered,
+    captured, replicated, dropped_by, log)."""
+
+    def _worker_reconfigure(self, node: SimNode, local: int, msg: p.Reconfigure) -> None:
+        if self._frozen(node, self._worker_reconfigure, node, local, msg):
+            return
+        worker = node.workers[local]
+        if not node.running or worker.phase in ("dead", "done") or msg.generation <= worker.generation:
+            return
+        worker.generation = msg.generation
+        worker.rank = msg.node_rank * msg.nproc_per_node + local
+        worker.phase = "recovering"
+        worker.restore = msg
+        self.at(self.rng.uniform(0.001, 0.03), self._worker_restore, node, local, msg.generation)
+
+    def _worker_restore(self, node: SimNode, local: int, generation: int) -> None:
+        if self._frozen(node, self._worker_restore, node, local, generation):
+            return
+        worker = node.workers[local]
+        if not node.running or worker.generation != generation or worker.phase != "recovering":
+            return
+        msg = worker.restore
+        step, source = msg.restore_step, msg.restore_from.get(str(worker.rank), "")
+        if step < 0:
+            worker.state, worker.local, worker.acked = 0, [], -1
+        elif source == "init" and step == 0:
+            worker.state, worker.local, worker.acked = 0, [], -1
+        elif step in worker.local and worker.state >= step:
+            worker.state = step
+        else:
+            sources = [source, *msg.restore_also.get(str(worker.rank), [])]
+            self._fetch(node, local, generation, [s for s in sources if s and s != "init"])
+            return
+        self._restored(node, local, generation)
+
+    def _restored(self, node: SimNode, local: int, generation: int) -> None:
+        worker = node.workers[local]
+        worker.local = [s for s in worker.local if s < worker.state] + [worker.state]  # the restored copy
+        worker.phase = "ready"
+        self._take_snapshot(node, local)  # re-replicated at once, before the barrier (as dpstate)
+        self.ready.setdefault(generation, set()).add(worker.rank)
+        self._agent_send(node.node_id, p.WorkerReady(node.node_id, generation, worker.rank, 0.01, 0.01, "sim"))
+        self._try_release_barrier(generation)
+
+    def _fetch(self, node: SimNode, local: int, generation: int, sources: list) -> None:
+        """As dpstate's restore: fetch from the first store the plan names. A store without the copy says so at
+        once; a copy takes a while to arrive and the loading worker finds it corrupt only then; either is
+        reported (RestoreFailed) and the next store tried. A dead store never answers (the fetch waits for a
+        new plan), a frozen one answers when it wakes. None good: its missing local copy is reported too if
+        the plan counted on it, and it waits for the next reconfiguration."""
+        worker = node.workers[local]
+        if not node.running or worker.generation != generation or worker.phase != "recovering":
+            return
+        msg = worker.restore
+        rank, step = worker.rank, msg.restore_step
+        while sources:
+            source, sources = sources[0], sources[1:]
+            holder = self.node_of(source)
+            if holder is None or not holder.alive:
+                return  # no answer: the fetch waits until its timeout, or a new plan aborts it
+            if self._frozen(holder, self._fetch, node, local, generation, [source, *sources]):
+                return
+            if step in holder.store.get(rank, []):
+                bad = (rank, step) in holder.corrupt  # the frames sent are the copy as it is now
+                self.at(self.rng.uniform(0.01, 0.25), self._fetched, node, local, generation, holder, sources, bad)
+                return
+            self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, source, "not held"))
+        if not msg.restore_from.get(str(rank)) and step not in worker.local:
+            # as dpstate: the local copy that the plan counted on (source "") is gone too
+            self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, "", "no local copy"))
+        worker.phase = "restore-failed"
+        self._agent_send(node.node_id, p.PeerError(node.node_id, generation, rank,
+                                                   f"snapshot of rank {rank} at step {step} not found"))
+
+    def _fetched(self, node: SimNode, local: int, generation: int, holder: SimNode, rest: list, bad: bool) -> None:
+        """A fetched copy arrived (a holder frozen mid-transfer holds it up; a dead one breaks it off)."""
+        if self._frozen(holder, self._fetched, node, local, generation, holder, rest, bad) or \
+                self._frozen(node, self._fetched, node, local, generation, holder, rest, bad):
+            return
+        worker = node.workers[local]
+        if not node.running or not holder.alive or worker.generation != generation or worker.phase != "recovering":
+            return
+        rank, step = worker.rank, worker.restore.restore_step
+        if bad or (rank, step) in holder.corrupt:  # damaged before or while it was sent
+            self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, holder.endpoint,
+                                                           "corrupt"))
+            self._fetch(node, local, generation, rest)
+            return
+        worker.state = step
+        self._restored(node, local, generation)
+
+    def _try_release_barrier(self, generation: int) -> None:
+        if len(self.ready.get(generation, ())) < self.spec.world_size:
+            return
+        for node in self.nodes.values():
+            for local, worker in enumerate(node.workers):
+                if worker.generation == generation and worker.phase == "ready":
+                    self._leave_barrier(node, local, generation)
+
+    def _leave_barrier(self, node: SimNode, local: int, generation: int) -> None:
+        """The last rank arrived: this one goes on (a frozen node when it wakes: the barrier's bytes wait)."""
+        if self._frozen(node, self._leave_barrier, node, local, generation):
+            return
+        worker = node.workers[local]
+        if node.running and worker.generation == generation and worker.phase == "ready":
+            worker.phase = "running"
+            self.at(self.rng.uniform(0.005, 0.02), self._worker_step, node, local, generation)
+
+    def _take_snapshot(self, node: SimNode, local: int) -> None:
+        worker = node.workers[local]
+        if worker.local[-1:] != [worker.state]:  # a restored snapshot is sent again from its own slot
+            worker.local = (worker.local + [worker.state])[-KEEP_LOCAL:]
+        self.captured.add((worker.rank, worker.state))
+        holders = [h for h in map(self.node_of, node.replica_to) if h is not None]
+        worker.awaiting[worker.state] = len(holders)
+        # acked once every holder acks it (a restored step sent again too); with none, at once (as dpstate)
+        worker.acked = min(worker.acked, worker.state - 1) if holders else max(worker.acked, worker.state)
+        put = (worker.rank, worker.state, worker.generation)
+        for holder in holders:  # ReserveSnapshot just ahead of the snapshot on the same connection
+            delay = self._link_delay(node.node_id, holder.node_id)
+            self.at(delay - 1e-7, self._store_reserve, holder, put)
+            self.at(delay, self._store_put, holder, node, local, put)
+
+    def _store_reserve(self, holder: SimNode, put: Put) -> None:
+        """The holder makes room for the snapshot on its way (SimNode.make_room)."""
+        if self._frozen(holder, self._store_reserve, holder, put):
+            return
+        if holder.running:
+            self._dropped(holder, holder.make_room(put), put)
+
+    def _store_put(self, holder: SimNode, sender: SimNode, local: int, put: Put) -> None:
+        """The snapshot arrives (SimNode.add): stored and acked, or refused (a fenced sender: never acked)."""
+        if self._frozen(holder, self._store_put, holder, sender, local, put):
+            return
+        if not holder.running:
+            return  # the sender waits forever for the ack; recovery will abort it
+        rank, step, generation = put
+        if holder.refuses(put):
+            self.log.append(f"{self.now:.3f} {holder.node_id} refuses rank {rank} step {step} of generation "
+                            f"{generation}")
+            return
+        self._dropped(holder, holder.add(put), put)
+        self.replicated.add((rank, step))
+        if step in holder.store[rank]:
+            self.dropped_by.pop((holder.node_id, rank, step), None)
+        self._agent_send(holder.node_id, p.SnapshotStored(holder.node_id, rank, step, generation))
+        self.at(self._link_delay(holder.node_id, sender.node_id), self._snapshot_acked, sender, local, generation, step)
+
+    def _dropped(self, holder: SimNode, dropped: list[tuple[int, int]], put: Put) -> None:
+        for rank, step in dropped:  # which put made the store drop it (invariants: was that reported?)
+            self.dropped_by[(holder.node_id, rank, step)] = (holder.node_id, *put)
+
+    def _snapshot_acked(self, node: SimNode, local: int, generation: int, step: int) -> None:
+        if self._frozen(node, self._snapshot_acked, node, local, generation, step):
+            return
+        worker = node.workers[local]
+        if node.running and worker.generation == generation:
+            missing = worker.awaiting.get(step, 1) - 1
+            worker.awaiting[step] = missing
+            if missing > 0:
+                return  # every replica must hold it before the optimizer may move on
+            worker.acked = max(worker.acked, step)
+            if worker.phase == "gated":  # waiting at the snapshot gate, before its step's last collective
+                worker.phase = "running"
+                self._worker_step(node, local, generation)
+
+    def _worker_step(self, node: SimNode, local: int, generation: int) -> None:
+        """Forward/backward done: enter the all-reduce of step state+1, once past the snapshot gate (dpstate's
+        Job._gate: its newest snapshot acked; so no rank applies step S+1 before every rank's S is held)."""
+        if self._frozen(node, self._worker_step, node, local, generation):
+            return
+        worker = node.workers[local]
+        if not node.running or worker.generation != generation or worker.phase != "running":
+            return
+        if worker.acked < self.newest_snapshot(worker.state):
+            worker.phase = "gated"
+            return
+        if worker.state >= self.steps:  # dpstate's final barrier: exit 0 only once every rank got here
+            key = (generation, "final")
+            self.entered.setdefault(key, set()).add(worker.rank)
+            self._release_final(key)
+            return
+        key = (generation, worker.state + 1)
+        self.entered.setdefault(key, set()).add(worker.rank)
+        self._check_allreduce(key)
+
+    def _release_final(self, key) -> None:
+        generation = key[0]
+        members = [(n, i, w) for n in self.nodes.values() for i, w in enumerate(n.workers)
+                   if w.generation == generation and w.rank >= 0]
+        if len(self.entered.get(key, ())) < self.spec.world_size or any(not n.running for n, _, _ in members):
+            return
+        for n, i, w in members:
+            if w.phase == "running" and w.state >= self.steps:
+                self._worker_exit(n, i, 0, "")
+
+    def _check_allreduce(self, key) -> None:
+        generation, step = key
+        if step == "final":
+            self._release_final(key)
+            return
+        members = [(n, i, w) for n in self.nodes.values() for i, w in enumerate(n.workers)
+                   if w.generation == generation and w.rank >= 0]
+        if any(w.phase == "dead" or not n.alive for n, _, w in members):
+            for n, i, w in members:  # a dead peer: every survivor's collective raises at once
+                if n.running and w.phase == "running" and w.rank in self.entered.get(key, ()):
+                    w.phase = "failed-collective"
+                    self._agent_send(n.node_id, p.PeerError(n.node_id, generation, w.rank, "peer died"))
+            return
+        if len(self.entered.get(key, ())) < self.spec.world_size:
+            return
+        if any(n.frozen for n, _, w in members):
+            return  # a frozen peer: the all-reduce hangs until the controller reconfigures
+        for n, i, w in members:
+            if w.phase == "running" and w.state == step - 1:
+                self._apply_step(n, i)
+
+    def _apply_step(self, node: SimNode, local: int) -> None:
+        worker = node.workers[local]
+        worker.state += 1
+        snapshot = self.snapshotted(worker.state)
+        self._agent_send(node.node_id, p.Progress(node.node_id, worker.generation, worker.rank, worker.state,
+                                                  snapshot=snapshot))
+        if snapshot:
+            self._take_snapshot(node, local)
+        self.at(self.rng.uniform(0.005, 0.02), self._worker_step, node, local, worker.generation)
+
+    def snapshotted(self, step: int) -> bool:
+        """Which steps every rank snapshots, as dpstate's policy: step 0; in an auto-like measuring window
+        (steps below measure_until) steps 1-3, then every other step; then the multiples of the interval."""
+        if step <= 0:
+            return True
+        if step < self.measure_until:
+            return step < 4 or step % 2 == 0
+        return step % self.interval == 0
+
+    def newest_snapshot(self, step: int) -> int:
+        while not self.snapshotted(step):
+            step -= 1
+        return step
+
+    def _worker_exit(self, node: SimNode, local: int, code: int, detail: str) -> None:
+        worker = node.workers[local]
+        worker.phase = "done" if code == 0 else "dead"
+        self._agent_send(node.node_id, p.WorkerExited(node.node_id, node.generation, local, 1000 + local, code, detail))
