@@ -67,26 +67,27 @@ class SimNode:
             dropped.append(self.drop(rank, kept.pop(0)))
         return dropped
 
-    def refuses(self, put: Put) -> bool:
-        """A put from an older generation than held for its rank (a fenced sender: never acked)."""
-        rank, _, generation = put
-        return bool(self.store.get(rank)) and generation < self.newest_generation(rank)
-
-    def add(self, put: Put) -> list[tuple[int, int]]:
-        """As ReplicaStore.add, for a put not refused: it replaces that rank's steps it supersedes (same or
-        later ones of an older generation), a damaged copy of the same step too; the oldest beyond KEEP go."""
+    def add(self, put: Put) -> tuple[bool, list[tuple[int, int]]]:
+        """As ReplicaStore.add: (stored, the steps dropped). A put from an older generation than held for its
+        rank is refused (a fenced sender: never acked); a newer one first drops that rank's steps it supersedes
+        (same or later ones of an older generation); then a step older than the KEEP steps held is refused;
+        a stored copy replaces a damaged one of the same step, and the oldest beyond KEEP go."""
         rank, step, generation = put
         steps = self.store.setdefault(rank, [])
+        if steps and generation < self.newest_generation(rank):
+            return False, []
         superseded = [s for s in steps if s >= step and self.store_gen[(rank, s)] < generation]
         dropped = [self.drop(rank, old) for old in superseded]
-        self.corrupt.discard((rank, step))  # a whole new copy replaces a damaged one
+        if step not in steps and len(steps) >= KEEP_REPLICA and step < steps[0]:
+            return False, dropped
+        self.corrupt.discard((rank, step))
         if step not in steps:
             steps.append(step)
             steps.sort()
         self.store_gen[(rank, step)] = generation
         while len(steps) > KEEP_REPLICA:
             dropped.append(self.drop(rank, steps[0]))
-        return dropped
+        return True, dropped
 
     def newest_generation(self, rank: int) -> int:
         return max(self.store_gen[(rank, s)] for s in self.store.get(rank, []))

@@ -148,14 +148,14 @@ class WorkerSide:
         if not holder.running:
             return  # the sender waits forever for the ack; recovery will abort it
         rank, step, generation = put
-        if holder.refuses(put):
+        stored, dropped = holder.add(put)
+        self._dropped(holder, dropped, put)
+        if not stored:
             self.log.append(f"{self.now:.3f} {holder.node_id} refuses rank {rank} step {step} of generation "
                             f"{generation}")
             return
-        self._dropped(holder, holder.add(put), put)
         self.replicated.add((rank, step))
-        if step in holder.store[rank]:
-            self.dropped_by.pop((holder.node_id, rank, step), None)
+        self.dropped_by.pop((holder.node_id, rank, step), None)
         self._agent_send(holder.node_id, p.SnapshotStored(holder.node_id, rank, step, generation))
         self.at(self._link_delay(holder.node_id, sender.node_id), self._snapshot_acked, sender, local, generation, step)
 
