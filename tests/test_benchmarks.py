@@ -69,7 +69,10 @@ def test_overhead_quick(procs, tmp_path):
         assert isinstance(got[key], (int, float)), key
     assert got["paired_pairs"] == 3  # steps 7, 9, 11 (each after a snapshot step) against 6, 8, 10
     assert got["profile"]["capture_cpu_ms_median"] > 0
-    assert got["auto_interval"] >= 1 and got["auto_max_lost_steps"] == got["auto_interval"] + 1
+    # worst case: the interval + 1 steps; at an interval of 1 auto still leaves out one step in 16 to measure
+    # (SnapshotPolicy.probing), so 2 + 1 then
+    interval = got["auto_interval"]
+    assert interval >= 1 and got["auto_max_lost_steps"] == (3 if interval == 1 else interval + 1), got
     assert got["auto_cost_bound"] >= got["auto_cost"] >= 0  # the interval is chosen for the bound
     assert got["overhead_auto_paired"] == pytest.approx(max(got["overhead_per_step_paired"], 0) / got["auto_interval"])
     assert got["peak_rss"]["per_step"]["worker"] > 0 and got["peak_rss"]["per_step"]["agent"] > 0
