@@ -9,8 +9,8 @@ import random
 import pytest
 
 from dpagent.protocol import PutSnapshot
-from dpagent.replica_store import KEEP_STEPS, ReplicaStore
-from dprun.sim.nodes import KEEP_REPLICA, SimNode
+from dpagent.replica_store import ReplicaStore
+from dprun.sim.nodes import SimNode
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,10 +28,6 @@ def modelled(node: SimNode) -> dict:
 def random_put(rng: random.Random, ranks: int, generation: int) -> tuple[int, int, int]:
     """Mostly a later step of the current generation, sometimes an old step, an old generation or a new one."""
     return rng.randrange(ranks), rng.randrange(12), max(0, generation + rng.choice([0, 0, 0, -1, 1]))
-
-
-def test_the_model_keeps_as_many_copies_as_the_store():
-    assert KEEP_REPLICA == KEEP_STEPS
 
 
 def test_the_model_keeps_refuses_and_drops_what_the_store_does():

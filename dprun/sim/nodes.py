@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-KEEP_REPLICA = 2  # as dpagent.replica_store.KEEP_STEPS
+from dpagent.replica_store import KEEP_STEPS as KEEP_REPLICA  # the store's own rule, not a copy of it
+
 KEEP_LOCAL = 2  # as dpstate.replication.NSLOTS
 
 Put = tuple[int, int, int]  # (rank, step, generation) of a snapshot sent to a holder
