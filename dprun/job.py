@@ -25,6 +25,7 @@ from .controller import JobSpec, NodeGone
 from .events import EventSink
 from .faults import FaultSpec
 from .jobview import JobView, total_steps_from_args
+from .gpus import plan_local_gpus, visible_gpus
 from .launch import AgentCommand, LocalAgents, OutputTail
 from .server import ControllerServer, PortInUse
 from .status import StatusFeed
@@ -205,7 +206,12 @@ def run_standalone(opts: JobOptions) -> int:
                        node_rank=i if i < opts.nnodes else -1, run_dir=os.path.join(run_dir, f"node{i}"))
             for i in range(opts.nnodes + opts.spares)
         ]
-        for node in nodes:
+        gpus = plan_local_gpus(len(nodes), opts.nproc_per_node, visible_gpus(), os.environ.get("DP_BACKEND"),
+                               active=opts.nnodes)
+        if gpus.notice:
+            print(gpus.notice, file=sys.stderr, flush=True)
+        for node, env in zip(nodes, gpus.per_node):
+            node.env.update(env)
             os.makedirs(node.run_dir, exist_ok=True)
         return run_head(opts, nodes, "127.0.0.1", 0, token)
     finally:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Sequence
 
 
@@ -33,6 +33,7 @@ class AgentCommand:
     tee: str = "0"
     local_ranks_filter: str = ""
     max_restarts: int = 3
+    env: dict[str, str] = field(default_factory=dict)  # this node's own environment (dprun.gpus)
 
     def argv(self) -> list[str]:
         args = [sys.executable, "-m", "dpagent", "--controller", self.controller, "--node-id", self.node_id,
@@ -97,7 +98,7 @@ class LocalAgents:
         self.stopping = False
 
     def start(self, cmd: AgentCommand) -> subprocess.Popen:
-        env = dict(os.environ, **self.env, DP_PDEATHSIG="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **self.env, **cmd.env, DP_PDEATHSIG="1", PYTHONUNBUFFERED="1")
         pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if self.capture else {}
         proc = subprocess.Popen(cmd.argv(), env=env, start_new_session=True, **pipe)
         if self.capture is not None:
