@@ -218,6 +218,8 @@ def classify(exc: BaseException, signal: AbortSignal | None = None) -> str | Non
         pass
     if type(exc).__name__ == "PeerConnectError":  # dpstate.pgroup: a rank died while the group connected
         return "peer"
+    if type(exc).__name__ == "GpuPlacementError":  # dpstate.pgroup: a setup error that no recovery mends
+        return None
     if isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)) and any(p in text for p in _PEER_PATTERNS):
         return "peer"
     return None

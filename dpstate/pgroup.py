@@ -40,6 +40,10 @@ class PeerConnectError(ConnectionError):
     """Building a generation's group failed: some rank died while everyone connected."""
 
 
+class GpuPlacementError(RuntimeError):
+    """NCCL refused the group: two ranks on one GPU. A setup error, not a peer failure: no recovery can mend it."""
+
+
 class GroupManager:
     """Owns the TCPStore client (made once) and the default group of the current generation."""
 
@@ -86,12 +90,18 @@ class GroupManager:
         # incremented (measured, torch 2.13), and the name is part of every connect key: without this reset
         # a rank whose last connect failed waits for keys its peers never write.
         dist.distributed_c10d._world.group_count = 0
+        # NCCL with the device named connects its communicator here (eagerly) rather than in the first collective
+        device = {"device_id": local_device()} if self.backend == "nccl" and local_device().type == "cuda" else {}
         try:
             dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=min(self.connect_timeout, self.timeout))
+                                    timeout=min(self.connect_timeout, self.timeout), **device)
         except Exception as exc:
             if abort.is_set():
                 raise abort.error() from exc
+            if "Duplicate GPU detected" in str(exc):
+                raise GpuPlacementError(f"NCCL refuses two ranks on one GPU (Duplicate GPU detected): give each "
+                                        f"worker a GPU of its own (CUDA_VISIBLE_DEVICES, --nproc-per-node) or set "
+                                        f"DP_BACKEND=gloo") from None
             raise PeerConnectError(f"generation {generation}: could not connect to every rank within "
                                    f"{self.connect_timeout.total_seconds():g} s (DP_CONNECT_TIMEOUT): {exc}") from exc
         dist.distributed_c10d._set_pg_timeout(self.timeout)
@@ -111,7 +121,8 @@ class GroupManager:
         frozen peer blocks until that peer exits or the op times out, and a destructor that runs after the
         peer closed its sockets (e.g. at interpreter exit) aborts the process ("terminate called after
         throwing an instance of 'gloo::IoException'", exit -6). A leaked group costs its threads and sockets.
-        NCCL (untested here, no GPU): its communicators are aborted first, as a stuck kernel would block.
+        NCCL: its communicators are aborted first, as a stuck kernel would block (tests/test_cuda_gpu.py builds,
+        aborts and rebuilds NCCL groups on a GPU).
         """
         if dist.is_initialized():
             pg = dist.group.WORLD
