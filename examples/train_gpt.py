@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if job.rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"train_gpt: {n_params / 1e6:.2f}M params, {len(text) / 1e6:.2f} MB text, vocab {len(vocab)}, "
-              f"world {job.world_size}, generation {job.generation}", flush=True)
+              f"world {job.world_size}, generation {job.generation}, on {device}", flush=True)
 
     loss_value, last, t_last = float("nan"), 0, time.perf_counter()
     for step in job.steps(args.steps):

@@ -16,6 +16,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The processes that tests start run on the CPU with Gloo, as on CI, also on a machine with GPUs: several ranks
+# of one host would otherwise all take cuda:0, which NCCL refuses. This process keeps its own view: CUDA is
+# initialised here first (the driver reads the variable once) and torch caches the device count after that.
+# tests/test_cuda_gpu.py runs the CUDA path in-process, and gives the dprun it starts HOST_CUDA_DEVICES back.
+import torch  # noqa: E402
+
+if torch.cuda.is_available():
+    torch.cuda.init()
+HOST_CUDA_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(torch.cuda.device_count())))
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 
 @pytest.fixture
 def replica(tmp_path):
