@@ -11,7 +11,11 @@ pre-step hook is the only wait. Blocks of steps without and with snapshots alter
 drift of the machine hits both; reported are the median step times and their ratio. Without CUDA (and
 without --device cpu) it says so and exits 0.
 
-JSON: {"device", "state_bytes", "step_s": {"off", "per_step"}, "ratio", "overhead", "profile"}.
+Then, unless --no-auto, `--snapshot-interval auto` decides as in a job: dpstate's SnapshotPolicy measures
+what a snapshot costs over its alternating window and picks the interval that keeps it under --budget.
+
+JSON: {"device", "state_bytes", "step_s": {"off", "per_step"}, "ratio", "overhead", "profile",
+"auto": {"interval", "cost", "overhead_estimate", "max_lost_steps", "decision"}}.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps-per-block", type=int, default=10)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-replica", action="store_true", help="snapshot to host memory only")
+    ap.add_argument("--no-auto", dest="auto", action="store_false", help="skip the auto interval's decision")
+    ap.add_argument("--budget", type=float, default=0.01, help="auto's budget, a fraction of step time")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -55,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:  # "cuda": set_device and get_device_name want an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     # Linear(width, width) layers: 12 bytes per parameter with AdamW (fp32 weights + exp_avg + exp_avg_sq)
@@ -75,15 +83,15 @@ def main(argv: list[str] | None = None) -> int:
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         rep.configure(0, holder.stdout.readline().strip(), 0)
     snapshots = {"on": False}
-    opt.register_step_pre_hook(lambda *_: rep.wait_acked() if snapshots["on"] else None)
+    opt.register_step_pre_hook(lambda *_: rep.wait_acked())  # the snapshot gate (at once when none in flight)
 
-    def step(number: int) -> float:
+    def step(number: int, snapshot: bool | None = None) -> float:
         t0 = time.perf_counter()
         loss = model(x).float().pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if snapshots["on"]:
+        if snapshots["on"] if snapshot is None else snapshot:
             rep.submit(number, tracked.capture(number))
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -109,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                     number += 1
                     times[mode].append(step(number))
                 rep.wait_acked()
+        auto = measure_auto(step, number, args.budget) if args.auto else None
+        rep.wait_acked()
     finally:
         if holder is not None:
             holder.stdin.close()
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "state_bytes": state, "layers": layers, "batch": args.batch, "step_s": med,
               "ratio": med["per_step"] / med["off"], "overhead": med["per_step"] / med["off"] - 1,
-              "profile": rep.stats.as_dict(), "replica": not args.no_replica}
+              "profile": rep.stats.as_dict(), "replica": not args.no_replica, "auto": auto}
     C.write_json(args.json, result)
     print(C.table(["snapshots", "median step s", "steps"],
                   [["off", f"{med['off']:.4f}", len(times["off"])],
@@ -130,7 +140,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio {result['ratio']:.3f} ({result['overhead']:+.1%}); per snapshot: D2H copy {st.copy_s / n * 1000:.1f} ms, "
           f"crc {st.crc_s / n * 1000:.1f} ms, send->ack {st.send_s / max(st.sends, 1) * 1000:.1f} ms, optimizer wait "
           f"{st.wait_s / max(st.waits, 1) * 1000:.1f} ms")
+    if auto:
+        print(f"auto (budget {args.budget:.0%}): {auto['decision']}")
     return 0
+
+
+def measure_auto(step, number: int, budget: float) -> dict:
+    """--snapshot-interval auto on this GPU: dpstate's SnapshotPolicy measures the cost of a snapshot over
+    its alternating window (as the session does, here for one rank) and picks the interval."""
+    from dpstate.interval import SnapshotPolicy
+
+    policy = SnapshotPolicy("auto", budget)
+    while not policy.decided:
+        number += 1
+        step(number, policy.wants(number))
+        if policy.after_step(number, time.perf_counter()):
+            policy.decide_from(policy.local_measurements(), number)
+    return {"interval": policy.interval, "cost": policy.cost, "cost_bound": policy.cost_bound,
+            "overhead_estimate": max(policy.cost or 0.0, policy.cost_bound or 0.0) / policy.interval,
+            "max_lost_steps": policy.max_lost_steps, "decision": policy.describe()}
 
 
 if __name__ == "__main__":
