@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-KEEP_PER_HOLDER = 2  # mirrors dpagent.replica_store retention
+from dpagent.replica_store import KEEP_STEPS as KEEP_PER_HOLDER  # what each replica store keeps per rank
 KEEP_SNAPSHOT_STEPS = 64  # newest distinct snapshot steps remembered (survivor floors look a few steps back)
 INIT = "init"  # restore source: keep the freshly initialised state (a rank that never had a snapshot)
 
