@@ -348,6 +348,18 @@ def test_nccl_is_the_default_backend_with_cuda(monkeypatch):
     assert default_backend() == "gloo"
 
 
+def test_a_cpu_job_on_a_gpu_host_keeps_plain_buffers_and_landing(monkeypatch):
+    """DP_BACKEND=gloo where CUDA is there: the worker trains on the CPU, so its snapshot buffers are not
+    page-locked (no CUDA context per worker) and the optimizer step still lands in them."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("DP_BACKEND", "gloo")
+    rep = Replicator(P.Codec(TOKEN), 0, AbortSignal())
+    assert not rep.pin and rep.landing.enabled
+    monkeypatch.setenv("DP_BACKEND", "nccl")
+    rep = Replicator(P.Codec(TOKEN), 0, AbortSignal())
+    assert rep.pin and not rep.landing.enabled
+
+
 class _FakeCudart:
     """torch.cuda.cudart() stood in for: records cudaHostRegister / cudaHostUnregister, answers `error`."""
 
