@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("cuda_step: no CUDA device here; nothing measured (the CUDA path's CPU-runnable tests are in "
-              "tests/test_snapshot_interval.py)")
+              "tests/test_cuda_stand_in.py)")
         C.write_json(args.json, {"benchmark": "cuda_step", "device": None, "skipped": "no CUDA device"})
         return 0
     device = torch.device(args.device)

@@ -1,6 +1,6 @@
 """The CUDA path on a real GPU: side-stream snapshots of CUDA state into pinned buffers, their replicas, the
 restore onto the GPU, and NCCL groups built, aborted and rebuilt. Skipped where no CUDA device is visible
-(the CPU-runnable checks of the same code are in tests/test_snapshot_interval.py)."""
+(the CPU-runnable checks of the same code are in tests/test_cuda_stand_in.py)."""
 
 from __future__ import annotations
 
