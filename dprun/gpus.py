@@ -31,7 +31,7 @@ def plan_local_gpus(nodes: int, nproc_per_node: int, visible: list[str], backend
                         for i in range(nodes)])
     notice = (f"dprun: {nodes} local nodes (spares included) x {nproc_per_node} worker(s) need {need} GPUs, one per "
               f"worker as NCCL requires, and {len(visible)} are visible: the workers run on the CPU with Gloo "
-              f"(set DP_BACKEND=nccl to keep the GPUs anyway, or start fewer nodes or spares)")
+              f"(start fewer nodes or spares to train on the GPUs; DP_BACKEND=gloo chooses the CPU without this notice)")
     return GpuPlan([{"CUDA_VISIBLE_DEVICES": ""} for _ in range(nodes)], notice)
 
 

@@ -26,7 +26,7 @@ def test_slices_follow_the_names_in_cuda_visible_devices():
 def test_too_few_gpus_hides_cuda_from_every_local_node_and_says_so():
     plan = plan_local_gpus(3, 1, ["0"], None)  # the README demo (2 nodes + 1 spare) on a one-GPU host
     assert plan.per_node == [{"CUDA_VISIBLE_DEVICES": ""}] * 3
-    assert "need 3 GPUs" in plan.notice and "1 are visible" in plan.notice and "DP_BACKEND=nccl" in plan.notice
+    assert "need 3 GPUs" in plan.notice and "1 are visible" in plan.notice and "fewer nodes or spares" in plan.notice
 
 
 @pytest.mark.parametrize("nodes, visible, backend", [
