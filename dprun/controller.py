@@ -18,6 +18,7 @@ from .controller_io import (  # noqa: F401  (re-exported: the controller's input
 from .faults import FaultPlan
 from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
+from .injection import FaultInjection
 from .reconstruction import Reconstruction
 from .standby import SpareSizing
 
@@ -29,7 +30,7 @@ describe_exit = p.describe_exit
 # ----------------------------------------------------------------------------- the state machine
 
 
-class Controller(Reconstruction):
+class Controller(Reconstruction, FaultInjection):
     def __init__(self, spec: JobSpec, now: float):
         if spec.nnodes < 1 or spec.spares < 0 or spec.nproc_per_node < 1:
             raise ValueError("nnodes and nproc_per_node must be at least 1, spares at least 0")
@@ -388,31 +389,6 @@ class Controller(Reconstruction):
             return
         for node_id, why in culprits.items():
             self._node_failed(node_id, f"{why}: no progress for {stalled:.0f} s (--hang-timeout)", now)
-
-    def _fire_faults(self, now: float, recovering: bool = False) -> None:
-        if self.generation < 0 or not self.faults.pending:
-            return
-        steps = {node.node_rank: node.last_step for node in self.table.with_role(ACTIVE)}
-        for spec in self.faults.due(steps, now - (self.training_since or now), recovering):
-            node_id = self._fault_target(spec)
-            if node_id is None:
-                self._publish("fault_skipped", spec=str(spec), reason="no such node")
-                continue
-            if spec.kind == "freeze-node":
-                self.frozen_at[spec.node_rank] = node_id
-            if spec.kind != "wake-node":
-                self.injected_at[node_id] = now
-            # wake-node goes to the launcher of a frozen node (its agent cannot act); see dprun/server.py
-            self._send(node_id, p.Inject(kind=spec.kind, local_rank=spec.local_rank))
-            self._publish("fault_injected", node=node_id, node_rank=spec.node_rank, kind=spec.kind, spec=str(spec))
-
-    def _fault_target(self, spec) -> str | None:
-        if spec.on_spare:
-            spares = self.table.with_role(SPARE)
-            return spares[spec.node_rank].node_id if spec.node_rank < len(spares) else None
-        if spec.kind == "wake-node":
-            return self.frozen_at.get(spec.node_rank)
-        return self.layout[spec.node_rank] if spec.node_rank < len(self.layout) else None
 
     # -- views -----------------------------------------------------------------------------------
 
