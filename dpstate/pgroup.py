@@ -20,13 +20,20 @@ def default_backend() -> str:
     return os.environ.get("DP_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
 
 
+def trains_on_gpu() -> bool:
+    """Does this worker train on a GPU: CUDA is there and the backend is NCCL (with Gloo it trains on the CPU)."""
+    import torch
+
+    return torch.cuda.is_available() and default_backend() == "nccl"
+
+
 def local_device():
-    """The device this worker trains on: its CUDA device (LOCAL_RANK modulo the count) when the backend is
-    NCCL, else the CPU. Known before dpstate.init(), so a script can build its model before it (a spare then
+    """The device this worker trains on: its CUDA device (LOCAL_RANK modulo the count) when trains_on_gpu(),
+    else the CPU. Known before dpstate.init(), so a script can build its model before it (a spare then
     builds it while idle, not after its promotion)."""
     import torch
 
-    if torch.cuda.is_available() and default_backend() == "nccl":
+    if trains_on_gpu():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
 
@@ -91,17 +98,18 @@ class GroupManager:
         # a rank whose last connect failed waits for keys its peers never write.
         dist.distributed_c10d._world.group_count = 0
         # NCCL with the device named connects its communicator here (eagerly) rather than in the first collective
-        device = {"device_id": local_device()} if self.backend == "nccl" and local_device().type == "cuda" else {}
+        device = local_device()
+        eager = {"device_id": device} if self.backend == "nccl" and device.type == "cuda" else {}
         try:
             dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=min(self.connect_timeout, self.timeout), **device)
+                                    timeout=min(self.connect_timeout, self.timeout), **eager)
         except Exception as exc:
             if abort.is_set():
                 raise abort.error() from exc
             if "Duplicate GPU detected" in str(exc):
-                raise GpuPlacementError(f"NCCL refuses two ranks on one GPU (Duplicate GPU detected): give each "
-                                        f"worker a GPU of its own (CUDA_VISIBLE_DEVICES, --nproc-per-node) or set "
-                                        f"DP_BACKEND=gloo") from None
+                raise GpuPlacementError("NCCL refuses two ranks on one GPU (Duplicate GPU detected): give each "
+                                        "worker a GPU of its own (CUDA_VISIBLE_DEVICES, --nproc-per-node) or set "
+                                        "DP_BACKEND=gloo") from None
             raise PeerConnectError(f"generation {generation}: could not connect to every rank within "
                                    f"{self.connect_timeout.total_seconds():g} s (DP_CONNECT_TIMEOUT): {exc}") from exc
         dist.distributed_c10d._set_pg_timeout(self.timeout)

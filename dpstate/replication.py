@@ -26,7 +26,7 @@ from .abort import AbortSignal
 from .checks import CheckPlanner
 from .interval import SnapshotPolicy
 from .landing import Landing, enabled_by_env
-from .pgroup import default_backend
+from .pgroup import trains_on_gpu
 from .fetch import FETCHED, ReplicationError, Slot, receive_snapshot
 from .send import Delivery
 from .priority import lower_io_threads, lower_priority
@@ -69,9 +69,9 @@ class Replicator:
         self.ctx = zmq.Context(io_threads=1)
         self.ctx.socket(zmq.DEALER).close(0)  # starts the I/O thread now
         lower_io_threads(before)
-        # page-locked buffers where the worker trains on a GPU (with Gloo on a GPU host it trains on the CPU:
-        # no CUDA context for pinning, and the optimizer step lands in the snapshot, dpstate.landing)
-        self.pin = torch.cuda.is_available() and default_backend() == "nccl"
+        # page-locked buffers only where the worker trains on a GPU (on the CPU: no CUDA context for pinning,
+        # and the optimizer step lands in the snapshot, dpstate.landing)
+        self.pin = trains_on_gpu()
         # this node's agent, told of each local snapshot so that it can hold peers' identical blocks by reference
         self.local_store = os.environ.get("DP_LOCAL_REPLICA", "")
         # with CUDA too, once the driver page-locks a shared buffer (the side stream copies into it asynchronously)
