@@ -82,16 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         holder = subprocess.Popen([sys.executable, str(HERE / "_replica_holder.py"), token, "1"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         rep.configure(0, holder.stdout.readline().strip(), 0)
-    snapshots = {"on": False}
     opt.register_step_pre_hook(lambda *_: rep.wait_acked())  # the snapshot gate (at once when none in flight)
 
-    def step(number: int, snapshot: bool | None = None) -> float:
+    def step(number: int, snapshot: bool) -> float:
         t0 = time.perf_counter()
         loss = model(x).float().pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if snapshots["on"] if snapshot is None else snapshot:
+        if snapshot:
             rep.submit(number, tracked.capture(number))
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -102,20 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     times = {"off": [], "per_step": []}
     number = 0
     try:
-        for _ in range(2):  # warm-up: AdamW state exists, pinned buffers allocated
+        for warm in range(5):  # warm-up: AdamW state exists (2 steps), then pinned buffers allocated (3)
             number += 1
-            step(number)
-        snapshots["on"] = True
-        for _ in range(3):
-            number += 1
-            step(number)
+            step(number, snapshot=warm >= 2)
         rep.wait_acked()
         for block in range(args.blocks):
             for mode in ("off", "per_step") if block % 2 == 0 else ("per_step", "off"):
-                snapshots["on"] = mode == "per_step"
                 for _ in range(args.steps_per_block):
                     number += 1
-                    times[mode].append(step(number))
+                    times[mode].append(step(number, snapshot=mode == "per_step"))
                 rep.wait_acked()
         auto = measure_auto(step, number, args.budget) if args.auto else None
         rep.wait_acked()
