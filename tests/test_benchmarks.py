@@ -107,3 +107,18 @@ def test_goodput_quick(procs, tmp_path):
     assert set(got["goodput"]) == {"deadpool", "torchrun"}
     assert all(0 < v <= 1.05 for v in got["goodput"].values()), got["goodput"]
     assert got["failures"]["deadpool"] >= 1 and got["failures"]["torchrun"] >= 1
+
+
+def test_cuda_step_on_the_cpu(procs, tmp_path):
+    """The CUDA step benchmark's code on the CPU (its smoke run): both modes measured, auto decided, and
+    without a GPU the default device says so and exits 0."""
+    got = bench(procs, tmp_path, "cuda_step", "--device", "cpu", "--gb", "0.02", "--width", "256", "--batch", "64",
+                "--blocks", "2", "--steps-per-block", "3", timeout=120)
+    assert got["device"] == "cpu" and got["state_bytes"] > 0
+    assert set(got["step_s"]) == {"off", "per_step"} and got["ratio"] == pytest.approx(
+        got["step_s"]["per_step"] / got["step_s"]["off"])
+    assert got["profile"]["captures"] >= 3 + 3 * 2  # warm-up's 3 and 2 blocks of 3 steps, then auto's
+    auto = got["auto"]
+    assert auto["interval"] >= 1 and auto["overhead_estimate"] <= 0.01 + 1e-9 and auto["decision"].startswith("auto:")
+    skipped = bench(procs, tmp_path, "cuda_step")
+    assert skipped["device"] is None and skipped["skipped"] == "no CUDA device"
