@@ -7,13 +7,13 @@ slices, as separate machines would; where the host has too few GPUs for that, CU
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class GpuPlan:
     per_node: list[dict[str, str]]  # the extra environment of each local node's agent (and so its workers)
-    notice: str = field(default="")  # one line for the user where the plan changes what the workers get
+    notice: str = ""  # one line for the user where the plan changes what the workers get
 
 
 def plan_local_gpus(nodes: int, nproc_per_node: int, visible: list[str], backend: str | None,

@@ -111,18 +111,12 @@ def test_restore_from_a_replica_lands_on_the_gpu_in_a_fresh_process_state(replic
         assert torch.equal(a, b)
 
 
-def nccl_manager(store_port: int) -> GroupManager:
-    manager = GroupManager(backend="nccl", timeout_s=60)
-    manager._store_for(f"127.0.0.1:{store_port}")
-    return manager
-
-
 def test_nccl_group_is_built_aborted_and_rebuilt_for_each_generation():
     """The communicator reconstruction path with NCCL: generation 1 all-reduces, destroy() aborts its
     communicator, generation 2 is built on the same store and all-reduces again."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=30))
-    manager = nccl_manager(master.port)
+    manager = GroupManager(backend="nccl", timeout_s=60)  # build() connects to the store
     abort = AbortSignal()
     try:
         for generation in (1, 2, 3):
