@@ -188,6 +188,28 @@ def test_copy_into_never_writes_past_its_buffer():
     assert torch.equal(guard[:80].view(torch.int64), torch.arange(10)) and not guard[nbytes:].any()
 
 
+def test_copy_into_skips_only_a_tensor_that_is_exactly_its_place():
+    """A tensor that an optimizer step wrote into its place (dpstate.landing) is not copied; one that merely
+    starts there (a transposed view, a shorter one) is, since its bytes are not the place's."""
+    tensors = [torch.arange(6.0).view(2, 3), torch.arange(4.0)]
+    specs, nbytes = S.layout(tensors)
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def place(spec: S.TensorSpec) -> torch.Tensor:
+        return buf[spec.offset : spec.offset + spec.nbytes].view(torch.float32)
+
+    place(specs[0]).copy_(torch.arange(6.0))
+    landed = place(specs[0]).view(2, 3)
+    assert S.copy_into([landed, tensors[1]], specs, buf) == specs[0].nbytes
+    assert torch.equal(place(specs[1]), torch.arange(4.0))
+
+    transposed = place(specs[0]).view(3, 2).t()  # starts at its place, but is not laid out as the tensor it is
+    assert S.copy_into([transposed, tensors[1]], specs, buf) == 0
+    assert torch.equal(place(specs[0]), torch.tensor([0.0, 2, 4, 1, 3, 5]))
+    with pytest.raises(S.SnapshotError, match="does not fit"):  # starts there, too short: refused, not skipped
+        S.copy_into([place(specs[0])[:4], tensors[1]], specs, buf)
+
+
 def test_rng_states_and_special_values_round_trip():
     tree = {
         "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
