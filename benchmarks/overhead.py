@@ -17,8 +17,8 @@ per-step runs also write dpstate's snapshot profile (DP_SNAPSHOT_PROFILE); the b
 process's peak RSS (VmHWM) and per-thread CPU.
 
 JSON: {"throughput": {"off", "per_step", "auto", "torchrun", "alternate"} (tokens/s, medians),
-"overhead_per_step", "overhead_per_step_paired", "paired_pairs", "overhead_auto", "overhead_auto_paired",
-"auto_interval",
+"overhead_per_step", "overhead_per_step_paired", "paired_pairs", "paired_optimizer_ms" (of the paired cost, what
+the optimizer step after a snapshot takes longer), "overhead_auto", "overhead_auto_paired", "auto_interval",
 "auto_max_lost_steps", "auto_cost", "auto_cost_bound", "profile", "peak_rss", "runs": [...]}.
 torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see DESIGN.md) and the same thread settings.
 """
@@ -94,6 +94,15 @@ def paired_cost(timings: list[dict], lo: int, hi: int) -> tuple[float | None, in
     diffs = [d - plain[k - 1] for k, d in took.items() if not (k - 1) % 2 and k - 1 in plain]
     base = C.median(plain.values())
     return (C.median(diffs) / base if diffs and base else None), len(diffs)
+
+
+def paired_optimizer_s(timings: list[dict], lo: int, hi: int) -> float | None:
+    """What a snapshot adds to the optimizer step after it (rank 0's), from a run that snapshots every 2nd step:
+    the median over the same adjacent pairs as paired_cost of the difference in opt.step()'s wall time. With
+    dpstate.AdamW that step writes its result out of place into the snapshot buffer (dpstate.landing) only
+    after a step that was snapshotted: this is that cost, inside the paired cost."""
+    opt = {r["step"]: r["opt_s"] for r in timings if "opt_s" in r and "event" not in r and lo < r["step"] <= hi}
+    return C.median(d - opt[k - 1] for k, d in opt.items() if not (k - 1) % 2 and k - 1 in opt)
 
 
 def paired_costs(runs: list[dict], config: str) -> list[float]:
@@ -221,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                     "profile": profile_of(res) if config == "per_step" else None,
                     "main_thread_ms_per_step": main_thread_ms_per_step(res, args.steps),
                     "paired": paired_cost(timings, STEADY_FROM, args.steps) if config.startswith("alternate") else None,
+                    "paired_optimizer_s": (paired_optimizer_s(timings, STEADY_FROM, args.steps)
+                                           if config.startswith("alternate") else None),
                 })
         state_guess = C.median(r["state_bytes"] for r in runs if r["state_bytes"]) or 1e6
         print("  measuring the limits (memcpy, loopback TCP) ...", flush=True)
@@ -291,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_per_step_paired": C.median(paired_costs(runs, "alternate")),
         "paired_pairs": sum(r["paired"][1] for r in runs if r.get("paired") and r["config"] == "alternate"),
         "overhead_per_step_paired_copy": C.median(paired_costs(runs, "alternate_copy")),
+        # of that paired cost, what the optimizer step after a snapshot takes longer (landing's out-of-place writes)
+        "paired_optimizer_ms": C.median(r["paired_optimizer_s"] * 1000 for r in runs if r["config"] == "alternate"
+                                        and r.get("paired_optimizer_s") is not None),
         "overhead_torchrun": overhead("torchrun") if "torchrun" in configs else None,
         # auto's chosen interval held against that independent cost: what auto costs once it has decided
         "overhead_auto_paired": auto_paired(runs),
@@ -351,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"per-step snapshots, paired within runs (every 2nd step snapshotted, {result['paired_pairs']} pairs "
               f"of adjacent steps): one snapshot costs {result['overhead_per_step_paired']:+.2%} of a step "
               f"(per repetition: {each})")
+        if result["paired_optimizer_ms"] is not None:
+            step_ms = C.median(r["median_step_s"] for r in runs if r["config"] == "alternate") * 1000
+            print(f"  of which the optimizer step after a snapshot (its writes land out of place): "
+                  f"{result['paired_optimizer_ms']:+.1f} ms ({result['paired_optimizer_ms'] / step_ms:+.2%} of a step)")
     if result["overhead_per_step_paired_copy"] is not None:
         each = ", ".join(f"{cost:+.2%}" for cost in paired_costs(runs, "alternate_copy"))
         print(f"the same with every snapshot a copy (DP_SNAPSHOT_LANDING=0): "

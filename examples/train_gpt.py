@@ -303,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
             loss = ddp_model(x.to(job.device), y.to(job.device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            opt_started = time.perf_counter()
             opt.step()
+            opt_s = time.perf_counter() - opt_started  # for benchmarks/overhead.py: what landing adds to it
             sched.step()
             loss_value = loss.item()
             step.log(loss=loss_value, tokens=x.numel() * job.world_size)
@@ -312,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         if step.failure is None:
             last = step.number
             if job.rank == 0:
-                timings.write(step=step.number, gen=job.generation, restart=restart)
+                timings.write(step=step.number, gen=job.generation, restart=restart, opt_s=round(opt_s, 6))
             if ckpt is not None and step.number % args.ckpt_every == 0:
                 ckpt.save(step.number, model, opt, sched, batches)
         if job.rank == 0 and args.log_every and step.number % args.log_every == 0:

@@ -65,7 +65,7 @@ def test_overhead_quick(procs, tmp_path):
     assert set(got["throughput"]) == {"off", "per_step", "auto", "torchrun", "alternate"}
     assert all(v and v > 0 for v in got["throughput"].values()), got["throughput"]
     for key in ("overhead_per_step", "overhead_auto", "auto_interval", "overhead_per_step_paired",
-                "main_thread_slowed_ms_per_step", "overhead_auto_paired"):
+                "main_thread_slowed_ms_per_step", "overhead_auto_paired", "paired_optimizer_ms"):
         assert isinstance(got[key], (int, float)), key
     assert got["paired_pairs"] == 3  # steps 7, 9, 11 (each after a snapshot step) against 6, 8, 10
     assert got["profile"]["capture_cpu_ms_median"] > 0
