@@ -90,6 +90,14 @@ class Control:
                     return None
                 self._cond.wait(left)
 
+    def wait_standby(self, seen: P.Standby | None = None) -> P.Standby | None:
+        """Block until a Standby other than `seen` has arrived (returns the newest), or None once a Reconfigure or
+        Stop has: a spare's main thread waits for whichever comes first."""
+        with self._cond:
+            self._cond.wait_for(lambda: (self.standby is not None and self.standby is not seen)
+                                or self._latest is not None or self._stop is not None)
+            return self.standby if self._latest is None and self._stop is None else None
+
     def close(self, linger_s: float = 2.0) -> None:
         """Flush queued messages (up to linger_s) and end the thread."""
         if self._watchdog is not None:
@@ -144,7 +152,9 @@ class Control:
                 self._cond.notify_all()
             self.abort.request(msg.generation, msg.reason)
         elif isinstance(msg, P.Standby):
-            self.standby = msg
+            with self._cond:
+                self.standby = msg
+                self._cond.notify_all()
             if self.on_standby is not None:
                 self.on_standby(msg)
         elif isinstance(msg, P.Stop):

@@ -14,6 +14,7 @@ import zmq
 from .abort import AbortSignal
 from .control import Control
 from .session import Job
+from .warmheap import warm_while_idle
 
 
 def _warm_imports() -> None:
@@ -62,5 +63,7 @@ def init() -> Job:
     atexit.register(control.close)
     job = Job(control, abort, ctx)
     _job = job
+    if os.environ.get("DP_ROLE") == "spare" and job.device.type == "cpu":  # activations in host memory
+        warm_while_idle(control, job.local_rank)
     job._recover(None, newer_than=-1, restore=False)
     return job

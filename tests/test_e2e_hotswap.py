@@ -111,6 +111,19 @@ def test_multi_node_mode_survives_a_killed_dprun(procs, tmp_path, reference):
                              for pid in victim_tree), timeout=10, what="the killed node's processes to be gone")
 
 
+def _heap_rss(pid: int) -> int:
+    """Bytes of process `pid`'s C heap ([heap] in its smaps) that are faulted in."""
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:  # it exited
+        return 0
+    for i, line in enumerate(lines):
+        if line.endswith("[heap]"):
+            return next(int(x.split()[1]) * 1024 for x in lines[i + 1:] if x.startswith("Rss:"))
+    return 0
+
+
 def _snapshot_buffers(pid: int) -> dict[int, int]:
     """inode -> size of the snapshot buffers (dpstate's memfds) that process `pid` holds open."""
     found = {}
@@ -143,16 +156,19 @@ def _workers_by_node(root: int) -> dict[str, psutil.Process]:
 
 def test_a_spare_restores_into_memory_it_made_room_in_while_idle(procs, tmp_path, reference):
     """The spare's worker is told the snapshot size (Standby) and reserves + faults in its ring of buffers while
-    it idles (which `dprun status` shows); after node1 is SIGKILLed, its restore and the captures after it use
-    those very buffers."""
+    it idles (which `dprun status` shows), and the heap its first step allocates from; after node1 is SIGKILLed,
+    its restore and the captures after it use those very buffers."""
     events, summary = tmp_path / "events.jsonl", tmp_path / "summary.json"
+    heap = 256 << 20  # the spare's heap for its first step: more than an idle worker's (~80 MB with torch)
     run = procs.dprun("--nnodes", "2", "--spares", "1", "--events-file", events, TRAIN, "--steps", STEPS,
                       *TRAIN_ARGS, "--step-sleep", "0.2", "--summary", summary, cwd=tmp_path,
-                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                      env={"DP_SPARE_HEAP_BYTES": str(heap)})
     wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 5 for e in read_events(events)),
              timeout=90, what="training to pass step 5")
     workers = wait_for(lambda: len(_workers_by_node(run.pid)) == 3 and _workers_by_node(run.pid), timeout=10,
                        what="the 3 workers")
+    assert _heap_rss(workers["node0"].pid) < heap, "the test cannot tell a warmed heap from a training one"
     spare = workers["node2"].pid
     largest = max(_snapshot_buffers(workers["node0"].pid).values())
 
@@ -162,6 +178,8 @@ def test_a_spare_restores_into_memory_it_made_room_in_while_idle(procs, tmp_path
         return buffers if ready and rss_shmem(spare) >= sum(buffers.values()) - (64 << 10) else None
 
     reserved = wait_for(room_made, timeout=30, what="the spare's worker to reserve and fault in 2 snapshot buffers")
+    # and its main thread the heap its first step will allocate from (dpstate.warmheap)
+    wait_for(lambda: _heap_rss(spare) >= heap, timeout=30, what="the spare's worker to fault in its heap")
 
     def room_on_the_dashboard():
         probe = procs.dprun("status", "--json", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -179,4 +197,5 @@ def test_a_spare_restores_into_memory_it_made_room_in_while_idle(procs, tmp_path
     out, err = run.communicate(timeout=120)
     assert run.returncode == 0, err[-3000:]
     assert "spare worker 0 made room for a restore while idle" in out + err
+    assert f"spare worker 0 faulted in {heap / 1e6:.0f} MB of heap" in out + err
     assert json.loads(summary.read_text())["params_sha256"] == reference.summary["params_sha256"]
