@@ -91,9 +91,15 @@ def paired_cost(timings: list[dict], lo: int, hi: int) -> tuple[float | None, in
     ends = C.step_times(timings)
     took = {k: ends[k] - ends[k - 1] for k in ends if k - 1 in ends and lo < k <= hi}
     plain = {k: d for k, d in took.items() if (k - 1) % 2}
-    diffs = [d - plain[k - 1] for k, d in took.items() if not (k - 1) % 2 and k - 1 in plain]
+    diffs = after_snapshot_minus_before(took)
     base = C.median(plain.values())
     return (C.median(diffs) / base if diffs and base else None), len(diffs)
+
+
+def after_snapshot_minus_before(per_step: dict[int, float]) -> list[float]:
+    """The adjacent pairs of a run that snapshots every 2nd (even) step: per_step[k] - per_step[k - 1] for each
+    step k that follows a snapshot (k - 1 even) whose predecessor, which follows none, is there too."""
+    return [v - per_step[k - 1] for k, v in per_step.items() if not (k - 1) % 2 and k - 1 in per_step]
 
 
 def paired_optimizer_s(timings: list[dict], lo: int, hi: int) -> float | None:
@@ -102,7 +108,7 @@ def paired_optimizer_s(timings: list[dict], lo: int, hi: int) -> float | None:
     dpstate.AdamW that step writes its result out of place into the snapshot buffer (dpstate.landing) only
     after a step that was snapshotted: this is that cost, inside the paired cost."""
     opt = {r["step"]: r["opt_s"] for r in timings if "opt_s" in r and "event" not in r and lo < r["step"] <= hi}
-    return C.median(d - opt[k - 1] for k, d in opt.items() if not (k - 1) % 2 and k - 1 in opt)
+    return C.median(after_snapshot_minus_before(opt))
 
 
 def paired_costs(runs: list[dict], config: str) -> list[float]:

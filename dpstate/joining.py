@@ -64,6 +64,6 @@ def init() -> Job:
     job = Job(control, abort, ctx)
     _job = job
     if os.environ.get("DP_ROLE") == "spare" and job.device.type == "cpu":  # activations in host memory
-        warm_while_idle(control, job.local_rank)
+        warm_while_idle(control, job.local_rank, job.local_world_size)
     job._recover(None, newer_than=-1, restore=False)
     return job

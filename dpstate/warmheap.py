@@ -23,14 +23,13 @@ KEEP = (1 << 31) - 1  # never give freed heap back to the system
 HEAP_PER_STATE = 2  # heap faulted in per byte of the rank's snapshot (the first step's activations, grads, buckets)
 
 
-def heap_bytes(snapshot_bytes: int) -> int:
+def heap_bytes(snapshot_bytes: int, local_workers: int) -> int:
     """How much heap a spare faults in for a rank whose snapshot is `snapshot_bytes`: DP_SPARE_HEAP_BYTES if set
     (0: none), else HEAP_PER_STATE times the snapshot, at most a quarter of the memory available per local worker."""
     configured = os.environ.get("DP_SPARE_HEAP_BYTES", "").strip()
     if configured:
         return max(0, int(float(configured)))
-    workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return min(HEAP_PER_STATE * max(snapshot_bytes, 0), psutil.virtual_memory().available // 4 // max(workers, 1))
+    return min(HEAP_PER_STATE * max(snapshot_bytes, 0), psutil.virtual_memory().available // 4 // max(local_workers, 1))
 
 
 def warm_heap(nbytes: int) -> bool:
@@ -49,7 +48,7 @@ def warm_heap(nbytes: int) -> bool:
     return True
 
 
-def warm_while_idle(control, local_rank: int) -> None:
+def warm_while_idle(control, local_rank: int, local_workers: int) -> None:
     """A spare's main thread before it waits for its promotion: on each Standby that names a larger snapshot for
     its local rank (the first comes before the optimizer has state), fault in heap_bytes() of it. Returns when a
     Reconfigure or Stop comes."""
@@ -57,7 +56,7 @@ def warm_while_idle(control, local_rank: int) -> None:
     warmed = 0
     while (standby := control.wait_standby(standby)) is not None:
         sizes = standby.snapshot_bytes
-        nbytes = heap_bytes(sizes[local_rank] if local_rank < len(sizes) else 0)
+        nbytes = heap_bytes(sizes[local_rank] if local_rank < len(sizes) else 0, local_workers)
         if nbytes > warmed and warm_heap(nbytes):
             warmed = nbytes
             sys.stderr.write(f"dpstate: spare worker {local_rank} faulted in {nbytes / 1e6:.0f} MB of heap for its "

@@ -44,10 +44,9 @@ def test_warm_heap_faults_in_heap_that_later_allocations_reuse():
 
 def test_heap_bytes_is_twice_the_snapshot_unless_configured(monkeypatch):
     monkeypatch.delenv("DP_SPARE_HEAP_BYTES", raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert warmheap.heap_bytes(10 << 20) == 20 << 20
-    assert warmheap.heap_bytes(1 << 50) < 1 << 50  # at most a quarter of what is available
+    assert warmheap.heap_bytes(10 << 20, 1) == 20 << 20
+    assert warmheap.heap_bytes(1 << 50, 1) < 1 << 50  # at most a quarter of what is available
     monkeypatch.setenv("DP_SPARE_HEAP_BYTES", "0")
-    assert warmheap.heap_bytes(10 << 20) == 0
+    assert warmheap.heap_bytes(10 << 20, 1) == 0
     monkeypatch.setenv("DP_SPARE_HEAP_BYTES", "3e8")
-    assert warmheap.heap_bytes(10 << 20) == 300_000_000
+    assert warmheap.heap_bytes(10 << 20, 1) == 300_000_000
