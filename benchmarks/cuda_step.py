@@ -7,15 +7,20 @@ The snapshot is dpstate's: after each step the tracked state (parameters + AdamW
 device-to-host copy on a side stream into pinned host buffers (waiting on an event recorded after the step),
 checksummed and replicated from host memory to a replica store in another process
 (benchmarks/_replica_holder.py: dpagent's ReplicaServer, as a peer node's agent holds it); the optimizer
-pre-step hook is the only wait. Blocks of steps without and with snapshots alternate (--blocks each), so a
-drift of the machine hits both; reported are the median step times and their ratio. Without CUDA (and
-without --device cpu) it says so and exits 0.
+pre-step hook is the only wait: dpstate's snapshot gate, which (torch's AdamW does not land its step in the
+snapshot buffers) waits for a capture at every step and for its acks at the next snapshot step only. Blocks
+of steps without and with snapshots alternate (--blocks each), so a drift of the machine hits both; reported
+are the median step times and their ratio. Without CUDA (and without --device cpu) it says so and exits 0.
 
 Then, unless --no-auto, `--snapshot-interval auto` decides as in a job: dpstate's SnapshotPolicy measures
-what a snapshot costs over its alternating window and picks the interval that keeps it under --budget.
+what a snapshot costs over its alternating window (steps without their waits for acks, and how long after
+the next gate the acks come) and picks the interval that keeps it under --budget; blocks of snapshots at that
+interval then alternate with blocks without (at least 3 intervals long), and their mean step times give the
+overhead measured at auto's interval.
 
 JSON: {"device", "state_bytes", "step_s": {"off", "per_step"}, "ratio", "overhead", "profile",
-"auto": {"interval", "cost", "overhead_estimate", "max_lost_steps", "decision"}}.
+"auto": {"interval", "cost", "lag_steps", "overhead_estimate", "max_lost_steps", "decision", "mean_step_s":
+{"off", "auto"}, "overhead_measured"}}.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     import _common as C
     from dpagent import protocol as P
     from dpstate.abort import AbortSignal
+    from dpstate.gate import SnapshotGate
+    from dpstate.interval import SnapshotPolicy
     from dpstate.replication import Replicator
     from dpstate.state import Tracked
 
@@ -82,37 +89,52 @@ def main(argv: list[str] | None = None) -> int:
         holder = subprocess.Popen([sys.executable, str(HERE / "_replica_holder.py"), token, "1"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         rep.configure(0, holder.stdout.readline().strip(), 0)
-    opt.register_step_pre_hook(lambda *_: rep.wait_acked())  # the snapshot gate (at once when none in flight)
+    gate = SnapshotGate(rep)
+    gate.defers = True  # torch's AdamW steps in place: acks are waited for at snapshot steps (dpstate.gate)
+    opt.register_step_pre_hook(lambda *_: gate.wait())  # the snapshot gate (at once when none in flight)
 
     def step(number: int, snapshot: bool) -> float:
+        """One step; `snapshot` must agree with rep.policy.wants(number), which the gate goes by."""
         t0 = time.perf_counter()
+        gate.step = number
         loss = model(x).float().pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if snapshot:
             rep.submit(number, tracked.capture(number))
+            gate.submitted()
+        gate.step = None
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
+
+    def settle() -> None:
+        """Every snapshot in flight acked (between blocks: as a job's final barrier)."""
+        gate.step = None
+        gate.wait()
 
     state = sum(p.numel() * p.element_size() * 3 for p in model.parameters())
     print(f"cuda_step: {layers} layers of {args.width}x{args.width}, state {state / 1e9:.2f} GB on {device}", flush=True)
     times = {"off": [], "per_step": []}
     number = 0
     try:
+        rep.policy = SnapshotPolicy("1")
         for warm in range(5):  # warm-up: AdamW state exists (2 steps), then pinned buffers allocated (3)
             number += 1
             step(number, snapshot=warm >= 2)
-        rep.wait_acked()
+        settle()
         for block in range(args.blocks):
             for mode in ("off", "per_step") if block % 2 == 0 else ("per_step", "off"):
                 for _ in range(args.steps_per_block):
                     number += 1
                     times[mode].append(step(number, snapshot=mode == "per_step"))
-                rep.wait_acked()
-        auto = measure_auto(step, number, args.budget) if args.auto else None
-        rep.wait_acked()
+                settle()
+        auto = None
+        if args.auto:
+            auto, number = measure_auto(step, gate, rep, number, args.budget)
+            settle()
+            auto.update(at_interval(step, settle, rep, number, auto.pop("policy"), args.blocks, args.steps_per_block))
     finally:
         if holder is not None:
             holder.stdin.close()
@@ -135,24 +157,47 @@ def main(argv: list[str] | None = None) -> int:
           f"crc {st.crc_s / n * 1000:.1f} ms, send->ack {st.send_s / max(st.sends, 1) * 1000:.1f} ms, optimizer wait "
           f"{st.wait_s / max(st.waits, 1) * 1000:.1f} ms")
     if auto:
-        print(f"auto (budget {args.budget:.0%}): {auto['decision']}")
+        print(f"auto (budget {args.budget:.0%}): {auto['decision']}; measured at that interval: "
+              f"{auto['overhead_measured']:+.2%} (mean step {auto['mean_step_s']['auto']:.4f} s against "
+              f"{auto['mean_step_s']['off']:.4f} s)")
     return 0
 
 
-def measure_auto(step, number: int, budget: float) -> dict:
+def measure_auto(step, gate, rep, number: int, budget: float) -> tuple[dict, int]:
     """--snapshot-interval auto on this GPU: dpstate's SnapshotPolicy measures the cost of a snapshot over
     its alternating window (as the session does, here for one rank) and picks the interval."""
     from dpstate.interval import SnapshotPolicy
 
-    policy = SnapshotPolicy("auto", budget)
+    policy = rep.policy = SnapshotPolicy("auto", budget)
+    policy.defers = gate.defers
     while not policy.decided:
         number += 1
         step(number, policy.wants(number))
-        if policy.after_step(number, time.perf_counter()):
+        lag = gate.lag()
+        if lag is not None:
+            policy.record_lag(lag)
+        if policy.after_step(number, time.perf_counter() - gate.ack_wait_s):  # as Job._after_step
             policy.decide_from(policy.local_measurements(), number)
+    cost = max(policy.cost or 0.0, policy.cost_bound or 0.0)
     return {"interval": policy.interval, "cost": policy.cost, "cost_bound": policy.cost_bound,
-            "overhead_estimate": max(policy.cost or 0.0, policy.cost_bound or 0.0) / policy.interval,
-            "max_lost_steps": policy.max_lost_steps, "decision": policy.describe()}
+            "lag_steps": policy.lag_steps,
+            "overhead_estimate": (cost + max(0.0, policy.lag_steps - policy.interval + 1)) / policy.interval,
+            "max_lost_steps": policy.max_lost_steps, "decision": policy.describe(), "policy": policy}, number
+
+
+def at_interval(step, settle, rep, number: int, policy, blocks: int, steps_per_block: int) -> dict:
+    """Blocks snapshotted at auto's interval alternating with blocks without: mean step times (a snapshot's
+    cost falls on a few steps of each interval) and the overhead they give."""
+    length = max(steps_per_block, 3 * policy.interval)
+    times: dict[str, list] = {"off": [], "auto": []}
+    for block in range(blocks):
+        for mode in ("off", "auto") if block % 2 == 0 else ("auto", "off"):
+            for _ in range(length):
+                number += 1
+                times[mode].append(step(number, mode == "auto" and policy.wants(number)))
+            settle()
+    mean = {k: statistics.fmean(v) for k, v in times.items()}
+    return {"mean_step_s": mean, "overhead_measured": mean["auto"] / mean["off"] - 1}
 
 
 if __name__ == "__main__":

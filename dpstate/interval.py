@@ -23,7 +23,10 @@ class SnapshotPolicy:
 
     * ``1`` (default) / ``N``: the state before training (step 0) and every step that is a multiple of N. The
       controller restores the newest step replicated for every rank, so a failure costs at most N + 1 steps
-      (the ``+ 1``: a peer may finish one more step while the newest snapshot is still in flight).
+      (the ``+ 1``: a peer may finish one more step while the newest snapshot is still in flight); 2N where
+      the gate defers its wait for the acks to the next snapshot step (`defers`, dpstate.gate: optimizer
+      steps that do not land in the snapshot buffers, e.g. on CUDA), since the newest may then be in flight
+      for up to N steps and a restore go back to the one before it.
     * ``off``: no snapshots at all (for comparison; a failure then cannot be recovered).
     * ``auto`` / ``auto:BUDGET``: measure what a snapshot costs and take the smallest interval that keeps the
       cost under BUDGET (a fraction of step time; DP_SNAPSHOT_BUDGET, default 0.01). After `warmup` steps
@@ -32,7 +35,12 @@ class SnapshotPolicy:
       the median step after none, the largest over the ranks (an all-reduce at the same step on every rank),
       and the interval is ceil(bound / budget), where the bound is the cost plus COST_BOUND_SE standard errors
       of that mean: on a noisy host the interval errs toward keeping the budget (a few more steps at risk)
-      rather than toward exceeding it; where steps are steady the bound is the cost.
+      rather than toward exceeding it; where steps are steady the bound is the cost. Where the gate defers
+      (`defers`), steps are measured without their waits for acks, which are modelled instead: a snapshot
+      acked `lag` steps after the next step's gate (the largest median over the ranks) stalls the snapshot
+      step N steps later by lag - (N - 1) steps where positive, so the interval is the smallest N with
+      (bound + max(0, lag - N + 1)) / N within the budget: a replication slower than a step is overlapped
+      with the steps between snapshots instead of stalling the next one.
       Once the job has seen failures, the interval is also bounded by Young and Daly's optimum
       sqrt(2 x cost x MTBF / step time) (MTBF: time since the first step / recoveries so far): where failures
       come often, the steps a failure throws away cost more than the snapshots that would have saved them.
@@ -77,6 +85,9 @@ class SnapshotPolicy:
         self.mtbf_s: float | None = None  # failures seen: the interval is bounded by Young/Daly's optimum
         self.t0: float | None = None  # wall clock of the job's first step (travels in snapshots)
         self.generation = 0
+        self.defers = False  # the session's gate waits for acks at snapshot steps only (dpstate.gate)
+        self.lag_steps = 0.0  # agreed: steps from the gate after a snapshot to its acks (deferring gates)
+        self._lags: list[float] = []  # this rank's newest such lags, in seconds
         self._reset_samples()
 
     @classmethod
@@ -99,6 +110,8 @@ class SnapshotPolicy:
                if self.mtbf_s is not None and self.interval < self.budget_interval else "")
         bound = (f" (at most {self.cost_bound:.2%} within one standard error)"
                  if self.cost_bound is not None and self.cost_bound > (self.cost or 0.0) else "")
+        if self.lag_steps > 0:
+            bound += f", acked {self.lag_steps:.1f} step(s) after the next gate"
         return (f"auto: one snapshot costs {self.cost:.2%} of a step{bound}, budget {self.budget:.1%} -> every "
                 f"{self.interval} step(s){why}, worst case {self.max_lost_steps} step(s) lost")
 
@@ -111,7 +124,8 @@ class SnapshotPolicy:
         """Steps a failure can cost at most with the interval in force (0 when off: everything is lost)."""
         if self.mode == "off":
             return 0
-        return (self.interval if self.decided and not self.probing else 2) + 1
+        interval = self.interval if self.decided and not self.probing else 2
+        return 2 * interval if self.defers else interval + 1
 
     @property
     def probing(self) -> bool:
@@ -120,9 +134,19 @@ class SnapshotPolicy:
 
     @property
     def budget_interval(self) -> int:
-        """The smallest interval that keeps the measured cost (its upper bound) under the budget."""
+        """The smallest interval that keeps the measured cost (its upper bound, and the stall that a replication
+        slower than the steps between snapshots leaves: lag_steps) under the budget."""
         cost = max(self.cost or 0.0, self.cost_bound or 0.0)
-        return min(MAX_INTERVAL, max(1, math.ceil(cost / self.budget - 1e-9)))
+        interval = min(MAX_INTERVAL, max(1, math.ceil(cost / self.budget - 1e-9)))
+        if self.lag_steps <= 0:
+            return interval
+
+        def per_step(n: int) -> float:
+            return (cost + max(0.0, self.lag_steps - (n - 1))) / n
+
+        while interval < MAX_INTERVAL and per_step(interval) > self.budget * (1 + 1e-9):
+            interval += 1  # per_step falls as n grows; at most lag_steps + 1 more than the cost alone needs
+        return interval
 
     # ------------------------------------------------------------------ schedule
 
@@ -209,22 +233,29 @@ class SnapshotPolicy:
 
     def local_measurements(self) -> list[float]:
         """[cost of a snapshot (fraction of a step), its upper bound, seconds since the job's first step, step
-        time]: every rank all-reduces them with MAX and passes the result to decide_from()."""
+        time, lag in steps (deferring gates)]: every rank all-reduces them with MAX and passes the result to
+        decide_from()."""
         step_s = statistics.median(self._without) if self._without else self._step_s
+        lag = max(0.0, statistics.median(self._lags)) / step_s if self._lags and step_s else 0.0
         return [self.local_cost(), self.local_cost_bound(), max(0.0, time.time() - (self.t0 or time.time())),
-                step_s or 0.0]
+                step_s or 0.0, lag]
+
+    def record_lag(self, seconds: float) -> None:
+        """How long after the first gate that followed a snapshot its acks came (dpstate.gate.lag)."""
+        self._lags = (self._lags + [seconds])[-2 * self.refresh:]
 
     def decide_from(self, agreed: list[float], step: int = -1) -> int:
-        cost, bound, elapsed, step_s = (float(x) for x in agreed)
-        return self.decide(cost, step, elapsed_s=elapsed, step_s=step_s, bound=bound)
+        cost, bound, elapsed, step_s, lag = (float(x) for x in agreed)
+        return self.decide(cost, step, elapsed_s=elapsed, step_s=step_s, bound=bound, lag_steps=lag)
 
     def decide(self, cost: float, step: int = -1, elapsed_s: float = 0.0, step_s: float = 0.0,
-               bound: float | None = None) -> int:
+               bound: float | None = None, lag_steps: float = 0.0) -> int:
         """Fix the interval from the cost and its upper bound agreed over the ranks (the largest): the budget's,
         bounded by Young and Daly's optimum for the cost once failures were seen (generation > 0 recoveries in
         elapsed_s)."""
         self.cost = max(0.0, float(cost))
         self.cost_bound = max(self.cost, float(bound)) if bound is not None else self.cost
+        self.lag_steps = max(0.0, float(lag_steps)) if self.defers else 0.0
         self.interval = self.budget_interval
         self.mtbf_s = None
         if step_s <= 0 and self._without:
@@ -234,6 +265,8 @@ class SnapshotPolicy:
         if self.generation > 0 and elapsed_s > 0 and self._step_s > 0:
             self.mtbf_s = elapsed_s / self.generation
             optimum = math.sqrt(2 * self.cost * self.mtbf_s / self._step_s)
+            if self.lag_steps > 0:  # not so often that each snapshot waits for the one before it
+                optimum = max(optimum, math.ceil(self.lag_steps) + 1)
             self.interval = max(1, min(self.interval, round(optimum)))
         self.decided, self.decided_at, self.decided_generation = True, step, self.generation
         self.decisions += 1
@@ -258,7 +291,7 @@ class SnapshotPolicy:
         return {"mode": self.mode, "interval": self.interval, "decided": self.decided,
                 "cost": self.cost, "cost_bound": self.cost_bound, "budget": self.budget, "decided_at": self.decided_at,
                 "decided_generation": self.decided_generation, "t0": self.t0, "step_s": self._step_s,
-                "mtbf_s": self.mtbf_s}
+                "mtbf_s": self.mtbf_s, "lag_steps": self.lag_steps}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("mode") == self.mode:
@@ -269,6 +302,7 @@ class SnapshotPolicy:
             self.t0 = state.get("t0", self.t0)
             self._step_s = float(state.get("step_s") or 0.0)
             self.mtbf_s = state.get("mtbf_s")
+            self.lag_steps = float(state.get("lag_steps") or 0.0)
         self._reset_samples()  # a rollback: measure again from the restore step if undecided
 
 

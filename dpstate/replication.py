@@ -33,7 +33,8 @@ from .priority import lower_io_threads, lower_priority
 from .profile import PhaseClock, SnapshotStats, write_profile
 
 # Local snapshots kept. The snapshot gate (dpstate.session.Job._gate) makes a survivor roll back at most one
-# snapshot while it captures the next one when the dead ranks' newest copies are good; every step submitted is
+# snapshot (the newest, or the one before it while the newest is not yet held everywhere: the gate that waits
+# for its acks is at the next snapshot step) while it captures the next one when the dead ranks' newest copies are good; every step submitted is
 # captured, even across a reconfiguration (quiesce), so a rank holds the step it last reported
 # (dprun.reconstruction._survivor_floors). A walk back past bad copies of a dead rank can go further; a
 # survivor then reports its missing copy (RestoreFailed, source "") and the plan for that step has no cut:
@@ -91,6 +92,7 @@ class Replicator:
         self._epoch = 0  # bumped by quiesce(): the thread drops what it is doing
         self._submitted = 0  # sequence number of the newest job handed over
         self._acked = 0  # ... and of the newest one acked
+        self._acked_at: dict[int, float] = {}  # sequence number -> perf_counter when it was acked (the newest few)
         self._error: BaseException | None = None
         self._idle = True  # no capture or fetch yet: the slots may be made room in ahead (reserve_ahead)
         self._thread = threading.Thread(target=self._run, name="dpstate-replication", daemon=True)
@@ -142,6 +144,21 @@ class Replicator:
     def submitted(self) -> int:
         """How many snapshots were handed over so far (captures and re-puts)."""
         return self._submitted
+
+    def wait_captured(self, timeout: float | None = None) -> None:
+        """Block (abortably) until every submitted snapshot is captured: its tensors may change from then on
+        (the snapshot gate of a step whose acks are not due yet, Job._gate); its replication goes on."""
+        self.abort.wait_for(self._cond, lambda: self._captured() or self._error is not None, timeout)
+        if self._error is not None:
+            raise self._error
+
+    def _captured(self) -> bool:
+        return all(j.tree is None for j in self._queue) and (self._active is None or self._active.tree is None)
+
+    def acked_at(self, seq: int) -> float | None:
+        """When submission `seq` was acked (time.perf_counter()), if it was and is among the newest few."""
+        with self._cond:
+            return self._acked_at.get(seq)
 
     def wait_acked(self, timeout: float | None = None) -> None:
         """Block (abortably) until every submitted snapshot is captured and acked by the replica holder."""
@@ -328,6 +345,9 @@ class Replicator:
                 with self._cond:
                     if epoch == self._epoch and ok:
                         self._acked = max(self._acked, job.seq)
+                        self._acked_at[job.seq] = time.perf_counter()
+                        for old in [s for s in self._acked_at if s <= job.seq - 8]:
+                            del self._acked_at[old]
                         self._cond.notify_all()
             except BaseException as exc:  # keep the thread alive; the snapshot gate reports the error
                 with self._cond:
@@ -362,7 +382,9 @@ class Replicator:
             self.stats.landed_bytes += S.copy_into(tensors, specs, slot.buffer)
         laps.lap("copy")
         kept = tensors  # where they lay (dpstate.landing); the references go at the end of this capture
-        job.tree = tensors = None  # the step's tensors may now change
+        with self._cond:
+            job.tree = tensors = None  # the step's tensors may now change (wait_captured)
+            self._cond.notify_all()
         crc = slot.seal(meta, nbytes, plan)  # padding included: every byte that is sent
         laps.lap("crc")
         slot.meta, slot.nbytes, slot.checksum = meta, nbytes, crc

@@ -24,6 +24,7 @@ from . import snapshot as S
 from .abort import AbortSignal, classify
 from .control import Control
 from .ddp import DataParallel
+from .gate import SnapshotGate
 from .pgroup import GroupManager, default_backend, local_device
 from .interval import POLICY_NAME, SnapshotPolicy
 from .optim import AdamW
@@ -86,8 +87,8 @@ class Job:
         self._started = False  # steps() restored or snapshotted a state: the in-memory one is no longer fresh
         self._rebuild_s = 0.0
         self._last_step = 0  # the newest step completed in this generation's timeline
-        self._gated = 0  # the replicator's submission count that the snapshot gate last waited for
         self._replicator = None if control is None else Replicator(control.codec, 0, abort, ctx)
+        self._snapshot_gate = None if control is None else SnapshotGate(self._replicator)
         self._sources = None if control is None else SnapshotSources(self._replicator, self.node_id, self._send)
         if self._replicator is not None and self._replicator.policy.mode == "auto":
             self._tracked.add(**{POLICY_NAME: self._replicator.policy})  # its decision travels in snapshots
@@ -163,6 +164,7 @@ class Job:
         else:
             self._recover(None, newer_than=self.generation - 1)
             number = self._last_step + 1
+        self._snapshot_gate.defers = self._replicator.policy.defers = not self._steps_land()
         while True:
             try:
                 if number > total_steps:
@@ -170,6 +172,7 @@ class Job:
                     return
                 step = Step(self, number)
                 self.activity = "compute"
+                self._snapshot_gate.step = number
                 yield step
                 if step.failure is not None:
                     raise step.failure
@@ -178,44 +181,56 @@ class Job:
                 self._last_step = number
                 number += 1
             except Exception as exc:
+                self._snapshot_gate.step = None  # a recovery's gates wait for every ack
                 if classify(exc, self._abort) is None and not self._abort.stopped:
                     raise
                 self._recover(exc, newer_than=self.generation)
                 number = self._last_step + 1
+            finally:
+                self._snapshot_gate.step = None
 
     # ------------------------------------------------------------------ per step
 
     def _gate(self) -> None:
         """The snapshot gate, passed before a collective (the last gradient bucket, all_reduce, barrier): wait
-        until every snapshot submitted is acked. Every rank passes it before the last collective of step S+1,
-        so no optimizer step S+1 runs anywhere before every rank's snapshot of S is held by its replicas: a
-        restore goes back at most one snapshot, and workers and holders keep 2 copies (DESIGN.md)."""
-        if self._replicator is None:
+        until every snapshot submitted is captured, and acked at a snapshot step (every step where optimizer
+        steps land). Every rank passes it before the last collective of its step, so no capture of snapshot
+        S' reuses a buffer before every rank's snapshot before it is held by its replicas: a restore goes back
+        at most one snapshot, and workers and holders keep 2 copies (DESIGN.md; dpstate.gate)."""
+        if self._snapshot_gate is None or not self._snapshot_gate.pending:
             return
-        submitted = self._replicator.submitted
-        if self._gated < submitted:
-            activity, self.activity = self.activity, "snapshot"
-            try:
-                self._replicator.wait_acked()
-            finally:
-                self.activity = activity
-            self._gated = submitted
+        activity, self.activity = self.activity, "snapshot"
+        try:
+            self._snapshot_gate.wait()
+        finally:
+            self.activity = activity
+
+    def _steps_land(self) -> bool:
+        """Whether an optimizer step writes the snapshot buffers (dpstate.landing): its gates wait for acks."""
+        return self._replicator.landing.enabled and any(
+            isinstance(o, AdamW) and o.lands() for o in self._tracked.objects.values())
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """A step whose collectives did not pass the gate (no data_parallel, all_reduce or barrier of ours in
-        it) passes it here, then meets the other ranks at a barrier, which is what makes the gate global. A
-        dpstate.AdamW is then told where its step lands (dpstate.landing)."""
-        if self._gated < self._replicator.submitted:
-            if self.world_size > 1:
+        it) passes it here, then, where acks are due, meets the other ranks at a barrier, which is what makes
+        the gate global. A dpstate.AdamW is then told where its step lands (dpstate.landing)."""
+        gate = self._snapshot_gate
+        if gate.pending:
+            if self.world_size > 1 and gate.acks_due():
                 self.barrier()
             else:
                 self._gate()
-        if isinstance(optimizer, AdamW):  # past the gate: the older snapshot buffer may take the new state
+        if isinstance(optimizer, AdamW) and not gate.defers:  # past the gate: the older buffer may take the state
             optimizer.landing = self._replicator.land()
 
     def _after_step(self, step: Step) -> None:
-        policy = self._replicator.policy
-        if policy.after_step(step.number, time.perf_counter(), self.generation):  # auto: all ranks decide here
+        policy, gate = self._replicator.policy, self._snapshot_gate
+        lag = gate.lag()
+        if lag is not None:
+            policy.record_lag(lag)
+        # auto measures steps without their waits for acks where it models them (deferred gates: lag)
+        clock = time.perf_counter() - (gate.ack_wait_s if gate.defers else 0.0)
+        if policy.after_step(step.number, clock, self.generation):  # auto: all ranks decide here
             local = torch.tensor(policy.local_measurements(), dtype=torch.float64, device=self.device)
             policy.decide_from(self.all_reduce(local, dist.ReduceOp.MAX).tolist(), step.number)
             if self.rank == 0:
@@ -223,6 +238,7 @@ class Job:
         snapshot = policy.wants(step.number)
         if snapshot:
             self._replicator.submit(step.number, self._tracked.capture(step.number), self._tracked.shared_keys)
+            gate.submitted()
         metrics = {k: _jsonable(v) for k, v in step.metrics.items()}
         self._send(P.Progress(node_id=self.node_id, generation=self.generation, rank=self.rank,
                               step=step.number, metrics=metrics, snapshot=snapshot))

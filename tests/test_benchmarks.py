@@ -120,5 +120,8 @@ def test_cuda_step_on_the_cpu(procs, tmp_path):
     assert got["profile"]["captures"] >= 3 + 3 * 2  # warm-up's 3 and 2 blocks of 3 steps, then auto's
     auto = got["auto"]
     assert auto["interval"] >= 1 and auto["overhead_estimate"] <= 0.01 + 1e-9 and auto["decision"].startswith("auto:")
+    assert set(auto["mean_step_s"]) == {"off", "auto"} and auto["overhead_measured"] == pytest.approx(
+        auto["mean_step_s"]["auto"] / auto["mean_step_s"]["off"] - 1)
+    assert auto["lag_steps"] >= 0 and auto["max_lost_steps"] == 2 * auto["interval"]  # acks at snapshot steps
     skipped = bench(procs, tmp_path, "cuda_step")
     assert skipped["device"] is None and skipped["skipped"] == "no CUDA device"

@@ -5,6 +5,7 @@ A failing seed replays exactly: `python -m dprun.sim --only SEED`. A longer soak
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -58,9 +59,11 @@ def test_regression_seeds(seed):
     run_schedule(random_schedule(seed, extended=False))  # as they were found: every step snapshotted
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["acks-every-step", "acks-at-snapshot-steps"])
 @pytest.mark.parametrize("seed", sorted(EXTENDED_REGRESSIONS))
-def test_extended_regression_seeds(seed):
-    run_schedule(random_schedule(seed))
+def test_extended_regression_seeds(seed, defer):
+    """As found (gates waiting for acks at every step), and with gates that wait at snapshot steps only."""
+    run_schedule(dataclasses.replace(random_schedule(seed), defer=defer))
 
 
 def test_same_seed_replays_identically():

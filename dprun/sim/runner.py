@@ -89,7 +89,7 @@ def run_schedule(schedule: Schedule) -> str:
     ref: list = []
     observer = _Observer(ref)
     world = World(schedule.spec(), schedule.nnodes + schedule.spares, schedule.steps, rng, observer=observer,
-                  interval=schedule.interval, measure_until=20 if schedule.auto else 0)
+                  interval=schedule.interval, measure_until=20 if schedule.auto else 0, defer=schedule.defer)
     driver = FaultDriver(world, rng)
     ref.append(driver)
     for fault in schedule.faults:

@@ -37,6 +37,7 @@ class Schedule:
     wait_for_spares: bool = False
     interval: int = 1  # snapshots at step 0 and every multiple of it (dprun --snapshot-interval N)
     auto: bool = False  # before that, an irregular measuring window as --snapshot-interval auto has
+    defer: bool = False  # gates wait for acks at snapshot steps only (optimizer steps that do not land)
 
     def spec(self) -> JobSpec:
         return JobSpec(nnodes=self.nnodes, spares=self.spares, nproc_per_node=self.nproc, store_endpoint="sim:0",
@@ -49,7 +50,8 @@ class Schedule:
         return (f"seed {self.seed}: {self.nnodes} nodes x {self.nproc} + {self.spares} spares, "
                 f"{self.replicas} replica(s), {'wait' if self.wait_for_spares else 'fail'} when out of spares, "
                 f"{self.steps} steps, snapshots every {self.interval}"
-                f"{' after a measuring window' if self.auto else ''}; {faults}")
+                f"{' after a measuring window' if self.auto else ''}"
+                f"{', acks awaited at snapshot steps' if self.defer else ''}; {faults}")
 
 
 def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True) -> Schedule:
@@ -70,5 +72,6 @@ def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True) -> Sch
     auto = extended and rng.random() < 0.3
     if extended and rng.random() < 0.3:  # bit rot in one store: a restore finds it, reports it, falls back
         faults.append(Fault(at=rng.uniform(0.2, 3.0), kind=rng.choice(CORRUPTIONS), pick=rng.random()))
+    defer = extended and rng.random() < 0.5  # drawn after the rest: earlier schedules keep their draws
     return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
-                    interval, auto)
+                    interval, auto, defer)

@@ -179,13 +179,16 @@ class WorkerSide:
 
     def _worker_step(self, node: SimNode, local: int, generation: int) -> None:
         """Forward/backward done: enter the all-reduce of step state+1, once past the snapshot gate (dpstate's
-        Job._gate: its newest snapshot acked; so no rank applies step S+1 before every rank's S is held)."""
+        Job._gate: its newest snapshot acked; so no rank applies step S+1 before every rank's S is held). A
+        deferring gate (dpstate.gate) waits only where step state+1 is itself snapshotted; its capture is
+        instant here."""
         if self._frozen(node, self._worker_step, node, local, generation):
             return
         worker = node.workers[local]
         if not node.running or worker.generation != generation or worker.phase != "running":
             return
-        if worker.acked < self.newest_snapshot(worker.state):
+        due = not self.defer or self.snapshotted(worker.state + 1)
+        if due and worker.acked < self.newest_snapshot(worker.state):
             worker.phase = "gated"
             return
         if worker.state >= self.steps:  # dpstate's final barrier: exit 0 only once every rank got here

@@ -26,10 +26,11 @@ class World(WorkerSide):
     def __init__(self, spec: JobSpec, nodes: int, steps: int, rng: random.Random,
                  observer: Callable[["World", Any, list], None] | None = None,
                  delay: tuple[float, float] = (0.0005, 0.01), hb_interval: float = 0.5, interval: int = 1,
-                 measure_until: int = 0):
+                 measure_until: int = 0, defer: bool = False):
         self.spec, self.steps, self.rng = spec, steps, rng
         self.interval = interval  # snapshots at step 0 and every multiple of it ...
         self.measure_until = measure_until  # ... after an auto-like measuring window (see snapshotted)
+        self.defer = defer  # the gate waits for acks at snapshot steps only (dpstate.gate: no landing)
         self.now = 0.0
         self.queue: list = []
         self.seq = itertools.count()

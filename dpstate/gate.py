@@ -1,0 +1,73 @@
+"""The snapshot gate: what a rank waits for before the last collective of a step, so that no optimizer step
+overwrites a snapshot that a restore may still need (DESIGN.md; the Job calls it, docs/internals.md step 2).
+
+Every gate waits until the newest snapshot is captured (its tensors may change after it). Its acks are waited
+for at the next snapshot step: only then does a capture reuse the buffer of the snapshot before it. Where an
+optimizer step lands in the snapshot buffers (dpstate.landing) every step waits for them, since it reuses one.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .replication import Replicator
+
+
+class SnapshotGate:
+    """Counts what the gate waited for and when, for one Replicator; pure bookkeeping besides the waits.
+
+    `defers` is set once the step loop knows its optimizers (Job.steps()): True where none lands its step in
+    a snapshot buffer. Every rank then waits for acks at the same steps (the snapshot steps, which the policy
+    gives alike everywhere), so passing the collective after such a gate means every rank's previous snapshot is
+    held, which is what the capture about to reuse its predecessor's buffer needs."""
+
+    def __init__(self, replicator: Replicator):
+        self.replicator = replicator
+        self.defers = False
+        self.step: int | None = None  # the step in progress; between steps every gate waits for acks
+        self.acked = 0  # the replicator's submission count that the gate last waited to be acked
+        self.ack_wait_s = 0.0  # seconds spent waiting for acks, in all (auto measures steps without them)
+        self._lag_seq = 0  # the newest snapshot's submission count, until its lag is known ...
+        self._lag_gate_at: float | None = None  # ... and when the first gate after it came
+
+    @property
+    def pending(self) -> bool:
+        """Whether a snapshot was submitted that this gate has not seen acked."""
+        return self.acked < self.replicator.submitted
+
+    def acks_due(self) -> bool:
+        """Whether this step's gate waits for acks: every step's where optimizer steps land, else only a
+        snapshot step's (and any gate between steps: the final barrier, a recovery)."""
+        return not self.defers or self.step is None or self.replicator.policy.wants(self.step)
+
+    def wait(self) -> None:
+        """Pass the gate: wait (abortably) for the captures, and for the acks where they are due."""
+        submitted = self.replicator.submitted
+        if self.acked >= submitted:
+            return
+        if self._lag_seq == submitted and self._lag_gate_at is None:
+            self._lag_gate_at = time.perf_counter()
+        if not self.acks_due():
+            self.replicator.wait_captured()
+            return
+        started = time.perf_counter()
+        try:
+            self.replicator.wait_acked()
+        finally:
+            self.ack_wait_s += time.perf_counter() - started
+        self.acked = submitted
+
+    def submitted(self) -> None:
+        """A snapshot was just submitted: measure how long after the next gate its acks come (deferring)."""
+        self._lag_seq, self._lag_gate_at = self.replicator.submitted, None
+
+    def lag(self) -> float | None:
+        """Once known, and only once: seconds from the first gate after the newest snapshot to its last ack
+        (negative: acked before that gate), which at a snapshot step of its own the gate would have waited."""
+        if not self.defers or not self._lag_seq or self._lag_gate_at is None:
+            return None
+        acked_at = self.replicator.acked_at(self._lag_seq)
+        if acked_at is None:
+            return None
+        self._lag_seq = 0
+        return acked_at - self._lag_gate_at

@@ -1,0 +1,122 @@
+"""The snapshot gate (dpstate.gate) with a real Replicator: where optimizer steps do not land in the snapshot
+buffers it waits for a snapshot's capture at every step and for its acks only at the next snapshot step, so a
+replication slower than a step overlaps the steps between snapshots; a holder that never answers shows which."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import zmq
+
+from dpstate.abort import Aborted, AbortSignal
+from dpstate.gate import SnapshotGate
+from dpstate.interval import SnapshotPolicy
+from test_dpstate_replication import replicator, state
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def silent_holder():
+    """A replica endpoint that takes every message and never answers (a holder too slow to ack)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield f"tcp://127.0.0.1:{port}"
+    sock.close(0)
+    ctx.term()
+
+
+def gate_over(endpoint: str, interval: int, defers: bool, abort: AbortSignal | None = None):
+    rep = replicator(abort=abort)
+    rep.policy = SnapshotPolicy(str(interval))
+    rep.configure(0, endpoint, 1)
+    gate = SnapshotGate(rep)
+    gate.defers = defers
+    return rep, gate
+
+
+def blocked_in_wait(gate: SnapshotGate) -> tuple[threading.Thread, list]:
+    """gate.wait() in a thread, once the snapshot is captured; returns it and what it raised."""
+    raised: list = []
+
+    def run():
+        try:
+            gate.wait()
+        except Aborted as exc:
+            raised.append(exc)
+
+    gate.replicator.wait_captured(timeout=10)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, raised
+
+
+def test_a_deferring_gate_waits_for_the_capture_only_until_the_next_snapshot_step(silent_holder):
+    abort = AbortSignal()
+    _, _, tracked = state()
+    rep, gate = gate_over(silent_holder, interval=5, defers=True, abort=abort)
+    rep.submit(5, tracked.capture(5))
+    gate.submitted()
+    for step in (6, 7, 8, 9):  # not snapshot steps: captured is enough, though no ack will ever come
+        gate.step = step
+        assert not gate.acks_due()
+        gate.wait()
+        assert rep.local_steps() == [5] and gate.pending
+    gate.step = 10  # the next snapshot step: its capture will reuse a buffer, so step 5 must be held first
+    assert gate.acks_due()
+    thread, raised = blocked_in_wait(gate)
+    thread.join(0.5)
+    assert thread.is_alive(), "the gate of a snapshot step passed without the previous snapshot's acks"
+    abort.trigger("test over")
+    thread.join(10)
+    assert not thread.is_alive() and raised and gate.pending
+
+
+def test_a_gate_whose_optimizer_lands_waits_for_the_acks_at_the_very_next_step(silent_holder):
+    abort = AbortSignal()
+    _, _, tracked = state()
+    rep, gate = gate_over(silent_holder, interval=5, defers=False, abort=abort)
+    rep.submit(5, tracked.capture(5))
+    gate.step = 6  # landing writes the older buffer at this step: it waits here, as between steps
+    assert gate.acks_due()
+    thread, raised = blocked_in_wait(gate)
+    thread.join(0.5)
+    assert thread.is_alive()
+    abort.trigger("test over")
+    thread.join(10)
+    assert raised
+
+
+def test_between_steps_a_deferring_gate_waits_for_every_ack(silent_holder):
+    abort = AbortSignal()
+    _, _, tracked = state()
+    rep, gate = gate_over(silent_holder, interval=5, defers=True, abort=abort)
+    rep.submit(5, tracked.capture(5))
+    gate.step = None  # the final barrier, a recovery
+    assert gate.acks_due()
+    thread, raised = blocked_in_wait(gate)
+    thread.join(0.5)
+    assert thread.is_alive()
+    abort.trigger("test over")
+    thread.join(10)
+    assert raised
+
+
+def test_the_lag_is_measured_from_the_first_gate_after_a_snapshot_to_its_ack(replica):
+    _, _, tracked = state()
+    rep, gate = gate_over(replica.replica_endpoint, interval=4, defers=True)
+    rep.submit(4, tracked.capture(4))
+    gate.submitted()
+    assert gate.lag() is None  # no gate yet
+    gate.step = 5
+    gate.wait()
+    replica.wait(lambda: rep.acked_at(rep.submitted) is not None, 10, "the ack")
+    lag = gate.lag()
+    assert lag is not None and -1.0 < lag < 10.0
+    assert gate.lag() is None  # once
+    gate.step = 8
+    gate.wait()  # a snapshot step: waits for the ack (already here) and counts it
+    assert not gate.pending and gate.ack_wait_s >= 0.0
