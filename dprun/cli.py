@@ -98,7 +98,8 @@ def run(
     replicas: int = typer.Option(1, "--replicas", help="Peer nodes holding each node's snapshots (ring)."),
     snapshot_interval: Optional[str] = typer.Option(
         None, "--snapshot-interval",
-        help="Snapshot every N steps (default 1: every step; a failure costs at most N + 1 steps), 'auto' "
+        help="Snapshot every N steps (default 1: every step; a failure costs at most N + 1 steps, 2N on a GPU, "
+             "where a snapshot's replication may take up to N steps), 'auto' "
              "(measure a snapshot's cost and take the smallest interval that keeps it under 1%% of step time; "
              "auto:0.02 for 2%%), or 'off' (no snapshots: a failure cannot be recovered). Workers get it as "
              "DP_SNAPSHOT_INTERVAL."),

@@ -1,9 +1,10 @@
 """The snapshot gate: what a rank waits for before the last collective of a step, so that no optimizer step
 overwrites a snapshot that a restore may still need (DESIGN.md; the Job calls it, docs/internals.md step 2).
 
-Every gate waits until the newest snapshot is captured (its tensors may change after it). Its acks are waited
-for at the next snapshot step: only then does a capture reuse the buffer of the snapshot before it. Where an
-optimizer step lands in the snapshot buffers (dpstate.landing) every step waits for them, since it reuses one.
+Every gate waits until the newest snapshot is captured (its tensors may change after it). Deferring (on a
+GPU; DP_SNAPSHOT_DEFER_ACKS), its acks are waited for at the next snapshot step: only then does a capture
+reuse the buffer of the snapshot before it. Otherwise, and always where an optimizer step lands in the
+snapshot buffers (dpstate.landing: it reuses one), every step's gate waits for them.
 """
 
 from __future__ import annotations

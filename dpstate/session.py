@@ -164,7 +164,7 @@ class Job:
         else:
             self._recover(None, newer_than=self.generation - 1)
             number = self._last_step + 1
-        self._snapshot_gate.defers = self._replicator.policy.defers = not self._steps_land()
+        self._snapshot_gate.defers = self._replicator.policy.defers = self._defers_acks()
         while True:
             try:
                 if number > total_steps:
@@ -205,10 +205,16 @@ class Job:
         finally:
             self.activity = activity
 
-    def _steps_land(self) -> bool:
-        """Whether an optimizer step writes the snapshot buffers (dpstate.landing): its gates wait for acks."""
-        return self._replicator.landing.enabled and any(
-            isinstance(o, AdamW) and o.lands() for o in self._tracked.objects.values())
+    def _defers_acks(self) -> bool:
+        """Whether gates wait for acks at snapshot steps only (dpstate.gate): never where an optimizer step
+        writes the snapshot buffers (dpstate.landing); on a GPU, whose host cores the replication does not
+        take from the training; on the CPU only with DP_SNAPSHOT_DEFER_ACKS=1 (there a replication spilling
+        past the step after a snapshot slows the steps auto compares it with: docs/performance.md)."""
+        if self._replicator.landing.enabled and any(
+                isinstance(o, AdamW) and o.lands() for o in self._tracked.objects.values()):
+            return False
+        wanted = os.environ.get("DP_SNAPSHOT_DEFER_ACKS", "").strip().lower()
+        return wanted in ("1", "on", "true", "yes") if wanted else self.device.type == "cuda"
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """A step whose collectives did not pass the gate (no data_parallel, all_reduce or barrier of ours in

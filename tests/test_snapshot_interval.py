@@ -263,8 +263,9 @@ def test_dprun_refuses_a_bad_interval(tmp_path, value):
 def test_interval_five_and_auto_recover_to_a_snapshot_step_bitwise(procs, tmp_path):
     """A node killed after step 13: with an interval of 5 the job rolls back to step 10 (at most N + 1 lost);
     with auto every rank agrees on the interval (the decision is in the restored snapshots). Same result.
-    Without landing (DP_SNAPSHOT_LANDING=0: the optimizer steps in place, as on CUDA) the gates wait for acks
-    at snapshot steps only: the restore goes to step 10, or 5 if 10 were still in flight (2N lost at most)."""
+    Without landing (DP_SNAPSHOT_LANDING=0: the optimizer steps in place, as on CUDA) and with
+    DP_SNAPSHOT_DEFER_ACKS=1 (CUDA's default) the gates wait for acks at snapshot steps only: the restore goes
+    to step 10, or 5 if 10 were still in flight (2N lost at most)."""
     clean = dprun(procs, tmp_path, "clean", "--nnodes", "2", steps=24)
     assert clean.returncode == 0, clean.stderr[-3000:]
     five = dprun(procs, tmp_path, "five", "--nnodes", "2", "--spares", "1", "--snapshot-interval", "5",
@@ -274,7 +275,7 @@ def test_interval_five_and_auto_recover_to_a_snapshot_step_bitwise(procs, tmp_pa
     assert done["restore_step"] == 10 and done["lost_steps"] <= 6
     assert five.summary["params_sha256"] == clean.summary["params_sha256"]
     deferred = dprun(procs, tmp_path, "deferred", "--nnodes", "2", "--spares", "1", "--snapshot-interval", "5",
-                     "--inject", "kill-node:1@step=13", steps=24, env={"DP_SNAPSHOT_LANDING": "0"})
+                     "--inject", "kill-node:1@step=13", steps=24, env={"DP_SNAPSHOT_LANDING": "0", "DP_SNAPSHOT_DEFER_ACKS": "1"})
     assert deferred.returncode == 0, deferred.stderr[-3000:]
     (done,) = deferred.named("recovery_complete")
     assert done["restore_step"] in (5, 10) and done["lost_steps"] <= 10
