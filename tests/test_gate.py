@@ -38,8 +38,9 @@ def gate_over(endpoint: str, interval: int, defers: bool, abort: AbortSignal | N
     return rep, gate
 
 
-def blocked_in_wait(gate: SnapshotGate) -> tuple[threading.Thread, list]:
-    """gate.wait() in a thread, once the snapshot is captured; returns it and what it raised."""
+def assert_blocks(gate: SnapshotGate, abort: AbortSignal) -> None:
+    """gate.wait(), in a thread once the snapshot is captured, is still waiting (for acks) half a second later;
+    the abort then ends it with Aborted."""
     raised: list = []
 
     def run():
@@ -51,7 +52,11 @@ def blocked_in_wait(gate: SnapshotGate) -> tuple[threading.Thread, list]:
     gate.replicator.wait_captured(timeout=10)
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    return thread, raised
+    thread.join(0.5)
+    assert thread.is_alive(), f"the gate of step {gate.step} passed without the previous snapshot's acks"
+    abort.trigger("test over")
+    thread.join(10)
+    assert not thread.is_alive() and raised and gate.pending
 
 
 def test_a_deferring_gate_waits_for_the_capture_only_until_the_next_snapshot_step(silent_holder):
@@ -63,16 +68,11 @@ def test_a_deferring_gate_waits_for_the_capture_only_until_the_next_snapshot_ste
     for step in (6, 7, 8, 9):  # not snapshot steps: captured is enough, though no ack will ever come
         gate.step = step
         assert not gate.acks_due()
-        gate.wait()
-        assert rep.local_steps() == [5] and gate.pending
+        gate.wait()  # returns: the tensors were copied (the checksum may still be running)
+        assert gate.pending and rep.acked_at(rep.submitted) is None
     gate.step = 10  # the next snapshot step: its capture will reuse a buffer, so step 5 must be held first
     assert gate.acks_due()
-    thread, raised = blocked_in_wait(gate)
-    thread.join(0.5)
-    assert thread.is_alive(), "the gate of a snapshot step passed without the previous snapshot's acks"
-    abort.trigger("test over")
-    thread.join(10)
-    assert not thread.is_alive() and raised and gate.pending
+    assert_blocks(gate, abort)
 
 
 def test_a_gate_whose_optimizer_lands_waits_for_the_acks_at_the_very_next_step(silent_holder):
@@ -82,12 +82,7 @@ def test_a_gate_whose_optimizer_lands_waits_for_the_acks_at_the_very_next_step(s
     rep.submit(5, tracked.capture(5))
     gate.step = 6  # landing writes the older buffer at this step: it waits here, as between steps
     assert gate.acks_due()
-    thread, raised = blocked_in_wait(gate)
-    thread.join(0.5)
-    assert thread.is_alive()
-    abort.trigger("test over")
-    thread.join(10)
-    assert raised
+    assert_blocks(gate, abort)
 
 
 def test_between_steps_a_deferring_gate_waits_for_every_ack(silent_holder):
@@ -97,12 +92,7 @@ def test_between_steps_a_deferring_gate_waits_for_every_ack(silent_holder):
     rep.submit(5, tracked.capture(5))
     gate.step = None  # the final barrier, a recovery
     assert gate.acks_due()
-    thread, raised = blocked_in_wait(gate)
-    thread.join(0.5)
-    assert thread.is_alive()
-    abort.trigger("test over")
-    thread.join(10)
-    assert raised
+    assert_blocks(gate, abort)
 
 
 def test_the_lag_is_measured_from_the_first_gate_after_a_snapshot_to_its_ack(replica):
