@@ -75,22 +75,15 @@ def test_a_deferring_gate_waits_for_the_capture_only_until_the_next_snapshot_ste
     assert_blocks(gate, abort)
 
 
-def test_a_gate_whose_optimizer_lands_waits_for_the_acks_at_the_very_next_step(silent_holder):
+@pytest.mark.parametrize("defers, step", [(False, 6), (True, None)], ids=["landing-next-step", "between-steps"])
+def test_a_gate_waits_for_every_ack_where_optimizers_land_and_between_steps(silent_holder, defers, step):
+    """Landing writes the older buffer at step 6: its gate waits there. Between steps (the final barrier, a
+    recovery) every gate waits, deferring or not."""
     abort = AbortSignal()
     _, _, tracked = state()
-    rep, gate = gate_over(silent_holder, interval=5, defers=False, abort=abort)
+    rep, gate = gate_over(silent_holder, interval=5, defers=defers, abort=abort)
     rep.submit(5, tracked.capture(5))
-    gate.step = 6  # landing writes the older buffer at this step: it waits here, as between steps
-    assert gate.acks_due()
-    assert_blocks(gate, abort)
-
-
-def test_between_steps_a_deferring_gate_waits_for_every_ack(silent_holder):
-    abort = AbortSignal()
-    _, _, tracked = state()
-    rep, gate = gate_over(silent_holder, interval=5, defers=True, abort=abort)
-    rep.submit(5, tracked.capture(5))
-    gate.step = None  # the final barrier, a recovery
+    gate.step = step
     assert gate.acks_due()
     assert_blocks(gate, abort)
 
