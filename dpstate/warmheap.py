@@ -25,11 +25,14 @@ HEAP_PER_STATE = 2  # heap faulted in per byte of the rank's snapshot (the first
 
 def heap_bytes(snapshot_bytes: int, local_workers: int) -> int:
     """How much heap a spare faults in for a rank whose snapshot is `snapshot_bytes`: DP_SPARE_HEAP_BYTES if set
-    (0: none), else HEAP_PER_STATE times the snapshot, at most a quarter of the memory available per local worker."""
+    (0: none), else HEAP_PER_STATE times the snapshot, at most a quarter of the memory available per worker on
+    the host: its node's `local_workers`, or every node's where a standalone job runs several on one host
+    (DP_TOTAL_LOCAL_WORKERS, set by dprun)."""
     configured = os.environ.get("DP_SPARE_HEAP_BYTES", "").strip()
     if configured:
         return max(0, int(float(configured)))
-    return min(HEAP_PER_STATE * max(snapshot_bytes, 0), psutil.virtual_memory().available // 4 // max(local_workers, 1))
+    sharing = max(local_workers, int(os.environ.get("DP_TOTAL_LOCAL_WORKERS") or 0), 1)
+    return min(HEAP_PER_STATE * max(snapshot_bytes, 0), psutil.virtual_memory().available // 4 // sharing)
 
 
 def warm_heap(nbytes: int) -> bool:
@@ -48,6 +51,19 @@ def warm_heap(nbytes: int) -> bool:
     return True
 
 
+def heap_rss(pid: int | str = "self") -> int:
+    """Bytes of process `pid`'s C heap ([heap] in its smaps) that are faulted in; 0 if it has none or is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:  # it exited, or no /proc
+        return 0
+    for i, line in enumerate(lines):
+        if line.endswith("[heap]"):
+            return next((int(x.split()[1]) * 1024 for x in lines[i + 1:] if x.startswith("Rss:")), 0)
+    return 0
+
+
 def warm_while_idle(control, local_rank: int, local_workers: int) -> None:
     """A spare's main thread before it waits for its promotion: on each Standby that names a larger snapshot for
     its local rank (the first comes before the optimizer has state), fault in heap_bytes() of it. Returns when a
@@ -60,5 +76,6 @@ def warm_while_idle(control, local_rank: int, local_workers: int) -> None:
         if nbytes > warmed and warm_heap(nbytes):
             warmed = nbytes
             sys.stderr.write(f"dpstate: spare worker {local_rank} faulted in {nbytes / 1e6:.0f} MB of heap for its "
-                             "first step while idle\n")  # one write: the standby thread prints beside it
+                             f"first step while idle (heap {heap_rss() / 1e6:.0f} MB)\n")  # one write: the standby
+            # thread prints beside it
             sys.stderr.flush()

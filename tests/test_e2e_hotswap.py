@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from conftest import free_port, rss_shmem
+from dpstate.warmheap import heap_rss
 from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
 
 pytestmark = pytest.mark.slow
@@ -111,19 +112,6 @@ def test_multi_node_mode_survives_a_killed_dprun(procs, tmp_path, reference):
                              for pid in victim_tree), timeout=10, what="the killed node's processes to be gone")
 
 
-def _heap_rss(pid: int) -> int:
-    """Bytes of process `pid`'s C heap ([heap] in its smaps) that are faulted in."""
-    try:
-        with open(f"/proc/{pid}/smaps") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:  # it exited
-        return 0
-    for i, line in enumerate(lines):
-        if line.endswith("[heap]"):
-            return next(int(x.split()[1]) * 1024 for x in lines[i + 1:] if x.startswith("Rss:"))
-    return 0
-
-
 def _snapshot_buffers(pid: int) -> dict[int, int]:
     """inode -> size of the snapshot buffers (dpstate's memfds) that process `pid` holds open."""
     found = {}
@@ -168,7 +156,7 @@ def test_a_spare_restores_into_memory_it_made_room_in_while_idle(procs, tmp_path
              timeout=90, what="training to pass step 5")
     workers = wait_for(lambda: len(_workers_by_node(run.pid)) == 3 and _workers_by_node(run.pid), timeout=10,
                        what="the 3 workers")
-    assert _heap_rss(workers["node0"].pid) < heap, "the test cannot tell a warmed heap from a training one"
+    assert heap_rss(workers["node0"].pid) < heap, "the test cannot tell a warmed heap from a training one"
     spare = workers["node2"].pid
     largest = max(_snapshot_buffers(workers["node0"].pid).values())
 
@@ -179,7 +167,7 @@ def test_a_spare_restores_into_memory_it_made_room_in_while_idle(procs, tmp_path
 
     reserved = wait_for(room_made, timeout=30, what="the spare's worker to reserve and fault in 2 snapshot buffers")
     # and its main thread the heap its first step will allocate from (dpstate.warmheap)
-    wait_for(lambda: _heap_rss(spare) >= heap, timeout=30, what="the spare's worker to fault in its heap")
+    wait_for(lambda: heap_rss(spare) >= heap, timeout=30, what="the spare's worker to fault in its heap")
 
     def room_on_the_dashboard():
         probe = procs.dprun("status", "--json", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -14,12 +14,7 @@ pytestmark = pytest.mark.timeout(60)
 
 CHILD = """
 import torch
-from dpstate.warmheap import warm_heap
-
-def heap_rss():
-    lines = open("/proc/self/smaps").read().splitlines()
-    i = next(i for i, line in enumerate(lines) if line.endswith("[heap]"))
-    return next(int(x.split()[1]) * 1024 for x in lines[i + 1:] if x.startswith("Rss:"))
+from dpstate.warmheap import heap_rss, warm_heap
 
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -44,8 +39,13 @@ def test_warm_heap_faults_in_heap_that_later_allocations_reuse():
 
 def test_heap_bytes_is_twice_the_snapshot_unless_configured(monkeypatch):
     monkeypatch.delenv("DP_SPARE_HEAP_BYTES", raising=False)
+    monkeypatch.delenv("DP_TOTAL_LOCAL_WORKERS", raising=False)
     assert warmheap.heap_bytes(10 << 20, 1) == 20 << 20
-    assert warmheap.heap_bytes(1 << 50, 1) < 1 << 50  # at most a quarter of what is available
+    alone = warmheap.heap_bytes(1 << 50, 1)
+    assert alone < 1 << 50  # at most a quarter of what is available
+    monkeypatch.setenv("DP_TOTAL_LOCAL_WORKERS", "6")  # a standalone job's 3 nodes of 2 workers on this host
+    shared = warmheap.heap_bytes(1 << 50, 2)
+    assert 0 < shared < alone and abs(shared * 6 - alone) < alone * 0.2  # ~a sixth (available memory moves)
     monkeypatch.setenv("DP_SPARE_HEAP_BYTES", "0")
     assert warmheap.heap_bytes(10 << 20, 1) == 0
     monkeypatch.setenv("DP_SPARE_HEAP_BYTES", "3e8")
