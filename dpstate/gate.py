@@ -13,6 +13,8 @@ import time
 
 from .replication import Replicator
 
+STALL_STEPS, STALL_SHARE = 16, 0.10  # warn once when waiting for acks took over 10 % of 16 steps' time
+
 
 class SnapshotGate:
     """Counts what the gate waited for and when, for one Replicator; pure bookkeeping besides the waits.
@@ -30,6 +32,9 @@ class SnapshotGate:
         self.ack_wait_s = 0.0  # seconds spent waiting for acks, in all (auto measures steps without them)
         self._lag_seq = 0  # the newest snapshot's submission count, until its lag is known ...
         self._lag_gate_at: float | None = None  # ... and when the first gate after it came
+        self._recent: list[tuple[float, float]] = []  # (seconds waited for acks, step seconds) of the newest steps
+        self._waited_before = 0.0  # ack_wait_s at the end of the step before
+        self.stall_warned = False
 
     @property
     def pending(self) -> bool:
@@ -57,6 +62,20 @@ class SnapshotGate:
         finally:
             self.ack_wait_s += time.perf_counter() - started
         self.acked = submitted
+
+    def stalled_share(self, step_s: float) -> float | None:
+        """After each step (its wall time): once, the share of the newest STALL_STEPS steps' time spent waiting
+        for acks when it exceeds STALL_SHARE (snapshots whose replication is slower than the steps between
+        them, at a fixed interval); None otherwise and ever after."""
+        waited, self._waited_before = self.ack_wait_s - self._waited_before, self.ack_wait_s
+        self._recent = (self._recent + [(waited, step_s)])[-STALL_STEPS:]
+        if self.stall_warned or len(self._recent) < STALL_STEPS:
+            return None
+        share = sum(w for w, _ in self._recent) / max(sum(s for _, s in self._recent), 1e-9)
+        if share <= STALL_SHARE:
+            return None
+        self.stall_warned = True
+        return share
 
     def submitted(self) -> None:
         """A snapshot was just submitted: measure how long after the next gate its acks come (deferring)."""

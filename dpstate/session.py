@@ -24,7 +24,7 @@ from . import snapshot as S
 from .abort import AbortSignal, classify
 from .control import Control
 from .ddp import DataParallel
-from .gate import SnapshotGate
+from .gate import STALL_STEPS, SnapshotGate
 from .pgroup import GroupManager, default_backend, local_device
 from .interval import POLICY_NAME, SnapshotPolicy
 from .optim import AdamW
@@ -87,6 +87,7 @@ class Job:
         self._started = False  # steps() restored or snapshotted a state: the in-memory one is no longer fresh
         self._rebuild_s = 0.0
         self._last_step = 0  # the newest step completed in this generation's timeline
+        self._step_started = 0.0  # perf_counter when the step in progress began
         self._replicator = None if control is None else Replicator(control.codec, 0, abort, ctx)
         self._snapshot_gate = None if control is None else SnapshotGate(self._replicator)
         self._sources = None if control is None else SnapshotSources(self._replicator, self.node_id, self._send)
@@ -173,6 +174,7 @@ class Job:
                 step = Step(self, number)
                 self.activity = "compute"
                 self._snapshot_gate.step = number
+                self._step_started = time.perf_counter()
                 yield step
                 if step.failure is not None:
                     raise step.failure
@@ -241,6 +243,11 @@ class Job:
             policy.decide_from(self.all_reduce(local, dist.ReduceOp.MAX).tolist(), step.number)
             if self.rank == 0:
                 print(f"dpstate: snapshot interval {policy.describe()}", file=sys.stderr, flush=True)
+        stalled = gate.stalled_share(time.perf_counter() - self._step_started)
+        if stalled is not None and self.rank == 0 and policy.mode == "fixed":
+            print(f"dpstate: training waited for snapshots' replication {stalled:.0%} of the time over the last "
+                  f"{STALL_STEPS} steps (snapshots {policy.describe()}); --snapshot-interval auto takes the "
+                  f"smallest interval that keeps it under 1 %", file=sys.stderr, flush=True)
         snapshot = policy.wants(step.number)
         if snapshot:
             self._replicator.submit(step.number, self._tracked.capture(step.number), self._tracked.shared_keys)

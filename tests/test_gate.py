@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from dpstate.abort import Aborted, AbortSignal
-from dpstate.gate import SnapshotGate
+from dpstate.gate import STALL_STEPS, SnapshotGate
 from dpstate.interval import SnapshotPolicy
 from test_dpstate_replication import replicator, state
 
@@ -103,3 +103,16 @@ def test_the_lag_is_measured_from_the_first_gate_after_a_snapshot_to_its_ack(rep
     gate.step = 8
     gate.wait()  # a snapshot step: waits for the ack (already here) and counts it
     assert not gate.pending and gate.ack_wait_s >= 0.0
+
+
+def test_waiting_for_acks_over_a_tenth_of_the_time_is_said_once():
+    gate = SnapshotGate(replicator())
+    for _ in range(STALL_STEPS):  # 5 ms of 100 ms steps: fine
+        gate.ack_wait_s += 0.005
+        assert gate.stalled_share(0.1) is None
+    shares = []
+    for _ in range(2 * STALL_STEPS):  # now 60 ms of each 100 ms step (a replication slower than a step)
+        gate.ack_wait_s += 0.06
+        shares.append(gate.stalled_share(0.1))
+    said = [s for s in shares if s is not None]
+    assert len(said) == 1 and 0.10 < said[0] <= 0.6 and gate.stall_warned
