@@ -15,6 +15,7 @@ cost of receiving (W-1) buckets per rank instead of about 2 (W-1)/W of one (a ri
 from __future__ import annotations
 
 import inspect
+import itertools
 import threading
 from typing import Any, Callable
 
@@ -192,3 +193,20 @@ class DataParallel(nn.Module):
                 ddp._remove_autograd_hooks()
             except Exception:
                 pass
+
+
+def sync_from_rank0(proxies: list[DataParallel], abort: AbortSignal) -> None:
+    """A fresh start: every data parallel module takes rank 0's parameters and buffers (one abortable
+    broadcast per dtype and device)."""
+    tensors = [t for p in proxies for t in itertools.chain(p.module.parameters(), p.module.buffers())]
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for group in by_kind.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            abort.wait_future(dist.broadcast(flat, 0, async_op=True).get_future())
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

@@ -9,11 +9,32 @@ snapshot buffers (dpstate.landing: it reuses one), every step's gate waits for t
 
 from __future__ import annotations
 
+import os
 import time
+
+import torch
 
 from .replication import Replicator
 
 STALL_STEPS, STALL_SHARE = 16, 0.10  # warn once when waiting for acks took over 10 % of 16 steps' time
+
+
+def defers_acks(lands: bool, device: torch.device) -> bool:
+    """Whether gates wait for acks at snapshot steps only: never where an optimizer step writes the snapshot
+    buffers (`lands`, dpstate.landing); on a GPU, whose host cores the replication does not take from the
+    training; on the CPU only with DP_SNAPSHOT_DEFER_ACKS=1 (there a replication spilling past the step after a
+    snapshot slows the steps auto compares it with: docs/performance.md). Alike on every rank of a job."""
+    if lands:
+        return False
+    wanted = os.environ.get("DP_SNAPSHOT_DEFER_ACKS", "").strip().lower()
+    return wanted in ("1", "on", "true", "yes") if wanted else device.type == "cuda"
+
+
+def stall_message(share: float, interval: str) -> str:
+    """What rank 0 says once when a fixed interval's snapshots stall training (SnapshotGate.stalled_share)."""
+    return (f"dpstate: training waited for snapshots' replication {share:.0%} of the time over the last "
+            f"{STALL_STEPS} steps (snapshots {interval}); --snapshot-interval auto takes the smallest interval "
+            "that keeps it under 1 %")
 
 
 class SnapshotGate:

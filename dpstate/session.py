@@ -7,7 +7,6 @@ WORLD_SIZE, MASTER_ADDR set) a member of torchrun's env:// process group.
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 import time
@@ -23,8 +22,8 @@ from dpagent import protocol as P
 from . import snapshot as S
 from .abort import AbortSignal, classify
 from .control import Control
-from .ddp import DataParallel
-from .gate import STALL_STEPS, SnapshotGate
+from .ddp import DataParallel, sync_from_rank0
+from .gate import SnapshotGate, defers_acks, stall_message
 from .pgroup import GroupManager, default_backend, local_device
 from .interval import POLICY_NAME, SnapshotPolicy
 from .optim import AdamW
@@ -165,7 +164,9 @@ class Job:
         else:
             self._recover(None, newer_than=self.generation - 1)
             number = self._last_step + 1
-        self._snapshot_gate.defers = self._replicator.policy.defers = self._defers_acks()
+        lands = self._replicator.landing.enabled and any(  # an optimizer step writes the snapshot buffers
+            isinstance(o, AdamW) and o.lands() for o in self._tracked.objects.values())
+        self._snapshot_gate.defers = self._replicator.policy.defers = defers_acks(lands, self.device)
         while True:
             try:
                 if number > total_steps:
@@ -207,17 +208,6 @@ class Job:
         finally:
             self.activity = activity
 
-    def _defers_acks(self) -> bool:
-        """Whether gates wait for acks at snapshot steps only (dpstate.gate): never where an optimizer step
-        writes the snapshot buffers (dpstate.landing); on a GPU, whose host cores the replication does not
-        take from the training; on the CPU only with DP_SNAPSHOT_DEFER_ACKS=1 (there a replication spilling
-        past the step after a snapshot slows the steps auto compares it with: docs/performance.md)."""
-        if self._replicator.landing.enabled and any(
-                isinstance(o, AdamW) and o.lands() for o in self._tracked.objects.values()):
-            return False
-        wanted = os.environ.get("DP_SNAPSHOT_DEFER_ACKS", "").strip().lower()
-        return wanted in ("1", "on", "true", "yes") if wanted else self.device.type == "cuda"
-
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """A step whose collectives did not pass the gate (no data_parallel, all_reduce or barrier of ours in
         it) passes it here, then, where acks are due, meets the other ranks at a barrier, which is what makes
@@ -245,9 +235,7 @@ class Job:
                 print(f"dpstate: snapshot interval {policy.describe()}", file=sys.stderr, flush=True)
         stalled = gate.stalled_share(time.perf_counter() - self._step_started)
         if stalled is not None and self.rank == 0 and policy.mode == "fixed":
-            print(f"dpstate: training waited for snapshots' replication {stalled:.0%} of the time over the last "
-                  f"{STALL_STEPS} steps (snapshots {policy.describe()}); --snapshot-interval auto takes the "
-                  f"smallest interval that keeps it under 1 %", file=sys.stderr, flush=True)
+            print(stall_message(stalled, policy.describe()), file=sys.stderr, flush=True)
         snapshot = policy.wants(step.number)
         if snapshot:
             self._replicator.submit(step.number, self._tracked.capture(step.number), self._tracked.shared_keys)
@@ -359,7 +347,8 @@ class Job:
                 self._load(slot, 0)
             elif self._started:
                 raise RuntimeError("dpstate: fresh start asked, but this worker trained and no longer holds step 0")
-            self._sync_from_rank0()
+            if self.world_size > 1:
+                sync_from_rank0(self._proxies, self._abort)
             rep.forget_after(-1)
             rep.submit(0, self._tracked.capture(0), self._tracked.shared_keys)
             return "", None
@@ -395,23 +384,6 @@ class Job:
         if tree.get("step") != step:
             raise S.SnapshotError(f"the snapshot held for step {step} is of step {tree.get('step')}")
         self._tracked.restore(tree)
-
-    def _sync_from_rank0(self) -> None:
-        """Fresh start: every data-parallel module takes rank 0's parameters and buffers (abortably)."""
-        if self.world_size == 1:
-            return
-        tensors = [t for p in self._proxies for t in itertools.chain(p.module.parameters(), p.module.buffers())]
-        by_kind: dict[tuple, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_kind.setdefault((t.dtype, t.device), []).append(t)
-        with torch.no_grad():
-            for group in by_kind.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                self._abort.wait_future(dist.broadcast(flat, 0, async_op=True).get_future())
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
 
 
 def _jsonable(value: Any) -> Any:

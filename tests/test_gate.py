@@ -7,10 +7,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 import zmq
 
 from dpstate.abort import Aborted, AbortSignal
-from dpstate.gate import STALL_STEPS, SnapshotGate
+from dpstate.gate import STALL_STEPS, SnapshotGate, defers_acks
 from dpstate.interval import SnapshotPolicy
 from test_dpstate_replication import replicator, state
 
@@ -116,3 +117,12 @@ def test_waiting_for_acks_over_a_tenth_of_the_time_is_said_once():
         shares.append(gate.stalled_share(0.1))
     said = [s for s in shares if s is not None]
     assert len(said) == 1 and 0.10 < said[0] <= 0.6 and gate.stall_warned
+
+
+@pytest.mark.parametrize("lands, device, env, defers", [
+    (True, "cuda", "1", False),  # landing writes the older buffer at the next step: never deferred
+    (False, "cuda", "", True), (False, "cpu", "", False), (False, "cpu", "1", True), (False, "cuda", "0", False),
+])
+def test_acks_are_deferred_on_a_gpu_or_when_asked_and_never_where_steps_land(monkeypatch, lands, device, env, defers):
+    monkeypatch.setenv("DP_SNAPSHOT_DEFER_ACKS", env)
+    assert defers_acks(lands, torch.device(device)) is defers
