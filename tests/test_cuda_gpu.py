@@ -132,19 +132,23 @@ def test_nccl_group_is_built_aborted_and_rebuilt_for_each_generation():
     assert not dist.is_initialized()
 
 
-def test_a_gpu_node_killed_mid_run_is_hot_swapped_onto_its_spare_with_nccl(procs, tmp_path):
+@pytest.mark.parametrize("interval", [1, 4])
+def test_a_gpu_node_killed_mid_run_is_hot_swapped_onto_its_spare_with_nccl(procs, tmp_path, interval):
     """dprun end to end on the GPU: one node (NCCL, world 1) and a spare that holds its replica; the node is
     killed by SIGKILL at step 15; the spare is promoted, restores from its replica onto the GPU, rebuilds the
-    NCCL group and trains to the end."""
+    NCCL group and trains to the end. Every 4th step: acks are awaited at snapshot steps only (on a GPU), so
+    the restore step is one of the 2 newest snapshots (8 or 12)."""
     from conftest import HOST_CUDA_DEVICES
     from e2e import dprun
 
-    run = dprun(procs, tmp_path, "gpu-kill-node", "--nnodes", "1", "--spares", "1",
-                "--inject", "kill-node:0@step=15", steps=40, env={"CUDA_VISIBLE_DEVICES": HOST_CUDA_DEVICES})
+    run = dprun(procs, tmp_path, f"gpu-kill-node-{interval}", "--nnodes", "1", "--spares", "1",
+                "--snapshot-interval", str(interval), "--inject", "kill-node:0@step=15", steps=40,
+                env={"CUDA_VISIBLE_DEVICES": HOST_CUDA_DEVICES})
     assert run.returncode == 0, run.stderr[-3000:]
     assert "on cuda:0" in run.stdout
     (promoted,) = run.named("spare_promoted")
     assert promoted["spare"] == "node1" and promoted["node_rank"] == 0
     (done,) = run.named("recovery_complete")
     assert done["generation"] == 1 and done["phases"]["total_s"] < 30, done
+    assert done["restore_step"] % interval == 0 and 15 - 2 * interval <= done["restore_step"] <= 15, done
     assert run.summary["final_step"] == 40
