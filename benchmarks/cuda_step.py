@@ -173,10 +173,7 @@ def measure_auto(step, gate, rep, number: int, budget: float) -> tuple[dict, int
     while not policy.decided:
         number += 1
         step(number, policy.wants(number))
-        lag = gate.lag()
-        if lag is not None:
-            policy.record_lag(lag)
-        if policy.after_step(number, time.perf_counter() - gate.ack_wait_s):  # as Job._after_step
+        if policy.after_step(number, gate.step_clock(policy)):  # as Job._after_step
             policy.decide_from(policy.local_measurements(), number)
     cost = max(policy.cost or 0.0, policy.cost_bound or 0.0)
     return {"interval": policy.interval, "cost": policy.cost, "cost_bound": policy.cost_bound,

@@ -98,6 +98,14 @@ class SnapshotGate:
         self.stall_warned = True
         return share
 
+    def step_clock(self, policy) -> float:
+        """The clock an auto policy measures this step's end by (SnapshotPolicy.after_step), after handing it the
+        newest lag if known: where the gate defers, the time spent waiting for acks is left out (lag models it)."""
+        lag = self.lag()
+        if lag is not None:
+            policy.record_lag(lag)
+        return time.perf_counter() - (self.ack_wait_s if self.defers else 0.0)
+
     def submitted(self) -> None:
         """A snapshot was just submitted: measure how long after the next gate its acks come (deferring)."""
         self._lag_seq, self._lag_gate_at = self.replicator.submitted, None

@@ -223,12 +223,7 @@ class Job:
 
     def _after_step(self, step: Step) -> None:
         policy, gate = self._replicator.policy, self._snapshot_gate
-        lag = gate.lag()
-        if lag is not None:
-            policy.record_lag(lag)
-        # auto measures steps without their waits for acks where it models them (deferred gates: lag)
-        clock = time.perf_counter() - (gate.ack_wait_s if gate.defers else 0.0)
-        if policy.after_step(step.number, clock, self.generation):  # auto: all ranks decide here
+        if policy.after_step(step.number, gate.step_clock(policy), self.generation):  # auto: all ranks decide here
             local = torch.tensor(policy.local_measurements(), dtype=torch.float64, device=self.device)
             policy.decide_from(self.all_reduce(local, dist.ReduceOp.MAX).tolist(), step.number)
             if self.rank == 0:
