@@ -20,6 +20,7 @@ from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .injection import FaultInjection
 from .reconstruction import Reconstruction
+from .repeats import RepeatedFailures
 from .standby import SpareSizing
 
 PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
@@ -61,6 +62,7 @@ class Controller(Reconstruction, FaultInjection):
         self.last_progress_event = float("-inf")
         self.recoveries: list[Recovery] = []
         self.restarts = 0
+        self.repeats = RepeatedFailures()  # workers' errors by signature: one that follows a rank is the script's
         self._out: list = []
 
     # -- entry point -----------------------------------------------------------------------------
@@ -275,7 +277,14 @@ class Controller(Reconstruction, FaultInjection):
             return
         detail = f": {msg.detail}" if msg.detail else ""
         cause = f"worker {msg.local_rank} (pid {msg.pid}) {describe_exit(msg.exitcode)}{detail}"
+        same = None
+        if not self.spec.restart_mode:  # (restarts are --max-restarts' to count) a spare's script fails alike
+            rank = node.node_rank * self.spec.nproc_per_node + msg.local_rank if node.node_rank >= 0 else -1
+            same = self.repeats.seen(msg.exitcode, msg.detail, node.node_id, rank, self.max_step)
+        node.raised = msg.exitcode > 0
         self._node_failed(node.node_id, cause, now)
+        if same is not None:
+            self._finish(1, same)
 
     # -- forming the first generation ------------------------------------------------------------
 

@@ -23,6 +23,7 @@ class Node:
     node_rank: int = -1  # in the current layout; -1 for spares and nodes not yet placed
     want_rank: int = -1
     cause: str = ""  # why it failed
+    raised: bool = False  # ... a worker exited with an error (exit code > 0): not a signal, not silence
     exited_ok: set = field(default_factory=set)  # local ranks whose worker exited 0
     last_step: int = -1  # newest step any of its ranks reported (any generation)
     workers: dict = field(default_factory=dict)  # str(local rank) -> status from its latest Heartbeat

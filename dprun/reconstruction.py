@@ -109,7 +109,11 @@ class Reconstruction:
             names = ", ".join(f"{self.layout[i]} (node rank {i}: {self.table.nodes[self.layout[i]].cause})"
                               for i in failed_slots)
             if self.spec.on_spare_exhausted != "wait":
-                self._finish(1, f"node failure with no spare left: {names}; rerun with more --spares")
+                advice = "rerun with more --spares"
+                if all(self.table.nodes[self.layout[i]].raised for i in failed_slots):
+                    advice = ("if that error is the script's, fix it (a spare would fail the same way); if it is the "
+                              "node's, " + advice)
+                self._finish(1, f"node failure with no spare left: {names}; {advice}")
                 return
             if rec.waiting_since is None:
                 rec.waiting_since = now

@@ -1,0 +1,115 @@
+"""A failure that follows the work, not the machine (dprun.repeats): a script's error that strikes a second node at
+the same step ends the job saying so, instead of spending every spare on it; one-off errors still recover."""
+
+from __future__ import annotations
+
+from dpagent import protocol as p
+from dprun.repeats import RepeatedFailures, signature
+from dprun.controller import Tick
+from test_controller import Harness, formed, spec
+
+BUG = "[rank1]: ValueError: bad batch at step 5"
+
+
+def test_signature_ignores_the_rank_prefix_and_addresses_and_signals_have_none():
+    assert (signature(1, "[rank1]: RuntimeError: bad tensor at 0x7f3a12")
+            == signature(1, "[rank0]: RuntimeError: bad tensor at 0x55e0ff"))
+    assert signature(1, "ValueError: a") != signature(1, "ValueError: b")
+    assert signature(1, "ValueError: a") != signature(2, "ValueError: a")
+    assert signature(1, "") == signature(1, "exit code 1") == "exit code 1"
+    assert signature(-9, "Killed") is None and signature(0, "") is None
+
+
+def test_the_same_error_on_another_node_at_the_same_step_is_named_once_seen_twice():
+    seen = RepeatedFailures()
+    assert seen.seen(1, BUG, "b", 1, 4) is None
+    assert seen.seen(1, BUG, "b", 1, 4) is None, "the same node again is no evidence against the node"
+    message = seen.seen(1, BUG, "s", 1, 5)
+    assert message and "rank 1 failed on b and again on s" in message and "ValueError: bad batch" in message
+    assert "after step 4" in message and "training script" in message
+
+
+def test_the_same_error_at_another_step_or_by_a_signal_is_not_the_script():
+    seen = RepeatedFailures()
+    assert seen.seen(1, BUG, "b", 1, 4) is None
+    assert seen.seen(1, BUG, "s", 1, 30) is None, "26 steps later: a flaky error, which a spare may well outlive"
+    assert seen.seen(-9, "", "t", 1, 30) is None and seen.seen(-9, "", "u", 1, 30) is None
+
+
+def test_spares_failing_alike_leave_the_job_training_until_a_rank_fails_so_too():
+    seen = RepeatedFailures()
+    assert seen.seen(1, "ImportError: no module x", "s1", -1, 0) is None
+    assert seen.seen(1, "ImportError: no module x", "s2", -1, 0) is None, "only the spares: the ranks train on"
+    message = seen.seen(1, "[rank0]: ImportError: no module x", "a", 0, 0)
+    assert message and message.startswith("s2 (no rank) and rank 0 on a failed")
+
+
+def _step(h, nodes: dict[str, int], step: int, generation: int) -> None:
+    for node, rank in nodes.items():
+        h.msg(node, p.Progress(node, generation, rank, step))
+
+
+def _recover(h) -> None:
+    h.pong_all()
+    h.feed(Tick(), dt=0.6)
+
+
+def test_a_rank_that_fails_the_same_way_on_the_spare_that_replaced_it_ends_the_job_with_spares_left():
+    h = formed(spec(spares=2))
+    h.register("s2", spare=True)
+    _step(h, {"a": 0, "b": 1}, 4, 0)
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, BUG))
+    _recover(h)
+    assert h.c.generation == 1 and h.c.layout == ["a", "s"] and not h.finish
+    _step(h, {"a": 0, "s": 1}, 4, 1)  # replayed from the snapshot, deterministically, to the same error
+    h.msg("s", p.WorkerExited("s", 1, 0, 12, 1, BUG.replace("0x", "")))
+    assert h.finish and h.finish.exit_code == 1
+    assert "rank 1 failed on b and again on s" in h.finish.message
+    assert len(h.named("spare_promoted")) == 1 and h.c.table.get("s2").role == "spare", "no second spare spent"
+    assert h.sent_to("s2", p.Stop)
+
+
+def test_every_rank_failing_the_same_way_at_once_ends_the_job_before_any_spare_is_promoted():
+    h = formed()
+    h.msg("a", p.WorkerExited("a", 0, 0, 10, 1, "[rank0]: ModuleNotFoundError: No module named 'x'"))
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, "[rank1]: ModuleNotFoundError: No module named 'x'"))
+    assert h.finish and h.finish.exit_code == 1
+    assert "rank 0 on a and rank 1 on b failed" in h.finish.message and "No module named 'x'" in h.finish.message
+    assert not h.named("spare_promoted")
+
+
+def test_a_one_off_error_recovers_and_so_does_a_kill_at_the_same_step():
+    h = formed(spec(spares=2))
+    h.register("s2", spare=True)
+    _step(h, {"a": 0, "b": 1}, 4, 0)
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, BUG))
+    _recover(h)
+    _step(h, {"a": 0, "s": 1}, 5, 1)
+    h.msg("s", p.WorkerExited("s", 1, 0, 12, -9))  # the OOM killer, say: a signal says nothing of the script
+    _recover(h)
+    assert not h.finish and h.c.generation == 2 and h.c.layout == ["a", "s2"]
+
+
+def test_no_spare_left_after_an_error_exit_says_that_more_spares_fix_only_the_node():
+    for code, detail in ((1, BUG), (-9, "")):
+        h = Harness(spec(spares=0))
+        h.register("a", rank=0)
+        h.register("b", rank=1)
+        h.msg("b", p.WorkerExited("b", 0, 0, 11, code, detail))
+        h.pong_all()
+        assert h.finish and "no spare left" in h.finish.message
+        assert ("a spare would fail the same way" in h.finish.message) == (code > 0), h.finish.message
+        assert "rerun with more --spares" in h.finish.message
+
+
+def test_restart_mode_counts_restarts_not_repeats():
+    """Scripts without dpstate report no steps: every error there looks like step 0. --max-restarts decides, as
+    with torchrun (a restart reruns the script; a node whose worker failed is swapped for a spare first)."""
+    h = formed(spec(spares=2, restart_mode=True, max_restarts=3))
+    h.register("s2", spare=True)
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, BUG))
+    _recover(h)
+    assert h.c.generation == 1 and h.c.layout == ["a", "s"]
+    h.msg("s", p.WorkerExited("s", 1, 0, 12, 1, BUG))
+    _recover(h)
+    assert not h.finish and h.c.generation == 2 and h.c.layout == ["a", "s2"]
