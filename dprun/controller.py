@@ -23,6 +23,8 @@ from .reconstruction import Reconstruction
 from .repeats import RepeatedFailures
 from .standby import SpareSizing
 
+# what a node says of its workers stands in any generation: how they are, how they ended, that they finished
+ANY_GENERATION = (p.Heartbeat, p.WorkerExited, p.RankFinished)
 PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
 
 describe_exit = p.describe_exit
@@ -62,6 +64,7 @@ class Controller(Reconstruction, FaultInjection):
         self.last_progress_event = float("-inf")
         self.recoveries: list[Recovery] = []
         self.restarts = 0
+        self.finished_ranks: dict[int, int] = {}  # rank -> its last step, once past job.steps()' final barrier
         self.repeats = RepeatedFailures()  # workers' errors by signature: one that follows a rank is the script's
         self._out: list = []
 
@@ -139,7 +142,7 @@ class Controller(Reconstruction, FaultInjection):
             self._drop("node_id does not match the sender")
             return
         generation = getattr(msg, "generation", None)
-        if generation is not None and generation != self.generation and not isinstance(msg, (p.Heartbeat, p.WorkerExited)):
+        if generation is not None and generation != self.generation and not isinstance(msg, ANY_GENERATION):
             self._drop("stale generation")
             return
         handler = getattr(self, f"_on_{type(msg).__name__}", None)
@@ -259,16 +262,16 @@ class Controller(Reconstruction, FaultInjection):
             rec.free_replans += 1
 
     def _on_RankFinished(self, node: Node, msg: p.RankFinished, now: float) -> None:
-        pass  # the job ends when every active worker has exited 0 (as with torchrun)
+        # the job ends when every active worker has exited 0 (as with torchrun); this tells a rank that finished
+        # job.steps() from one that exited 0 early, should the others fail without it
+        self.finished_ranks[msg.rank] = msg.step
 
     def _on_WorkerExited(self, node: Node, msg: p.WorkerExited, now: float) -> None:
         if node.role == ACTIVE and msg.exitcode == 0:  # finished (its final barrier passed, in any generation)
             node.exited_ok.add(msg.local_rank)
             rec = self.recovery or self.pending
             if rec is not None and rec.failed:  # the job ended under a recovery that now can never complete
-                failed = ", ".join(f"{n} ({self.table.nodes[n].cause})" for n in rec.failed)
-                self._finish(1, f"training completed (step {max(rec.peak_step, self.max_step)}), but {failed} failed after other "
-                                "ranks had finished and exited; the final state is complete on the surviving ranks")
+                self._failed_after_exits(rec, max(rec.peak_step, self.max_step))
                 return
             if all(len(self.table.nodes[n].exited_ok) == self.spec.nproc_per_node for n in self.layout):
                 self._finish(0, f"all {self.spec.world_size} ranks finished")

@@ -98,11 +98,8 @@ class Reconstruction:
                                 "other on the Gloo/NCCL ports, or raise DP_CONNECT_TIMEOUT")
                 return
         if any(self.table.nodes[n].exited_ok for n in self.layout):
-            # a worker exits 0 only after the job's final barrier: training is complete, and the ranks that
-            # exited cannot join a new generation. Say so rather than wait for them.
-            failed = ", ".join(f"{n} ({self.table.nodes[n].cause})" for n in rec.failed) or rec.why
-            self._finish(1, f"training completed (step {self.max_step}), but {failed} failed after other ranks "
-                            "had finished and exited; the final state is complete on the surviving ranks")
+            # ranks that exited cannot join a new generation: say so rather than wait for them
+            self._failed_after_exits(rec, self.max_step)
             return
         spares = self.table.with_role(SPARE)
         if len(spares) < len(failed_slots):
@@ -170,6 +167,21 @@ class Reconstruction:
         self._publish("reconfigure", generation=self.generation, restore_step=plan.step,
                       layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))
         self.recovery = rec
+
+    def _failed_after_exits(self, rec: Recovery, step: int) -> None:
+        """End the job: `rec`'s failures came after some ranks had exited 0. After job.steps()' final barrier
+        (RankFinished) training is complete; a rank that exited 0 without it left its peers mid-training."""
+        failed = ", ".join(f"{n} ({self.table.nodes[n].cause})" for n in rec.failed) or rec.why
+        early = sorted(rank for i, n in enumerate(self.layout) for local in self.table.nodes[n].exited_ok
+                       if (rank := i * self.spec.nproc_per_node + local) not in self.finished_ranks)
+        if early:
+            self._finish(1, f"rank {', '.join(map(str, early))} exited (exit code 0) after step {step} without "
+                            f"finishing job.steps(), and the others cannot train on without it: {failed}; if the "
+                            "script stops early (a break out of the loop), it must do so on every rank")
+            return
+        step = max(self.finished_ranks.values(), default=step)
+        self._finish(1, f"training completed (step {step}), but {failed} failed after other ranks had finished "
+                        "and exited; the final state is complete on the surviving ranks")
 
     def _survivor_floors(self) -> dict[int, int]:
         """A step that each surviving rank still holds locally, from what ranks reported.

@@ -1,5 +1,6 @@
-"""A training script's own error, in real dprun jobs: one that follows its rank onto the spare that replaced the
-node ends the job saying it is the script's, with spares left unspent; a one-off error is recovered from."""
+"""A training script's own failures, in real dprun jobs: an error that follows its rank onto the spare that
+replaced the node ends the job saying it is the script's, with spares left unspent; a one-off error is
+recovered from; a rank that leaves the loop early is named as such, not as a finished run."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ for step in job.steps(12):
         loss.backward()
         opt.step()
         step.log(loss=loss.item())
+    if mode == "leave" and step.number == 5 and job.rank == 1:
+        break  # a rank that stops early on its own: its peers cannot go on
 """
 
 
@@ -62,3 +65,11 @@ def test_a_one_off_error_is_recovered_from(procs, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(_named(events, "recovery_complete")) == 1
     assert _named(events, "job_finished")[0]["exit_code"] == 0
+
+
+def test_a_rank_that_leaves_the_loop_early_is_named_not_taken_for_a_finished_run(procs, tmp_path):
+    run, events = _run(procs, tmp_path, "leave", "--spares", "1")
+    assert run.returncode == 1, run.stderr[-3000:]
+    (finished,) = _named(events, "job_finished")
+    assert "rank 1 exited (exit code 0) after step" in finished["message"], finished
+    assert "training completed" not in finished["message"]

@@ -1,5 +1,7 @@
-"""A failure that follows the work, not the machine (dprun.repeats): a script's error that strikes a second node at
-the same step ends the job saying so, instead of spending every spare on it; one-off errors still recover."""
+"""The training script's own failures in the controller. One that follows the work, not the machine
+(dprun.repeats): an error that strikes a second node at the same step ends the job saying so, instead of
+spending every spare on it; one-off errors still recover. A rank that exits 0 early is told from one that
+finished."""
 
 from __future__ import annotations
 
@@ -113,3 +115,27 @@ def test_restart_mode_counts_restarts_not_repeats():
     h.msg("s", p.WorkerExited("s", 1, 0, 12, 1, BUG))
     _recover(h)
     assert not h.finish and h.c.generation == 2 and h.c.layout == ["a", "s2"]
+
+
+def test_a_rank_that_exits_0_without_finishing_is_named_when_the_others_fail_without_it():
+    h = formed()
+    _step(h, {"a": 0, "b": 1}, 5, 0)
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, 0))  # its script left the loop: no final barrier, no RankFinished
+    h.msg("a", p.PeerError("a", 0, 0, "Connection closed by peer"))
+    _recover(h)
+    assert h.finish and h.finish.exit_code == 1
+    assert "rank 1 exited (exit code 0) after step 5 without finishing job.steps()" in h.finish.message
+    assert "must do so on every rank" in h.finish.message and "training completed" not in h.finish.message
+
+
+def test_a_rank_that_finished_in_a_generation_since_replaced_still_counts_as_finished():
+    h = formed()
+    _step(h, {"a": 0, "b": 1}, 5, 0)
+    h.msg("b", p.PeerError("b", 0, 1, "slow peer"))  # a new generation is planned: generation 0 is over ...
+    _recover(h)
+    assert h.c.generation == 1
+    h.msg("b", p.RankFinished("b", 0, 1, 5))  # ... but b had passed its final barrier: a fact in any generation
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, 0))
+    h.msg("a", p.WorkerExited("a", 1, 0, 10, -9))
+    _recover(h)
+    assert h.finish and "training completed (step 5), but a" in h.finish.message
