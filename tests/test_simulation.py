@@ -51,19 +51,20 @@ def test_thousands_of_random_fault_schedules_keep_every_invariant():
         outcome = run_schedule(random_schedule(seed))
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert outcomes.get("completed", 0) > SCHEDULES * 0.8, outcomes
-    assert set(outcomes) <= {"completed", "spares-exhausted", "state-lost", "failed-at-exit", "spare-wait-timeout"}
+    assert set(outcomes) <= {"completed", "spares-exhausted", "state-lost", "failed-at-exit", "spare-wait-timeout",
+                             "script-error"}
 
 
 @pytest.mark.parametrize("seed", sorted(REGRESSIONS))
 def test_regression_seeds(seed):
-    run_schedule(random_schedule(seed, extended=False))  # as they were found: every step snapshotted
+    run_schedule(random_schedule(seed, extended=False, errors=False))  # as found: every step snapshotted
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["acks-every-step", "acks-at-snapshot-steps"])
 @pytest.mark.parametrize("seed", sorted(EXTENDED_REGRESSIONS))
 def test_extended_regression_seeds(seed, defer):
     """As found (gates waiting for acks at every step), and with gates that wait at snapshot steps only."""
-    run_schedule(dataclasses.replace(random_schedule(seed), defer=defer))
+    run_schedule(dataclasses.replace(random_schedule(seed, errors=False), defer=defer))
 
 
 def test_same_seed_replays_identically():

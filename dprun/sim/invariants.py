@@ -7,7 +7,7 @@ the end of a schedule by `judge_outcome`.
 from __future__ import annotations
 
 from dpagent import protocol as p
-from dprun.controller import Received, Send
+from dprun.controller import ANY_GENERATION, Finish, Received, Send
 from dprun.nodes import ACTIVE, FAILED
 
 
@@ -37,7 +37,7 @@ def is_stale(controller, event) -> bool:
         return not isinstance(event.msg, p.Register)
     generation = getattr(event.msg, "generation", None)
     return (generation is not None and generation < controller.generation
-            and not isinstance(event.msg, (p.Heartbeat, p.WorkerExited)))
+            and not isinstance(event.msg, ANY_GENERATION))
 
 
 class Checker:
@@ -47,9 +47,15 @@ class Checker:
         self.restore_step_of: dict[int, int] = {}
         self.before = None
         self.checked = 0
+        self.taken_in = False  # the event is a worker's exit that the controller will take in
+        self.struck: dict[str, set] = {}  # a bug of the script (its line) -> nodes whose exit it took in
 
     def before_input(self, world, event) -> None:
-        self.before = fingerprint(world.controller) if is_stale(world.controller, event) else None
+        c = world.controller
+        self.before = fingerprint(c) if is_stale(c, event) else None
+        node = c.table.get(event.node_id) if isinstance(event, Received) else None
+        self.taken_in = (isinstance(getattr(event, "msg", None), p.WorkerExited) and not c.finished
+                         and node is not None and node.role != FAILED)
 
     def __call__(self, world, event, actions) -> None:
         self.checked += 1
@@ -61,6 +67,20 @@ class Checker:
         for action in actions:
             if isinstance(action, Send) and isinstance(action.msg, p.Reconfigure):
                 self._restore_point(world, action.node_id, action.msg)
+        if self.taken_in:
+            self._bug_ends_the_job(world, event, actions)
+
+    def _bug_ends_the_job(self, world, event, actions) -> None:
+        """Invariant 6: the exit of a second node raising the script's bug (not a one-off error) ends the job at
+        once (dprun.repeats): no more spares go to it."""
+        line = event.msg.detail.split("]: ", 1)[-1]
+        if event.msg.exitcode != 1 or not any(e.detail == line and not e.once for e in world.errors):
+            return
+        nodes = self.struck.setdefault(line, set())
+        if nodes - {event.node_id} and not any(isinstance(a, Finish) for a in actions):
+            raise InvariantViolation(f"invariant 6: {sorted(nodes)} and {event.node_id} raised {line!r}, the job "
+                                     "goes on")
+        nodes.add(event.node_id)
 
     def _one_owner_per_rank(self, world) -> None:
         c = world.controller
@@ -154,6 +174,17 @@ def judge_outcome(world) -> str:
         if not any(w.phase == "done" and w.state == world.steps for n in world.nodes.values() for w in n.workers):
             raise InvariantViolation(f"ended as finished before the last step: {finish.message}")
         return "failed-at-exit"
+    if "a spare cannot fix it" in finish.message:  # dprun.repeats: named so only if 2 nodes raised it
+        nodes_of: dict[str, set] = {}
+        for node_id, detail in world.raised:
+            nodes_of.setdefault(detail.split("]: ", 1)[1], set()).add(node_id)
+        named = [line for line, nodes in nodes_of.items()
+                 if len(nodes) > 1 and f"exit code 1: {line})" in finish.message]
+        if not named:
+            raise InvariantViolation(f"an error taken for the script's that no 2 nodes raised: {finish.message}")
+        if _spares_spent_on(world, named[0]) > 1:  # one may go to it: the one that shows it is the script's
+            raise InvariantViolation(f"more than one spare promoted in place of a node that raised {named[0]!r}")
+        return "script-error"
     if "no node joined as a spare" in finish.message:
         if world.failures <= world.spec.spares:
             raise InvariantViolation(f"waited for a spare after {world.failures} failures with "
@@ -165,3 +196,15 @@ def judge_outcome(world) -> str:
                                      f"{world.spec.spares} spares: {finish.message}")
         return "spares-exhausted"
     raise InvariantViolation(f"job ended with {finish.exit_code}: {finish.message}")
+
+
+def _spares_spent_on(world, line: str) -> int:
+    """Spares promoted in place of a node whose latest failure was the script raising `line`."""
+    cause_of: dict[int, str] = {}  # node rank -> the cause of the latest failure there
+    spent = 0
+    for event in world.events:
+        if event["event"] == "node_failed" and event.get("node_rank") is not None:
+            cause_of[event["node_rank"]] = event["cause"]
+        elif event["event"] == "spare_promoted" and line in cause_of.get(event["node_rank"], ""):
+            spent += 1
+    return spent

@@ -28,6 +28,17 @@ class SimWorker:
 
 
 @dataclass
+class ScriptError:
+    """The training script raises when a worker of `rank` (None: every rank) is about to make `step`: every time
+    (a bug) or once (a flaky error). `detail` is the exception's line."""
+
+    rank: int | None
+    step: int
+    once: bool
+    detail: str
+
+
+@dataclass
 class SimNode:
     node_id: str
     nproc: int

@@ -8,7 +8,8 @@ from __future__ import annotations
 import random
 
 from .invariants import Checker, InvariantViolation, judge_outcome
-from .schedule import Fault, Schedule
+from .nodes import ScriptError
+from .schedule import SCRIPT_ERRORS, Fault, Schedule
 from .world import World
 
 SIM_SECONDS = 120.0
@@ -37,6 +38,9 @@ class FaultDriver:
         if fault.kind == "join-spare":
             w.join_node()
             return
+        if fault.kind in SCRIPT_ERRORS:
+            self.arm(fault)
+            return
         if fault.kind in CORRUPT:
             holders = [n for n in w.nodes.values() if n.running and any(n.store.values())]
             if holders:
@@ -61,6 +65,15 @@ class FaultDriver:
             w.freeze_node(node.node_id)
             if fault.kind == "freeze-wake":
                 w.at(fault.wake_after, w.wake_node, node.node_id)
+
+    def arm(self, fault: Fault) -> None:
+        """The script's own error, a few steps past the newest step: on the rank the pick names, or all."""
+        w = self.world
+        step = w.controller.max_step + fault.ahead
+        rank = None if fault.kind == "script-error-all" else int(fault.pick * w.spec.world_size) % w.spec.world_size
+        once = fault.kind == "one-off-error"
+        detail = f"ValueError: flaky read #{len(w.errors)}" if once else f"ValueError: bad batch at step {step}"
+        w.errors.append(ScriptError(rank, step, once, detail))
 
     def on_reconfigure(self) -> None:
         while self.armed:

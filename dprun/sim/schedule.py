@@ -1,7 +1,7 @@
 """Random fault schedules for the simulator, reproducible from one seed.
 
 A schedule is a job shape plus timed faults: kills, freezes, wake-ups, worker kills, spare kills, bit rot
-in a replica store, and faults armed to strike while a recovery is under way.
+in a replica store, faults armed to strike while a recovery is under way, and the script's own errors.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ KINDS = ["kill-node", "kill-node-silent", "kill-worker", "freeze-node", "freeze-
          "kill-during-recovery", "join-spare"]
 # bit rot in one store, now or armed for the next recovery (every copy there, or all but the oldest)
 CORRUPTIONS = ["corrupt-replicas", "corrupt-newest", "corrupt-during-recovery", "corrupt-all-during-recovery"]
+# the training script raises a few steps ahead: on one rank every time it gets there (a bug: it follows the rank
+# to the spare that replaces its node), on every rank every time, or on one rank once (a flaky error)
+SCRIPT_ERRORS = ["script-error", "script-error-all", "one-off-error"]
 
 
 @dataclass
@@ -23,6 +26,7 @@ class Fault:
     kind: str
     pick: float  # which node, as a fraction of the candidates at fire time
     wake_after: float = 0.0
+    ahead: int = 0  # a script error: steps past the newest step that it strikes in
 
 
 @dataclass
@@ -54,9 +58,9 @@ class Schedule:
                 f"{', acks awaited at snapshot steps' if self.defer else ''}; {faults}")
 
 
-def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True) -> Schedule:
+def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors: bool = True) -> Schedule:
     """extended=False: the schedule as it was before snapshot intervals and corrupt replicas were drawn too
-    (what the regression seeds name)."""
+    (what the regression seeds name); errors=False: before the script's own errors were drawn too."""
     rng = random.Random(seed)
     nnodes = rng.randint(1, max_nodes)
     spares = rng.randint(0, 3)
@@ -73,5 +77,8 @@ def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True) -> Sch
     if extended and rng.random() < 0.3:  # bit rot in one store: a restore finds it, reports it, falls back
         faults.append(Fault(at=rng.uniform(0.2, 3.0), kind=rng.choice(CORRUPTIONS), pick=rng.random()))
     defer = extended and rng.random() < 0.5  # drawn after the rest: earlier schedules keep their draws
+    if errors and rng.random() < 0.2:  # drawn last, as the regression seeds were found without them
+        faults.append(Fault(at=rng.uniform(0.05, 0.5), kind=rng.choice(SCRIPT_ERRORS), pick=rng.random(),
+                            ahead=rng.randint(1, 3)))
     return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
                     interval, auto, defer)

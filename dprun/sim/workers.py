@@ -187,6 +187,8 @@ class WorkerSide:
         worker = node.workers[local]
         if not node.running or worker.generation != generation or worker.phase != "running":
             return
+        if self.raise_due(node, local):
+            return
         due = not self.defer or self.snapshotted(worker.state + 1)
         if due and worker.acked < self.newest_snapshot(worker.state):
             worker.phase = "gated"
@@ -258,4 +260,9 @@ class WorkerSide:
     def _worker_exit(self, node: SimNode, local: int, code: int, detail: str) -> None:
         worker = node.workers[local]
         worker.phase = "done" if code == 0 else "dead"
-        self._agent_send(node.node_id, p.WorkerExited(node.node_id, node.generation, local, 1000 + local, code, detail))
+        exited = p.WorkerExited(node.node_id, node.generation, local, 1000 + local, code, detail)
+        if code == 0:  # past the final barrier: dpstate's RankFinished, then the exit
+            self._agent_send(node.node_id, p.RankFinished(node.node_id, worker.generation, worker.rank, worker.state),
+                             exited)
+        else:
+            self._agent_send(node.node_id, exited)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from dpagent import protocol as p
 from dprun.controller import Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
 
-from .nodes import SimNode, SimWorker
+from .nodes import ScriptError, SimNode, SimWorker
 from .workers import WorkerSide
 
 CONTROLLER = "controller"
@@ -52,7 +52,9 @@ class World(WorkerSide):
         # report it never took in (still on its way, lost, or from a fenced generation) may still be planned
         self.dropped_by: dict[tuple, tuple] = {}
         self.reported: set = set()
-        self.failures = 0  # nodes that failed by a fault (killed, frozen, a worker killed)
+        self.failures = 0  # nodes that failed by a fault (killed, frozen, a worker killed, the script raising)
+        self.errors: list[ScriptError] = []  # armed in the training script (see raise_due)
+        self.raised: list[tuple[str, str]] = []  # (node, stderr's last line) of each error the script raised
         for i, node in enumerate(self.nodes.values()):
             node.workers = [SimWorker() for _ in range(node.nproc)]
             want_spare = i >= spec.nnodes
@@ -106,11 +108,14 @@ class World(WorkerSide):
         self._controller_input(Tick())
         self.at(0.05, self._tick)
 
-    def _agent_send(self, node_id: str, msg) -> None:
+    def _agent_send(self, node_id: str, *msgs) -> None:
+        """Messages from a node's agent to the controller, in order, on one delay of the link."""
         node = self.nodes[node_id]
         if not node.alive or node.frozen or node.stopped:
             return
-        self.at(self._link_delay(node_id, CONTROLLER), self._controller_input, Received(node_id, msg))
+        delay = self._link_delay(node_id, CONTROLLER)
+        for msg in msgs:
+            self.at(delay, self._controller_input, Received(node_id, msg))
 
     def _heartbeat(self, node_id: str) -> None:
         node = self.nodes[node_id]
@@ -190,14 +195,30 @@ class World(WorkerSide):
         self.log.append(f"{self.now:.3f} corrupt {which} on {node_id}")
         self.nodes[node_id].damage(which)
 
-    def kill_worker(self, node_id: str, local: int = 0) -> None:
+    def kill_worker(self, node_id: str, local: int = 0, code: int = -9, detail: str = "") -> None:
+        """A worker ends: killed (by default), or exiting with `code` and this last line of stderr."""
         node = self.nodes[node_id]
         if not node.running or node.workers[local].phase in ("dead", "done"):
             return
-        self.log.append(f"{self.now:.3f} kill-worker {node_id}")
-        self._worker_exit(node, local, -9, "")
+        self.log.append(f"{self.now:.3f} {'kill-worker' if code < 0 else detail} {node_id}")
+        self._worker_exit(node, local, code, detail)
         for key in list(self.entered):
             self._check_allreduce(key)
+
+    def raise_due(self, node: SimNode, local: int) -> bool:
+        """If the script raises in the step the worker is about to make: it exits 1 saying so (True)."""
+        worker = node.workers[local]
+        error = next((e for e in self.errors if e.step == worker.state + 1 and e.rank in (None, worker.rank)), None)
+        if error is None:
+            return False
+        if error.once:
+            self.errors.remove(error)
+        if all(w.phase != "dead" for w in node.workers):
+            self.failures += 1
+        detail = f"[rank{worker.rank}]: {error.detail}"
+        self.raised.append((node.node_id, detail))
+        self.kill_worker(node.node_id, local, 1, detail)
+        return True
 
     def freeze_node(self, node_id: str) -> None:
         node = self.nodes[node_id]
