@@ -56,15 +56,21 @@ def _recover(h) -> None:
     h.feed(Tick(), dt=0.6)
 
 
-def test_a_rank_that_fails_the_same_way_on_the_spare_that_replaced_it_ends_the_job_with_spares_left():
+def _rank_1_raised_and_s_took_its_place():
+    """Nodes a, b train with spares s, s2; rank 1 raises BUG after step 4; spare s replaces b."""
     h = formed(spec(spares=2))
     h.register("s2", spare=True)
     _step(h, {"a": 0, "b": 1}, 4, 0)
     h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, BUG))
     _recover(h)
     assert h.c.generation == 1 and h.c.layout == ["a", "s"] and not h.finish
+    return h
+
+
+def test_a_rank_that_fails_the_same_way_on_the_spare_that_replaced_it_ends_the_job_with_spares_left():
+    h = _rank_1_raised_and_s_took_its_place()
     _step(h, {"a": 0, "s": 1}, 4, 1)  # replayed from the snapshot, deterministically, to the same error
-    h.msg("s", p.WorkerExited("s", 1, 0, 12, 1, BUG.replace("0x", "")))
+    h.msg("s", p.WorkerExited("s", 1, 0, 12, 1, BUG))
     assert h.finish and h.finish.exit_code == 1
     assert "rank 1 failed on b and again on s" in h.finish.message
     assert len(h.named("spare_promoted")) == 1 and h.c.table.get("s2").role == "spare", "no second spare spent"
@@ -81,11 +87,7 @@ def test_every_rank_failing_the_same_way_at_once_ends_the_job_before_any_spare_i
 
 
 def test_a_one_off_error_recovers_and_so_does_a_kill_at_the_same_step():
-    h = formed(spec(spares=2))
-    h.register("s2", spare=True)
-    _step(h, {"a": 0, "b": 1}, 4, 0)
-    h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, BUG))
-    _recover(h)
+    h = _rank_1_raised_and_s_took_its_place()
     _step(h, {"a": 0, "s": 1}, 5, 1)
     h.msg("s", p.WorkerExited("s", 1, 0, 12, -9))  # the OOM killer, say: a signal says nothing of the script
     _recover(h)
