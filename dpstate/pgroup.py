@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import os
+import sys
 
 import torch.distributed as dist
 
@@ -62,6 +63,7 @@ class GroupManager:
         self.leaked = 0  # old groups kept alive on purpose (see destroy)
         self._store: dist.Store | None = None
         self._endpoint: str | None = None
+        self._hooks: tuple = (None, None)  # sys.excepthook before the last init_process_group, and torch's after
 
     def _store_for(self, endpoint: str) -> dist.Store:
         if self._store is None or endpoint != self._endpoint:
@@ -101,8 +103,8 @@ class GroupManager:
         device = local_device()
         eager = {"device_id": device} if self.backend == "nccl" and device.type == "cuda" else {}
         try:
-            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=min(self.connect_timeout, self.timeout), **eager)
+            self._init(self.backend, store=store, rank=rank, world_size=world_size,
+                       timeout=min(self.connect_timeout, self.timeout), **eager)
         except Exception as exc:
             if abort.is_set():
                 raise abort.error() from exc
@@ -118,8 +120,18 @@ class GroupManager:
     def build_local(self) -> None:
         """A one-process group (no agent): lets DDP and torch.distributed calls work unchanged."""
         self.destroy()
-        dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
+        self._init(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
         self.generation = 0
+
+    def _init(self, backend: str, **kwargs) -> None:
+        """init_process_group, with one "[rankN]: " before each line of a traceback: torch wraps sys.excepthook in
+        every init, and a survivor's traceback after 3 recoveries had it 4 times. A hook set since stays."""
+        before, wrapped = self._hooks
+        if wrapped is not None and sys.excepthook is wrapped:
+            sys.excepthook = before
+        before = sys.excepthook
+        dist.init_process_group(backend, **kwargs)
+        self._hooks = (before, sys.excepthook)
 
     def destroy(self) -> None:
         """Drop the default group; returns at once even when its Gloo thread is stuck on a frozen peer.

@@ -55,3 +55,22 @@ def test_a_rank_whose_connect_timed_out_joins_the_next_generation(procs, store):
     assert "generation 1 failed: generation 1: could not connect to every rank within 2 s" in out0, err0[-2000:]
     assert "generation 2 sum 3" in out0, err0[-2000:]
     assert "generation 2 sum 3" in out1, err1[-2000:]
+
+
+def test_a_traceback_after_several_generations_has_one_rank_prefix(procs, store):
+    """torch wraps sys.excepthook in every init_process_group: GroupManager keeps one "[rankN]: " layer."""
+    script = textwrap.dedent("""
+        import sys
+        from dpstate.abort import AbortSignal
+        from dpstate.pgroup import GroupManager
+        groups = GroupManager(backend="gloo", timeout_s=60)
+        for generation in (1, 2, 3):
+            groups.build(generation, sys.argv[1], 0, 1, AbortSignal())
+        raise ValueError("boom")
+    """)
+    proc = procs.popen([sys.executable, "-c", script, f"127.0.0.1:{store.port}"], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "[rank0]: ValueError: boom" in err.splitlines(), err[-2000:]
+    assert "[rank0]: [rank0]:" not in err, err[-2000:]
