@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 STEP_SLACK = 1  # steps apart that still count as "the same step": a rank reports its step after making it
-_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # what torch puts before each line a distributed rank prints
+_RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")  # what torch puts before each line a distributed rank prints
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
 

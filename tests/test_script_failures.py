@@ -16,6 +16,7 @@ BUG = "[rank1]: ValueError: bad batch at step 5"
 def test_signature_ignores_the_rank_prefix_and_addresses_and_signals_have_none():
     assert (signature(1, "[rank1]: RuntimeError: bad tensor at 0x7f3a12")
             == signature(1, "[rank0]: RuntimeError: bad tensor at 0x55e0ff"))
+    assert signature(1, "[rank0]: [rank0]: KeyError: 'pos'") == signature(1, "[rank1]: KeyError: 'pos'")
     assert signature(1, "ValueError: a") != signature(1, "ValueError: b")
     assert signature(1, "ValueError: a") != signature(2, "ValueError: a")
     assert signature(1, "") == signature(1, "exit code 1") == "exit code 1"
