@@ -19,6 +19,7 @@ from .faults import FaultPlan
 from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .injection import FaultInjection
+from .deadlines import Deadlines
 from .reconstruction import Reconstruction
 from .repeats import RepeatedFailures
 from .standby import SpareSizing
@@ -33,7 +34,7 @@ describe_exit = p.describe_exit
 # ----------------------------------------------------------------------------- the state machine
 
 
-class Controller(Reconstruction, FaultInjection):
+class Controller(Reconstruction, Deadlines, FaultInjection):
     def __init__(self, spec: JobSpec, now: float):
         if spec.nnodes < 1 or spec.spares < 0 or spec.nproc_per_node < 1:
             raise ValueError("nnodes and nproc_per_node must be at least 1, spares at least 0")
@@ -338,69 +339,6 @@ class Controller(Reconstruction, FaultInjection):
                 replica_also=[endpoint(h) for h in self.holders[node_rank][1:]], restore_also=restore_also,
                 restart_workers=self.spec.restart_mode,
             ))
-
-    # -- time ------------------------------------------------------------------------------------
-
-    def _tick(self, now: float) -> None:
-        if self.generation < 0:
-            if now - self.started_at >= self.spec.rdzv_timeout:
-                if len(self.table.with_role(ACTIVE)) >= self.spec.nnodes:
-                    self._maybe_form(now)
-                else:
-                    self._finish(1, f"only {len(self.table.with_role(ACTIVE))} of {self.spec.nnodes} nodes "
-                                    f"registered within {self.spec.rdzv_timeout:g} s; start the missing nodes "
-                                    "or lower --nnodes")
-                    return
-        for node in self.table.live():
-            silent = now - node.last_heard
-            if silent > self.spec.heartbeat_timeout:
-                self._node_failed(node.node_id, f"no heartbeat for {silent:.1f} s", now)
-        if self.flush is not None and now >= self.flush.deadline:
-            for node_id in sorted(self.flush.waiting):
-                self._node_failed(node_id, f"no answer to a probe within {self.spec.probe_timeout:g} s", now)
-            if self.flush is not None:
-                self.flush.waiting.clear()
-        self._check_waits(now)
-        if now >= self.next_ping:
-            self.next_ping = now + self.spec.heartbeat_interval
-            self.seq += 1
-            for node in self.table.live():
-                self._send(node.node_id, p.Ping(seq=self.seq))
-        self._fire_faults(now)
-
-    def _check_waits(self, now: float) -> None:
-        rec = self.pending
-        if rec is not None and rec.waiting_since is not None and self.flush is None:
-            if now - rec.waiting_since > self.spec.spare_wait_timeout:
-                self._finish(1, f"no node joined as a spare within {self.spec.spare_wait_timeout:g} s after "
-                                f"{', '.join(rec.failed)} failed; start nodes with --rdzv-endpoint to rejoin")
-            return
-        if (self.spec.hang_timeout > 0 and self.stepped and rec is None and self.flush is None
-                and not self.spec.restart_mode and now - self.last_progress_at > self.spec.hang_timeout):
-            self._hung(now)
-
-    def _hung(self, now: float) -> None:
-        """No rank stepped for hang_timeout: blame the ranks that are not waiting on their peers."""
-        stalled = now - self.last_progress_at
-        self.last_progress_at = now
-        stale_after = max(3 * self.spec.heartbeat_interval, 2.0)
-        culprits: dict[str, str] = {}
-        for node_rank, node_id in enumerate(self.layout):
-            node = self.table.nodes[node_id]
-            for local in range(self.spec.nproc_per_node):
-                status = node.workers.get(str(local))
-                rank = node_rank * self.spec.nproc_per_node + local
-                if status is None or status.get("age", 0) > stale_after:
-                    culprits.setdefault(node_id, f"rank {rank} stopped responding")
-                elif status.get("activity") not in ("collective", "snapshot"):
-                    culprits.setdefault(node_id, f"rank {rank} stuck in {status.get('activity')} at step "
-                                                 f"{status.get('step')}")
-        if not culprits:
-            self._finish(1, f"job hung: no step for {stalled:.0f} s and every rank waits on its peers; "
-                            "check the network, or raise --hang-timeout")
-            return
-        for node_id, why in culprits.items():
-            self._node_failed(node_id, f"{why}: no progress for {stalled:.0f} s (--hang-timeout)", now)
 
     # -- views -----------------------------------------------------------------------------------
 
