@@ -89,6 +89,8 @@ def print_report(model: dict, console: Console, bad_lines: int = 0) -> None:
     console.print(f"[bold]{name}[/]: {state} after {duration(model.get('uptime_s'))}; {steps}"
                   f"generation {max(0, model.get('generation', 0))}; "
                   + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    if fin and fin["exit_code"] != 0 and fin.get("message"):
+        console.print(f"why: {fin['message']}", markup=False, highlight=False)
     recs = model.get("recoveries", [])
     goodput = model.get("goodput")
     lost = sum(int(r.get("lost_steps") or 0) for r in recs if r.get("mode") != "restart")

@@ -76,3 +76,12 @@ def test_report_plot_draws_a_timeline(tmp_path):
     assert run_report(events, tmp_path / "timeline.png", as_json=False) == 0
     png = (tmp_path / "timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_report_of_a_failed_job_says_why_it_ended(tmp_path):
+    why = "node failure with no spare left: node1 (node rank 1: agent process exited); rerun with more --spares"
+    events = restart_events()[:5] + [{"event": "job_finished", "time": T0 + 21, "exit_code": 1, "message": why}]
+    proc = report(write(tmp_path / "failed.jsonl", events))
+    text, err = proc.communicate(timeout=50)
+    assert proc.returncode == 0, err
+    assert "finished (exit 1)" in text and f"why: {why}" in " ".join(text.split()), text
