@@ -283,7 +283,7 @@ class Controller(Reconstruction, Deadlines, FaultInjection):
         cause = f"worker {msg.local_rank} (pid {msg.pid}) {describe_exit(msg.exitcode)}{detail}"
         same = None
         if not self.spec.restart_mode:  # (restarts are --max-restarts' to count) a spare's script fails alike
-            rank = node.node_rank * self.spec.nproc_per_node + msg.local_rank if node.node_rank >= 0 else -1
+            rank = self.ranks_of(node.node_rank)[msg.local_rank] if node.node_rank >= 0 else -1
             same = self.repeats.seen(msg.exitcode, msg.detail, node.node_id, rank, self.max_step)
         node.raised = msg.exitcode > 0
         self._node_failed(node.node_id, cause, now)

@@ -173,7 +173,7 @@ class Reconstruction:
         (RankFinished) training is complete; a rank that exited 0 without it left its peers mid-training."""
         failed = ", ".join(f"{n} ({self.table.nodes[n].cause})" for n in rec.failed) or rec.why
         early = sorted(rank for i, n in enumerate(self.layout) for local in self.table.nodes[n].exited_ok
-                       if (rank := i * self.spec.nproc_per_node + local) not in self.finished_ranks)
+                       if (rank := self.ranks_of(i)[local]) not in self.finished_ranks)
         if early:
             self._finish(1, f"rank {', '.join(map(str, early))} exited (exit code 0) after step {step} without "
                             f"finishing job.steps(), and the others cannot train on without it: {failed}; if the "
