@@ -25,20 +25,22 @@ from .events import EventPipe
 from .liveness import Liveness
 from .process import descendants, reap_orphans, set_child_subreaper, signal_procs
 from .protocol import (
-    NO_RANK, Codec, Heartbeat, Hello, Inject, PeerError, Ping, Pong, Progress, RankFinished, Reconfigure,
-    Register, RestoreFailed, Standby, Stop, Welcome, WorkerExited, WorkerReady, WorkerStatus,
+    NO_RANK, Codec, Heartbeat, Hello, Inject, LoadSnapshots, PeerError, Ping, Pong, Progress, RankFinished,
+    Reconfigure, Register, RestoreFailed, SaveSnapshots, SnapshotFiles, Standby, Stop, Welcome, WorkerExited,
+    WorkerReady, WorkerStatus,
 )
 from .output import OutputSpec
 from .replica_server import RelabelChecked, ReplicaServer
 from .replica_store import ReplicaStore
 from .restart import RestartMode
+from .snapshot_files import load_into, save_held
 from .shutdown import Shutdown, ShutdownSequence
 from .workers import WorkerDone, WorkerGroup, describe_exit, worker_env
 
 log = logging.getLogger("dpagent")
 
 EXIT_CONTROLLER_LOST = 3
-FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished)
+FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, SnapshotFiles)
 IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux
 REAP_EVERY = 10.0
 
@@ -302,6 +304,16 @@ class Agent(RestartMode, ShutdownSequence):
                 self._to_workers(msg)
         elif isinstance(msg, Stop):
             self._begin_shutdown(msg.exit_code, f"stop from controller: {msg.reason}", "stop", msg)
+        elif isinstance(msg, SaveSnapshots) and msg.local:  # the workers write their own copies
+            self._to_workers(msg)
+        elif isinstance(msg, SaveSnapshots):  # the job stops: its state outlives it (blocks the loop meanwhile)
+            results = save_held(self.replica.store, msg.directory, msg.step, msg.ranks)
+            log.info("saved snapshots of step %d in %s: %s", msg.step, msg.directory, results)
+            self._to_controller(SnapshotFiles(self.cfg.node_id, msg.step, results))
+        elif isinstance(msg, LoadSnapshots):  # a resumed job: its first generation restores these copies
+            results = load_into(self.replica.store, msg.directory, msg.step, msg.ranks, self.cfg.node_id,
+                                self._to_controller)
+            self._to_controller(SnapshotFiles(self.cfg.node_id, msg.step, results))
         elif isinstance(msg, Inject) and msg.kind == "corrupt-replicas":
             log.warning("injected fault: corrupt-replicas (%d snapshots damaged)", self.replica.store.corrupt_all())
         elif isinstance(msg, Inject):

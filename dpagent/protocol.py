@@ -15,10 +15,11 @@ Who sends what (the reconstruction protocol of docs/DESIGN.md):
 agent -> controller : Register, Heartbeat, Pong, WorkerExited, and relayed from workers:
                       Progress, WorkerReady, PeerError, RestoreFailed, RankFinished; from its replica
                       store: SnapshotStored
-controller -> agent : Welcome, Reconfigure, Stop, Ping, Inject, Standby (to spares)
-agent -> worker     : Reconfigure, Stop, Standby (relayed)
+controller -> agent : Welcome, Reconfigure, Stop, Ping, Inject, Standby (to spares), SaveSnapshots (a job
+                      that stops) and LoadSnapshots (one resumed from files)  ->  SnapshotFiles
+agent -> worker     : Reconfigure, Stop, Standby, SaveSnapshots (relayed)
 worker -> agent     : Hello, WorkerStatus (kept by the agent, summarised in its Heartbeat), Progress,
-                      WorkerReady, PeerError, RestoreFailed, RankFinished
+                      WorkerReady, PeerError, RestoreFailed, RankFinished, SnapshotFiles
 worker -> replica   : PutSnapshot (+ payload frames: meta, then data in chunks; none with held=True)
                       ->  SnapshotAck
 worker -> replica   : FetchSnapshot  ->  SnapshotData (+ the meta frame when found), then one
@@ -45,10 +46,11 @@ from typing import Any, Sequence
 
 from .checksum import CHECKSUM_BLOCK
 
-PROTOCOL_VERSION = 9  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
+PROTOCOL_VERSION = 10  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
 #                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...);
 #                      8: check plans (data parallel blocks sampled: dpagent.checksum.CheckPlan);
-#                      9: SnapshotStored.nbytes and Standby (spares reserve snapshot memory while idle)
+#                      9: SnapshotStored.nbytes and Standby (spares reserve snapshot memory while idle);
+#                      10: SaveSnapshots, LoadSnapshots, SnapshotFiles (a stopped job's state on disk)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -291,6 +293,39 @@ class Standby:
     (meta + data), so that each worker makes room for its restore while idle, not after a failure."""
 
     snapshot_bytes: list[int]  # local rank -> bytes
+
+
+@_message
+class SaveSnapshots:
+    """The job is stopping: write the snapshots of `ranks` at `step` as files in `directory`
+    (dpagent.snapshot_files): those this node's replica store holds, or with `local`, relayed to the node's
+    workers, their own local copies (a rank whose every replica died with its holder). Each answers with
+    SnapshotFiles."""
+
+    directory: str
+    step: int
+    ranks: list[int]
+    local: bool = False
+
+
+@_message
+class LoadSnapshots:
+    """A job resumed from files: read `ranks`' snapshot files of `step` from `directory` into this node's
+    replica store (each reported with SnapshotStored, as a replica would be), then answer SnapshotFiles."""
+
+    directory: str
+    step: int
+    ranks: list[int]
+
+
+@_message
+class SnapshotFiles:
+    """The answer to SaveSnapshots / LoadSnapshots (an agent's, or a worker's for its own rank): for each rank
+    asked, "" when its file was written or read, else why not."""
+
+    node_id: str
+    step: int
+    results: dict[str, str]  # str(rank) -> "" or the error
 
 
 @_message

@@ -14,6 +14,8 @@ from typing import List, Optional
 
 import typer
 
+from dpagent.snapshot_files import saved_step
+
 from . import faults, slurm
 from .job import JobOptions, is_local, parse_endpoint, run_multinode, run_standalone, uses_dpstate
 from .server import PortInUse
@@ -115,6 +117,15 @@ def run(
              "wait for a node to join as a spare: dprun --rdzv-endpoint ... on another machine)."),
     spare_wait_timeout: float = typer.Option(
         1800.0, "--spare-wait-timeout", help="With --on-spare-exhausted wait: give up after this many seconds."),
+    save_dir: Optional[Path] = typer.Option(
+        None, "--save-dir",
+        help="A job that stops (a failure it cannot recover, a script error, a signal) first writes its newest "
+             "snapshot of every rank here, as DIR/step-S (on storage every node sees), to go on from with "
+             "--resume-from."),
+    resume_from: Optional[Path] = typer.Option(
+        None, "--resume-from",
+        help="Go on from the snapshots a stopped job saved (its --save-dir's step-S folder): every rank "
+             "starts from step S + 1. The job must have as many ranks."),
     rdzv_endpoint: Optional[str] = typer.Option(
         None, "--rdzv-endpoint", "--rdzv_endpoint", envvar="PET_RDZV_ENDPOINT",
         help="HOST:PORT of the controller (multi-node). Without it, every node runs on this machine."),
@@ -238,6 +249,20 @@ def run(
         _fail(f"--on-spare-exhausted must be 'fail' or 'wait', got {on_spare_exhausted!r}")
     if hang_timeout < 0:
         _fail(f"--hang-timeout must be 0 (off) or positive, got {hang_timeout:g}")
+    if restart_mode and (save_dir or resume_from):
+        _fail(f"{'--save-dir' if save_dir else '--resume-from'} needs a script that uses dpstate (its snapshots are "
+              "what is saved); this one does not, so dprun restarts it on a failure (--recovery restart)")
+    resume_step = -1
+    if resume_from is not None:
+        try:
+            resume_step = saved_step(resume_from, nnodes * nproc_per_node)
+        except ValueError as exc:
+            _fail(f"--resume-from: {exc}")
+    if save_dir is not None:
+        try:
+            save_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            _fail(f"--save-dir {save_dir}: {exc.strerror}")
     for spec in fault_specs:
         if spec.on_spare:
             if spec.node_rank >= spares:
@@ -280,6 +305,8 @@ def run(
         restart_mode=restart_mode, max_restarts=max_restarts, log_dir=str(log_dir) if log_dir else None,
         redirects=redirects, tee=tee, local_ranks_filter=local_ranks_filter,
         tui=sys.stdout.isatty() if tui is None else tui, status_port=status_port, total_steps=total_steps,
+        save_dir=str(save_dir.resolve()) if save_dir else "", resume_step=resume_step,
+        resume_from=str(resume_from.resolve()) if resume_from else "",
     )
     try:
         code = run_multinode(opts) if opts.rdzv_endpoint else run_standalone(opts)

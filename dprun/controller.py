@@ -20,6 +20,7 @@ from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .injection import FaultInjection
 from .deadlines import Deadlines
+from .files import FileWork, Files
 from .reconstruction import Reconstruction
 from .repeats import RepeatedFailures
 from .standby import SpareSizing
@@ -34,7 +35,7 @@ describe_exit = p.describe_exit
 # ----------------------------------------------------------------------------- the state machine
 
 
-class Controller(Reconstruction, Deadlines, FaultInjection):
+class Controller(Reconstruction, Deadlines, Files, FaultInjection):
     def __init__(self, spec: JobSpec, now: float):
         if spec.nnodes < 1 or spec.spares < 0 or spec.nproc_per_node < 1:
             raise ValueError("nnodes and nproc_per_node must be at least 1, spares at least 0")
@@ -67,6 +68,9 @@ class Controller(Reconstruction, Deadlines, FaultInjection):
         self.restarts = 0
         self.finished_ranks: dict[int, int] = {}  # rank -> its last step, once past job.steps()' final barrier
         self.repeats = RepeatedFailures()  # workers' errors by signature: one that follows a rank is the script's
+        self.files: FileWork | None = None  # snapshot files being written (the job ends) or read (it resumes)
+        self.saved = False  # the state was saved (or there was none to save): the job ends as it is
+        self.now = now  # the time of the input being handled
         self._out: list = []
 
     # -- entry point -----------------------------------------------------------------------------
@@ -75,7 +79,10 @@ class Controller(Reconstruction, Deadlines, FaultInjection):
         self._out = []
         if self.finished:
             return []
-        if isinstance(event, Received):
+        self.now = now
+        if self.files is not None:
+            self._while_files(event, now)
+        elif isinstance(event, Received):
             self._received(event.node_id, event.msg, now)
         elif isinstance(event, NodeGone):
             self._node_failed(event.node_id, event.cause, now)
@@ -85,7 +92,8 @@ class Controller(Reconstruction, Deadlines, FaultInjection):
             self._finish(event.exit_code, event.reason)
         else:
             raise TypeError(f"unknown input {event!r}")
-        self._maybe_decide(now)
+        if self.files is None:
+            self._maybe_decide(now)
         out, self._out = self._out, []
         return out
 
@@ -101,6 +109,9 @@ class Controller(Reconstruction, Deadlines, FaultInjection):
         self.dropped[why] = self.dropped.get(why, 0) + 1
 
     def _finish(self, code: int, message: str) -> None:
+        message = self._save_first(code, message)
+        if message is None:
+            return  # it ends once the nodes wrote its state (dprun.files)
         for node in self.table.live():
             self._send(node.node_id, p.Stop(reason=message, exit_code=code))
         self._publish("job_finished", exit_code=code, message=message)
@@ -312,13 +323,23 @@ class Controller(Reconstruction, Deadlines, FaultInjection):
                 layout[i] = rest.pop(0)
         self.layout = [n for n in layout if n is not None]
         self.generation = 0
-        self.training_since = now
-        self.last_progress_at = now
-        for rank, node_id in enumerate(self.layout):
-            self.table.nodes[node_id].node_rank = rank
-        self._reconfigure_all(restore_step=p.NO_RANK, sources={}, reason="start")
+        for node_rank, node_id in enumerate(self.layout):
+            self.table.nodes[node_id].node_rank = node_rank
+        if self.spec.resume_from:
+            self._load_first()  # then _start_first_generation
+        else:
+            self._start_first_generation(p.NO_RANK, {})
+
+    def _start_first_generation(self, restore_step: int, sources: dict[int, str]) -> None:
+        """Generation 0: a fresh start, or every rank restores `restore_step` from `sources` (resumed)."""
+        self.training_since = self.last_progress_at = self.now
+        if restore_step >= 0:
+            self.max_step = restore_step
+            self.rank_step = {rank: restore_step for rank in range(self.spec.world_size)}
+        self._reconfigure_all(restore_step, sources, reason="resume" if restore_step >= 0 else "start")
         self._publish("job_started", generation=0, nnodes=self.spec.nnodes, world_size=self.spec.world_size,
-                      spares=len(self.table.with_role(SPARE)), layout=list(self.layout))
+                      spares=len(self.table.with_role(SPARE)), layout=list(self.layout),
+                      **({"resumed_from": self.spec.resume_from, "step": restore_step} if restore_step >= 0 else {}))
 
     def _reconfigure_all(self, restore_step: int, sources: dict[int, str], reason: str) -> None:
         self.holders = {r: self.replica_holders(r) for r in range(len(self.layout))}

@@ -30,6 +30,10 @@ class JobSpec:
     spare_wait_timeout: float = 1800.0
     restart_mode: bool = False  # the script does not use dpstate: recover by restarting every worker
     max_restarts: int = 3  # restart mode: restart recoveries allowed (torchrun's --max-restarts)
+    save_dir: str = ""  # a job that ends with an error or a signal writes its newest complete state here
+    resume_from: str = ""  # ... and one started with this folder of it (save_dir/step-S) goes on from step S
+    resume_step: int = -1
+    files_timeout: float = 600.0  # for the nodes to write or read those files
 
     @property
     def world_size(self) -> int:

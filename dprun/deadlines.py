@@ -34,12 +34,17 @@ class Deadlines:
             if self.flush is not None:
                 self.flush.waiting.clear()
         self._check_waits(now)
+        self._ping_due(now)
+        self._fire_faults(now)
+
+    def _ping_due(self, now: float) -> None:
+        """Every heartbeat interval, a Ping to every live node (its Pong proves it alive; its agent, which
+        leaves when the controller falls silent, hears from it)."""
         if now >= self.next_ping:
             self.next_ping = now + self.spec.heartbeat_interval
             self.seq += 1
             for node in self.table.live():
                 self._send(node.node_id, p.Ping(seq=self.seq))
-        self._fire_faults(now)
 
     def _check_waits(self, now: float) -> None:
         rec = self.pending

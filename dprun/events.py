@@ -22,8 +22,11 @@ def describe(event: dict) -> str:
     if kind == "node_joined":
         return f"node {e['node']} joined as {e['role']} (host {e['host']}, pid {e['pid']})"
     if kind == "job_started":
+        resumed = f", going on from step {e['step']} of {e['resumed_from']}" if e.get("resumed_from") else ""
         return (f"training started: {e['nnodes']} nodes, world size {e['world_size']}, "
-                f"{e['spares']} spare(s) standing by")
+                f"{e['spares']} spare(s) standing by{resumed}")
+    if kind == "saving_state":
+        return f"the job stops: saving the state of step {e['step']} ({e['ranks']} ranks) in {e['folder']}"
     if kind == "fault_injected":
         return f"injected {e['spec']} on {e['node']}"
     if kind == "node_failed":

@@ -58,6 +58,9 @@ class JobOptions:
     restart_mode: bool = False  # the script does not use dpstate: recover by restarting every worker
     max_restarts: int = 3
     log_dir: str | None = None
+    save_dir: str = ""  # JobSpec's: where a stopping job writes its state, and the saved state to go on from
+    resume_from: str = ""
+    resume_step: int = -1
     redirects: str = "0"
     tee: str = "0"
     local_ranks_filter: str = ""
@@ -152,7 +155,8 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
             rdzv_timeout=opts.rdzv_timeout, faults=tuple(opts.faults), replicas=opts.replicas,
             hang_timeout=opts.hang_timeout, on_spare_exhausted=opts.on_spare_exhausted,
             spare_wait_timeout=opts.spare_wait_timeout, restart_mode=opts.restart_mode,
-            max_restarts=opts.max_restarts,
+            max_restarts=opts.max_restarts, save_dir=opts.save_dir, resume_from=opts.resume_from,
+            resume_step=opts.resume_step,
         )
         _install_signal_handlers(server)
         if not opts.tui:

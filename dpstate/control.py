@@ -39,6 +39,7 @@ class Control:
         self.status: Any = None  # callable returning a WorkerStatus, or None
         self.status_interval = float(os.environ.get("DP_STATUS_INTERVAL", "0.5"))
         self.on_standby: Callable[[P.Standby], None] | None = None  # called on this thread: must not block
+        self.on_save: Callable[[P.SaveSnapshots], None] | None = None  # on this thread (the job is stopping)
         self.standby: P.Standby | None = None  # the newest one (it may come before on_standby is set)
         self._cond = threading.Condition()
         self._latest: P.Reconfigure | None = None
@@ -157,6 +158,8 @@ class Control:
                 self._cond.notify_all()
             if self.on_standby is not None:
                 self.on_standby(msg)
+        elif isinstance(msg, P.SaveSnapshots) and self.on_save is not None:
+            self.on_save(msg)
         elif isinstance(msg, P.Stop):
             with self._cond:
                 if self._stop is not None:

@@ -28,6 +28,7 @@ from .pgroup import GroupManager, default_backend, local_device
 from .interval import POLICY_NAME, SnapshotPolicy
 from .optim import AdamW
 from .replication import Replicator, ReplicationError, Slot
+from .saving import save_local
 from .sources import SnapshotSources, named_sources
 from .standby import RestoreRoom
 from .state import Tracked
@@ -97,6 +98,7 @@ class Job:
             control.status = self._status
             self._room = RestoreRoom(self._replicator, self.local_rank)  # a spare makes room for its restore
             control.on_standby = self._room.on_message
+            control.on_save = lambda msg: save_local(self._replicator, msg, self.rank, self.node_id, self._send)
             if control.standby is not None:  # came first
                 control.on_standby(control.standby)
 

@@ -1,0 +1,144 @@
+"""A snapshot as a file: what a stopping job leaves on disk (SaveSnapshots) and a resumed one reads back
+(LoadSnapshots), so that its state outlives the job. One file per rank: a JSON header line, the meta, the data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from .checksum import checksum_chunks
+from .protocol import CHUNK_BYTES, PutSnapshot, SnapshotStored
+from .replica_store import ReplicaStore, frame_view
+
+FORMAT = "deadpool-snapshot/1"
+
+
+def step_folder(directory: str | os.PathLike, step: int) -> Path:
+    """Where a job's saved snapshots of `step` go: DIRECTORY/step-STEP (what --resume-from names)."""
+    return Path(directory) / f"step-{step}"
+
+
+def rank_file(folder: str | os.PathLike, rank: int) -> Path:
+    return Path(folder) / f"rank-{rank}.dpsnap"
+
+
+def write_snapshot(folder: str | os.PathLike, rank: int, step: int, checksum: int, meta: Any,
+                   chunks: list) -> Path:
+    """Write a snapshot (its meta and data chunks, bytes-like) as folder/rank-R.dpsnap, whole or not at all
+    (a temporary file, synced, then renamed)."""
+    path = rank_file(folder, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = frame_view(meta)
+    views = [frame_view(c) for c in chunks]
+    header = {"format": FORMAT, "rank": rank, "step": step, "checksum": checksum,
+              "nbytes": meta.nbytes + sum(v.nbytes for v in views), "meta_bytes": meta.nbytes}
+    partial = path.with_suffix(".partial")
+    with open(partial, "wb") as f:
+        f.write(json.dumps(header).encode() + b"\n")
+        f.write(meta)
+        for view in views:
+            f.write(view)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+    return path
+
+
+def read_header(path: str | os.PathLike) -> dict:
+    """The header of a snapshot file; ValueError if it is not one."""
+    with open(path, "rb") as f:
+        line = f.readline(4096)
+    try:
+        header = json.loads(line)
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a DeadPool snapshot file ({FORMAT})")
+    return header
+
+
+def read_snapshot(path: str | os.PathLike, generation: int) -> tuple[PutSnapshot, bytes, list[bytes]]:
+    """A snapshot file as a put of `generation` with its payload (meta, data chunks), its bytes checked
+    against the checksum they were saved with. ValueError: not a snapshot file, cut short or corrupt."""
+    header = read_header(path)
+    with open(path, "rb") as f:
+        f.readline(4096)
+        meta = f.read(header["meta_bytes"])
+        left = header["nbytes"] - len(meta)
+        chunks = []
+        while left > 0:
+            chunk = f.read(min(CHUNK_BYTES, left))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    if left or len(meta) != header["meta_bytes"]:
+        raise ValueError(f"{path} is cut short: {left} of {header['nbytes']} bytes missing")
+    chunks = chunks or [b""]
+    if checksum_chunks(memoryview(meta), [memoryview(c) for c in chunks]) != header["checksum"]:
+        raise ValueError(f"{path} is corrupt: its bytes do not match the checksum it was saved with")
+    put = PutSnapshot(rank=header["rank"], step=header["step"], generation=generation,
+                      checksum=header["checksum"], nbytes=header["nbytes"])
+    return put, meta, chunks
+
+
+def save_held(store: ReplicaStore, folder: str | os.PathLike, step: int, ranks: list[int]) -> dict[str, str]:
+    """SaveSnapshots: write the copies `store` holds of `ranks` at `step` into `folder`. Returns, for each
+    rank, "" or why its file was not written."""
+    results = {}
+    for rank in ranks:
+        snap = store.get(rank, step)
+        if snap is None:
+            results[str(rank)] = f"rank {rank} step {step} is not held here (held: {store.steps(rank)})"
+            continue
+        try:
+            write_snapshot(folder, rank, step, snap.checksum, snap.meta, list(snap.chunks))
+            results[str(rank)] = ""
+        except OSError as exc:
+            results[str(rank)] = f"rank {rank}: {exc}"
+    return results
+
+
+def load_into(store: ReplicaStore, folder: str | os.PathLike, step: int, ranks: list[int], node_id: str,
+              report: Callable[[SnapshotStored], Any]) -> dict[str, str]:
+    """LoadSnapshots: read `ranks`' files of `step` from `folder` into `store` as copies of generation 0 (the
+    resumed job's first), each reported as stored. Returns, for each rank, "" or why it was not loaded."""
+    results = {}
+    for rank in ranks:
+        path = rank_file(folder, rank)
+        try:
+            put, meta, chunks = read_snapshot(path, generation=0)
+            if (put.rank, put.step) != (rank, step):
+                raise ValueError(f"{path} holds rank {put.rank} step {put.step}, not rank {rank} step {step}")
+            error = store.add(put, meta, *chunks)
+        except (OSError, ValueError) as exc:
+            error = str(exc)
+        results[str(rank)] = f"{path}: {error}" if error and not error.startswith(str(path)) else error
+        if not error:
+            report(SnapshotStored(node_id, rank, step, 0, put.nbytes))
+    return results
+
+
+def saved_step(folder: str | os.PathLike, world_size: int) -> int:
+    """The step that `folder` (a --save-dir's step-S) holds a file of for every rank of a job of `world_size`.
+    ValueError, saying what is wrong, if it does not."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise ValueError(f"{folder} is not a folder of saved snapshots (give the step-S folder a stopped job "
+                         "named)")
+    steps = set()
+    for rank in range(world_size):
+        try:
+            header = read_header(rank_file(path, rank))
+        except OSError:
+            raise ValueError(f"{folder} has no snapshot of rank {rank} ({rank_file(path, rank).name}): it was "
+                             f"saved by a job of another size than {world_size} ranks, or not whole") from None
+        steps.add(header["step"])
+    extra = sorted(p.name for p in path.glob("rank-*.dpsnap") if int(p.stem.split("-")[1]) >= world_size)
+    if extra or len(steps) != 1:
+        raise ValueError(f"{folder} does not hold one step of a job of {world_size} ranks "
+                         f"(steps {sorted(steps)}{', also ' + ', '.join(extra) if extra else ''})")
+    return steps.pop()

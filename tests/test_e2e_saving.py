@@ -1,0 +1,84 @@
+"""A job's state outlives the job, in real dprun jobs: one that stops (out of spares, or told to by SIGTERM)
+writes its newest complete step with --save-dir, and a job started with --resume-from that folder goes on from
+it to the very parameters of a run that never stopped."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pytest
+
+from conftest import Processes
+from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
+
+pytestmark = pytest.mark.slow
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def sha(tmp_path_factory) -> str:
+    procs = Processes()
+    try:
+        run = dprun(procs, tmp_path_factory.mktemp("ref"), "ref", "--nnodes", "2", "--spares", "0", steps=STEPS)
+    finally:
+        procs.kill_all()
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.summary["params_sha256"]
+
+
+def _resumed(procs, tmp_path, folder: str, sha: str) -> None:
+    run = dprun(procs, tmp_path, "resume", "--nnodes", "2", "--spares", "0", "--resume-from", folder, steps=STEPS)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (started,) = run.named("job_started")
+    first = min(e["step"] for e in run.named("progress"))
+    assert first > started["step"] > 0, "it went on from the saved step, not from the start"
+    assert run.summary["final_step"] == STEPS
+    assert run.summary["params_sha256"] == sha, "the resumed run diverged from the one that never stopped"
+
+
+def test_a_job_out_of_spares_saves_its_state_and_a_resumed_job_ends_where_an_unbroken_one_does(procs, tmp_path, sha):
+    saved = tmp_path / "saved"
+    run = dprun(procs, tmp_path, "stop", "--nnodes", "2", "--spares", "0", "--save-dir", saved,
+                "--inject", "kill-node:1@step=12", steps=STEPS)
+    assert run.returncode == 1, run.stderr[-3000:]
+    (saving,) = run.named("saving_state")
+    (finished,) = run.named("job_finished")
+    assert "no spare left" in finished["message"] and f"is saved in {saving['folder']}" in finished["message"]
+    assert sorted(f.name for f in (saved / f"step-{saving['step']}").iterdir()) == ["rank-0.dpsnap", "rank-1.dpsnap"]
+    _resumed(procs, tmp_path, saving["folder"], sha)
+
+
+def test_sigterm_saves_the_state_before_the_job_stops(procs, tmp_path, sha):
+    """As Slurm's time limit or scancel would: the job stops with 128 + 15, its state saved on the way."""
+    events = tmp_path / "term.events.jsonl"
+    proc = procs.dprun("--nnodes", "2", "--spares", "0", "--no-tui", "--save-dir", tmp_path / "saved",
+                       "--events-file", events, TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1",
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90,
+             "step 8")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    (saving,) = [e for e in read_events(events) if e["event"] == "saving_state"]
+    assert 8 <= saving["step"] < STEPS
+    _resumed(procs, tmp_path, saving["folder"], sha)
+
+
+def test_resume_from_a_folder_that_is_not_a_saved_step_is_refused_in_one_line(procs, tmp_path):
+    proc = procs.dprun("--nnodes", "2", "--resume-from", tmp_path / "nowhere", TRAIN, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert err.strip().splitlines() == [f"dprun: --resume-from: {tmp_path / 'nowhere'} is not a folder of saved "
+                                        "snapshots (give the step-S folder a stopped job named)"]
+
+
+def test_save_dir_for_a_script_without_dpstate_is_refused_in_one_line(procs, tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("print('a plain script')\n")
+    proc = procs.dprun("--nnodes", "2", "--save-dir", tmp_path / "saved", script, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--save-dir needs a script that uses dpstate" in err
