@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from .checksum import checksum_chunks
 from .protocol import CHUNK_BYTES, PutSnapshot, SnapshotStored
-from .replica_store import ReplicaStore, frame_view
+from .replica_store import ReplicaStore, frame_view, intact
 
 FORMAT = "deadpool-snapshot/1"
 
@@ -93,6 +93,9 @@ def save_held(store: ReplicaStore, folder: str | os.PathLike, step: int, ranks: 
         snap = store.get(rank, step)
         if snap is None:
             results[str(rank)] = f"rank {rank} step {step} is not held here (held: {store.steps(rank)})"
+            continue
+        if not intact(snap):  # a file that could not be resumed from is worse than none said
+            results[str(rank)] = f"the copy of rank {rank} step {step} held here is corrupt"
             continue
         try:
             write_snapshot(folder, rank, step, snap.checksum, snap.meta, list(snap.chunks))

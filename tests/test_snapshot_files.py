@@ -36,6 +36,13 @@ def test_a_saved_snapshot_reads_back_bit_for_bit_into_a_fresh_store(tmp_path):
     assert reports == [SnapshotStored("n0", 1, 7, 0, len(META) + len(data))]
 
 
+def test_a_copy_damaged_in_memory_is_not_saved(tmp_path):
+    store = _store_with(0, 7, os.urandom(3 * CHECKSUM_BLOCK))
+    assert store.corrupt_all() == 1
+    assert save_held(store, tmp_path, 7, [0]) == {"0": "the copy of rank 0 step 7 held here is corrupt"}
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_damaged_or_cut_file_is_refused_saying_so(tmp_path):
     folder = step_folder(tmp_path, 7)
     save_held(_store_with(0, 7, os.urandom(3 * CHECKSUM_BLOCK)), folder, 7, [0])
