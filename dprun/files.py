@@ -28,6 +28,7 @@ class FileWork:
     step: int
     waiting: dict[int, str]  # rank -> the node asked for its file, until it answers
     deadline: float
+    local: set[int] = field(default_factory=set)  # saving: ranks asked of their workers (own local copies)
     done: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     code: int = 0  # saving: how the job ends once the files are written
@@ -60,8 +61,8 @@ class Files:
             else:
                 workers.setdefault(self.node_of_rank(rank), []).append(rank)
         waiting = {rank: node for asked in (stores, workers) for node, ranks in asked.items() for rank in ranks}
-        self.files = FileWork(True, folder, plan.step, waiting, self.now + self.spec.files_timeout, code=code,
-                              message=message)
+        self.files = FileWork(True, folder, plan.step, waiting, self.now + self.spec.files_timeout,
+                              local={rank for ranks in workers.values() for rank in ranks}, code=code, message=message)
         for asked, local in ((stores, False), (workers, True)):
             for node_id, ranks in asked.items():
                 self._send(node_id, p.SaveSnapshots(folder, plan.step, ranks, local=local))
@@ -84,7 +85,7 @@ class Files:
         if isinstance(event, Received) and isinstance(event.msg, WAITING_FOR_FILES):
             self._received(event.node_id, event.msg, now)
         elif isinstance(event, Received) and isinstance(event.msg, p.WorkerExited) and event.msg.exitcode:
-            self._files_failed(event.node_id, f"its worker {p.describe_exit(event.msg.exitcode)}")
+            self._worker_lost(event.node_id, event.msg)
         elif isinstance(event, NodeGone):
             self._files_failed(event.node_id, event.cause)
         elif isinstance(event, Shutdown):
@@ -98,15 +99,27 @@ class Files:
             else:
                 self._ping_due(now)
 
+    def _worker_lost(self, node_id: str, msg: p.WorkerExited) -> None:
+        """A worker failed while files are written or read: a resume fails; a save loses the rank only if that
+        worker was to write it (a replica store's copy does not need its node's workers)."""
+        node, work = self.table.get(node_id), self.files
+        rank = self.ranks_of(node.node_rank)[msg.local_rank] if node is not None and node.node_rank >= 0 else -1
+        if not work.saving or (rank in work.local and work.waiting.get(rank) == node_id):
+            self._files_lost([rank], f"{node_id}: its worker {msg.local_rank} {p.describe_exit(msg.exitcode)}")
+
     def _files_failed(self, node_id: str, cause: str) -> None:
+        """A node was lost while files are written (its ranks' files are) or read (the resume fails)."""
+        lost = [rank for rank, node in self.files.waiting.items() if node == node_id]
+        if lost or not self.files.saving:
+            self._files_lost(lost, f"{node_id} failed: {cause}")
+
+    def _files_lost(self, ranks: list[int], why: str) -> None:
         work = self.files
-        lost = [rank for rank, node in work.waiting.items() if node == node_id]
-        if lost or not work.saving:  # (a node lost while loading fails the resume)
-            for rank in lost:
-                del work.waiting[rank]
-            work.errors.append(f"{node_id} failed: {cause}")
-            if not work.saving or not work.waiting:
-                self._files_done()
+        for rank in ranks:
+            work.waiting.pop(rank, None)
+        work.errors.append(why)
+        if not work.saving or not work.waiting:
+            self._files_done()
 
     def _on_SnapshotFiles(self, node, msg: p.SnapshotFiles, now: float) -> None:
         work = self.files

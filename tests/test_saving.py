@@ -4,7 +4,7 @@ complete step write it before it ends; a resumed job has them read it back befor
 from __future__ import annotations
 
 from dpagent import protocol as p
-from dprun.controller import Tick
+from dprun.controller import Shutdown, Tick
 from test_controller import Harness, spec
 
 
@@ -81,3 +81,27 @@ def test_a_resume_whose_file_cannot_be_read_stops_before_training():
     h.msg("b", p.SnapshotFiles("b", 4, {"1": ""}))
     assert h.finish and h.finish.exit_code == 1 and "cannot resume from /saved/step-4" in h.finish.message
     assert "rank-0.dpsnap is corrupt" in h.finish.message and not h.sent_to("a", p.Reconfigure)
+
+
+def test_sigterm_saves_from_the_stores_which_need_no_worker_of_theirs():
+    h = _two_nodes(save_dir="/saved")
+    for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
+        h.msg(node, p.Progress(node, 0, rank, 4, snapshot=True))
+        h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
+    h.feed(Shutdown(143, "dprun received SIGTERM; stopping every node"))
+    assert [(m.ranks, m.local) for m in h.sent_to("a", p.SaveSnapshots)] == [([1], False)]
+    assert [(m.ranks, m.local) for m in h.sent_to("b", p.SaveSnapshots)] == [([0], False)]
+    h.msg("a", p.WorkerExited("a", 0, 0, 10, 1, "KeyboardInterrupt"))  # its store still writes rank 1
+    h.msg("a", p.SnapshotFiles("a", 4, {"1": ""}))
+    assert h.finish is None
+    h.msg("b", p.SnapshotFiles("b", 4, {"0": ""}))
+    assert h.finish and h.finish.exit_code == 143 and "the state of step 4 is saved" in h.finish.message
+
+
+def test_a_worker_lost_while_it_writes_its_own_copy_fails_the_save_saying_so():
+    h = _two_nodes(save_dir="/saved")
+    _trained_to_step_4_then_b_died(h)
+    h.msg("a", p.SnapshotFiles("a", 4, {"1": ""}))
+    h.msg("a", p.WorkerExited("a", 0, 0, 10, -9))  # it was to write rank 0, whose holder died
+    assert h.finish and "saving the state of step 4 in /saved/step-4 failed: a: its worker 0 killed by SIGKILL" \
+        in h.finish.message

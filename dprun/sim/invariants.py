@@ -6,6 +6,8 @@ the end of a schedule by `judge_outcome`.
 
 from __future__ import annotations
 
+import re
+
 from dpagent import protocol as p
 from dprun.controller import ANY_GENERATION, Finish, Received, Send
 from dprun.nodes import ACTIVE, FAILED
@@ -77,7 +79,8 @@ class Checker:
         if event.msg.exitcode != 1 or not any(e.detail == line and not e.once for e in world.errors):
             return
         nodes = self.struck.setdefault(line, set())
-        if nodes - {event.node_id} and not any(isinstance(a, Finish) for a in actions):
+        ending = any(isinstance(a, Finish) for a in actions) or world.controller.files is not None
+        if nodes - {event.node_id} and not ending:  # (it ends once its state is saved, with save_dir)
             raise InvariantViolation(f"invariant 6: {sorted(nodes)} and {event.node_id} raised {line!r}, the job "
                                      "goes on")
         nodes.add(event.node_id)
@@ -87,7 +90,7 @@ class Checker:
         layout = c.layout
         if len(layout) != c.spec.nnodes or len(set(layout)) != len(layout):
             raise InvariantViolation(f"invariant 1: layout {layout} does not give each node rank one node")
-        if not c.finished and any(c.table.nodes[n].role != ACTIVE for n in layout):
+        if not c.finished and c.files is None and any(c.table.nodes[n].role != ACTIVE for n in layout):
             if c.pending is None and c.flush is None:
                 raise InvariantViolation(f"invariant 1: a failed node still owns ranks with no recovery under way: "
                                          f"{[(n, c.table.nodes[n].role) for n in layout]}")
@@ -139,6 +142,10 @@ def judge_outcome(world) -> str:
     if finish is None:
         raise InvariantViolation(f"liveness: no progress to an end by t={world.now:.1f}s "
                                  f"(generation {world.controller.generation}, step {world.controller.max_step})")
+    saved = re.search(r"the state of step (\d+) is saved", finish.message)
+    if saved and world.saved != {rank: int(saved[1]) for rank in range(world.spec.world_size)}:
+        raise InvariantViolation(f"invariant 7: said saved, but the files written are {world.saved}: "
+                                 f"{finish.message}")
     if finish.exit_code == 0:
         for node_id in world.controller.layout:
             for worker in world.nodes[node_id].workers:

@@ -42,12 +42,13 @@ class Schedule:
     interval: int = 1  # snapshots at step 0 and every multiple of it (dprun --snapshot-interval N)
     auto: bool = False  # before that, an irregular measuring window as --snapshot-interval auto has
     defer: bool = False  # gates wait for acks at snapshot steps only (optimizer steps that do not land)
+    save: bool = False  # a job that stops has its newest complete step written to files (--save-dir)
 
     def spec(self) -> JobSpec:
         return JobSpec(nnodes=self.nnodes, spares=self.spares, nproc_per_node=self.nproc, store_endpoint="sim:0",
                        heartbeat_interval=0.5, heartbeat_timeout=2.0, probe_timeout=0.5, rdzv_timeout=5.0,
                        replicas=self.replicas, on_spare_exhausted="wait" if self.wait_for_spares else "fail",
-                       spare_wait_timeout=8.0)
+                       spare_wait_timeout=8.0, save_dir="/saved" if self.save else "", files_timeout=5.0)
 
     def describe(self) -> str:
         faults = ", ".join(f"{f.kind}@{f.at:.2f}" for f in self.faults) or "no faults"
@@ -55,12 +56,13 @@ class Schedule:
                 f"{self.replicas} replica(s), {'wait' if self.wait_for_spares else 'fail'} when out of spares, "
                 f"{self.steps} steps, snapshots every {self.interval}"
                 f"{' after a measuring window' if self.auto else ''}"
-                f"{', acks awaited at snapshot steps' if self.defer else ''}; {faults}")
+                f"{', acks awaited at snapshot steps' if self.defer else ''}"
+                f"{', the state saved when it stops' if self.save else ''}; {faults}")
 
 
 def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors: bool = True) -> Schedule:
     """extended=False: the schedule as it was before snapshot intervals and corrupt replicas were drawn too
-    (what the regression seeds name); errors=False: before the script's own errors were drawn too."""
+    (what the regression seeds name); errors=False: before the script's own errors and saving were drawn."""
     rng = random.Random(seed)
     nnodes = rng.randint(1, max_nodes)
     spares = rng.randint(0, 3)
@@ -80,5 +82,6 @@ def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors
     if errors and rng.random() < 0.2:  # drawn last, as the regression seeds were found without them
         faults.append(Fault(at=rng.uniform(0.05, 0.5), kind=rng.choice(SCRIPT_ERRORS), pick=rng.random(),
                             ahead=rng.randint(1, 3)))
+    save = errors and rng.random() < 0.5
     return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
-                    interval, auto, defer)
+                    interval, auto, defer, save)

@@ -55,6 +55,7 @@ class World(WorkerSide):
         self.failures = 0  # nodes that failed by a fault (killed, frozen, a worker killed, the script raising)
         self.errors: list[ScriptError] = []  # armed in the training script (see raise_due)
         self.raised: list[tuple[str, str]] = []  # (node, stderr's last line) of each error the script raised
+        self.saved: dict[int, int] = {}  # rank -> the step of it written to a file (a job that stops, save_dir)
         for i, node in enumerate(self.nodes.values()):
             node.workers = [SimWorker() for _ in range(node.nproc)]
             want_spare = i >= spec.nnodes
@@ -145,6 +146,23 @@ class World(WorkerSide):
             node.replica_to = [msg.replica_to, *msg.replica_also]
             for local, worker in enumerate(node.workers):
                 self.at(self._link_delay(node_id, f"{node_id}/{local}"), self._worker_reconfigure, node, local, msg)
+        elif isinstance(msg, p.SaveSnapshots):
+            self._agent_send(node_id, p.SnapshotFiles(node_id, msg.step, self._save_files(node, msg)))
+
+    def _save_files(self, node: SimNode, msg: p.SaveSnapshots) -> dict[str, str]:
+        """As dpagent.snapshot_files.save_held (from the store; a damaged copy is not saved) or, with `local`,
+        dpstate.saving (each worker of those ranks from its local ring); what was written goes in `saved`."""
+        results = {}
+        for rank in msg.ranks:
+            if msg.local:
+                workers = [w for w in node.workers if w.rank == rank and w.phase != "dead"]
+                held = bool(workers) and msg.step in workers[0].local
+            else:
+                held = msg.step in node.store.get(rank, []) and (rank, msg.step) not in node.corrupt
+            results[str(rank)] = "" if held else f"rank {rank} step {msg.step} is not held here"
+            if held:
+                self.saved[rank] = msg.step
+        return results
 
     def _stop_node(self, node: SimNode) -> None:
         node.stopped = True
