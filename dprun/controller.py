@@ -60,6 +60,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.last_progress_at = now  # when the newest step last grew (hang detection)
         self.stepped = False  # a step was made in this generation: start-up and restores are not hangs
         self.unrestored: set[int] = set()  # ranks handed to a new node that has not yet restored their state
+        self.restores_answered: set[int] = set()  # ranks that said restored or failed to, this generation
         self.rank_step: dict[int, int] = {}  # newest step each rank reported in this generation's timeline
         self.dropped: dict[str, int] = {}
         self.max_step = 0
@@ -233,12 +234,20 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
 
     def _on_SnapshotStored(self, node: Node, msg: p.SnapshotStored, now: float) -> None:
         self.ledger.stored(msg.rank, msg.step, node.node_id)
+        self._restore_news(now)  # (a restored rank replicates its step again before its barrier)
         if self.sizing.stored(msg.rank, msg.nbytes):
             for spare in self.table.with_role(SPARE):
                 self._send(spare.node_id, self.sizing.message())
 
+    def _restore_news(self, now: float) -> None:
+        """A plan that waits for restores in flight (its state looked lost, dprun.reconstruction) decides again."""
+        if self.pending is not None and self.pending.restoring_until is not None and self.flush is None:
+            self._start_flush(now)
+
     def _on_WorkerReady(self, node: Node, msg: p.WorkerReady, now: float) -> None:
         self.unrestored.discard(msg.rank)
+        self.restores_answered.add(msg.rank)
+        self._restore_news(now)
         rec = self.recovery
         if rec is not None:
             rec.ready[msg.rank] = (msg.rebuild_s, msg.restore_s)
@@ -259,6 +268,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             self.pending.settle_until = max(self.pending.settle_until, now + self.spec.heartbeat_interval)
 
     def _on_RestoreFailed(self, node: Node, msg: p.RestoreFailed, now: float) -> None:
+        self.restores_answered.add(msg.rank)
         self._publish("restore_failed", node=node.node_id, rank=msg.rank, step=msg.step, source=msg.source,
                       reason=msg.reason[:200])
         self._replan(now, f"restoring rank {msg.rank} from {msg.source or 'its local copy'} failed: {msg.reason[:200]}")

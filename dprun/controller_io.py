@@ -34,6 +34,7 @@ class JobSpec:
     resume_from: str = ""  # ... and one started with this folder of it (save_dir/step-S) goes on from step S
     resume_step: int = -1
     files_timeout: float = 600.0  # for the nodes to write or read those files
+    restore_wait: float = 120.0  # state that looks lost while a live node restores it: wait so long for it
 
     @property
     def world_size(self) -> int:
@@ -116,6 +117,7 @@ class Recovery:
     bad_copies: list = field(default_factory=list)  # "rank R step S on NODE: why", as workers reported them
     free_replans: int = 0  # replans owed to a dropped bad copy: they do not count against MAX_REPLANS
     no_local: dict = field(default_factory=dict)  # rank -> a step it reported no local copy of (nor older)
+    restoring_until: float | None = None  # state looked lost while a live node still restored it: wait so long
 
     def continued(self) -> "Recovery":
         """A new pending recovery that carries this one on (a failure or a replan before it completed)."""

@@ -48,6 +48,9 @@ class Deadlines:
 
     def _check_waits(self, now: float) -> None:
         rec = self.pending
+        if rec is not None and rec.restoring_until is not None and now >= rec.restoring_until and self.flush is None:
+            self._start_flush(now)  # the restore it waited for did not come: decide (state lost)
+            return
         if rec is not None and rec.waiting_since is not None and self.flush is None:
             if now - rec.waiting_since > self.spec.spare_wait_timeout:
                 self._finish(1, f"no node joined as a spare within {self.spec.spare_wait_timeout:g} s after "

@@ -136,6 +136,15 @@ class Reconstruction:
             self.pending = rec
             self._start_flush(now)
             return
+        if plan.lost and self._still_restoring(plan.lost):
+            # a rank handed to a live node that has neither restored it nor failed to: its copy may be in flight
+            # (fetched from a store lost since). Its WorkerReady, its copy stored again or its RestoreFailed
+            # decides again; spec.restore_wait bounds the wait (dpstate's fetch gives up sooner)
+            if rec.restoring_until is None:
+                rec.restoring_until = now + self.spec.restore_wait
+            if now < rec.restoring_until:
+                self.pending = rec
+                return
         if plan.lost:
             holders = sorted({self.table.nodes[n].node_id for n in rec.failed})
             bad = f"; copies found bad: {'; '.join(rec.bad_copies[-6:])}" if rec.bad_copies else ""
@@ -151,6 +160,7 @@ class Reconstruction:
             self.layout[i] = spare.node_id
             self._publish("spare_promoted", spare=spare.node_id, node_rank=i, generation=self.generation + 1)
         self.generation += 1
+        self.restores_answered = set()
         rec.generation = self.generation
         rec.t_decide = now
         self.last_progress_at, self.stepped = now, False
@@ -167,6 +177,11 @@ class Reconstruction:
         self._publish("reconfigure", generation=self.generation, restore_step=plan.step,
                       layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))
         self.recovery = rec
+
+    def _still_restoring(self, ranks: list[int]) -> bool:
+        """Is any of `ranks` one that a live node was handed and has neither restored nor failed to yet?"""
+        return any(rank in self.unrestored and rank not in self.restores_answered
+                   and self.table.nodes[self.node_of_rank(rank)].role == ACTIVE for rank in ranks)
 
     def _failed_after_exits(self, rec: Recovery, step: int) -> None:
         """End the job: `rec`'s failures came after some ranks had exited 0. After job.steps()' final barrier

@@ -316,9 +316,11 @@ class Job:
             # of receiving it again (they check it first), so a survivor sends it whole only where its
             # holder died; the first step's snapshot gate waits for it, as for any snapshot.
             self._replicator.submit_packed(restored, held_at=named_sources(reconf, self.rank))
-        self._ungated_barrier()  # a fresh start's step 0 is sent meanwhile too
+        # restored: said before the barrier, which a failure elsewhere can hold up (the controller, planning
+        # for that failure, then knows this rank's state is here, not only on the replicas it came from)
         self._send(P.WorkerReady(node_id=self.node_id, generation=self.generation, rank=self.rank,
                                  rebuild_s=self._rebuild_s, restore_s=restore_s, restored_from=self.restored_from))
+        self._ungated_barrier()  # a fresh start's step 0 is sent meanwhile too
 
     def _apply(self, reconf: P.Reconfigure) -> None:
         self.generation, self.restore_step = reconf.generation, reconf.restore_step

@@ -578,3 +578,35 @@ def test_headroom_covers_a_slightly_larger_snapshot_in_whole_mib(nbytes):
     room = with_headroom(nbytes)
     headroom = min(nbytes // 64, MAX_HEADROOM)
     assert room % ROUND_BYTES == 0 and nbytes + headroom < room <= nbytes + headroom + ROUND_BYTES
+
+
+def test_state_that_looks_lost_while_a_live_node_restores_it_waits_for_that_restore():
+    """Node c dies; spare s1 restores rank 2 from a, the only replica. Then a dies before s1 says it restored:
+    rank 2's copy is in s1's hands. The plan waits for s1 (its WorkerReady) instead of ending as state lost, and
+    says state lost if s1 only fails to restore (simulator seed 332327)."""
+    for outcome in ("restored", "failed"):
+        h = Harness(spec(nnodes=3, spares=2))
+        for node, rank in (("a", 0), ("b", 1), ("c", 2)):
+            h.register(node, rank=rank)
+        h.register("s1", spare=True)
+        h.register("s2", spare=True)
+        for rank, holder in ((0, "b"), (1, "c"), (2, "a")):
+            h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
+        h.feed(NodeGone("c", "killed"))
+        h.pong_all()
+        assert h.c.generation == 1 and h.c.layout == ["a", "b", "s1"] and h.c.unrestored == {2}
+        h.feed(NodeGone("a", "killed"))  # the only replica of rank 2 goes too
+        h.pong_all()
+        h.pong_all()  # the probe before "state lost"
+        assert h.finish is None and h.c.generation == 1, "rank 2 may be restored already: wait for s1"
+        if outcome == "restored":
+            h.msg("s1", p.WorkerReady("s1", 1, 2, 0.01, 0.02, "replica"))
+            h.pong_all()
+            assert h.finish is None and h.c.generation == 2 and h.c.layout == ["s2", "b", "s1"]
+            (rc,) = h.sent_to("s1", p.Reconfigure)[-1:]
+            assert rc.restore_step == 4 and rc.restore_from == {"2": ""}, "its own restored copy"
+        else:
+            h.msg("s1", p.RestoreFailed("s1", 1, 2, 4, "tcp://a:1", "connection lost"))
+            h.pong_all()
+            h.pong_all()
+            assert h.finish and "state lost" in h.finish.message and "ranks [2]" in h.finish.message

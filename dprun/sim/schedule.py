@@ -48,7 +48,8 @@ class Schedule:
         return JobSpec(nnodes=self.nnodes, spares=self.spares, nproc_per_node=self.nproc, store_endpoint="sim:0",
                        heartbeat_interval=0.5, heartbeat_timeout=2.0, probe_timeout=0.5, rdzv_timeout=5.0,
                        replicas=self.replicas, on_spare_exhausted="wait" if self.wait_for_spares else "fail",
-                       spare_wait_timeout=8.0, save_dir="/saved" if self.save else "", files_timeout=5.0)
+                       spare_wait_timeout=8.0, save_dir="/saved" if self.save else "", files_timeout=5.0,
+                       restore_wait=5.0)
 
     def describe(self) -> str:
         faults = ", ".join(f"{f.kind}@{f.at:.2f}" for f in self.faults) or "no faults"
