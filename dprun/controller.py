@@ -241,7 +241,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
 
     def _restore_news(self, now: float) -> None:
         """A plan that waits for restores in flight (its state looked lost, dprun.reconstruction) decides again."""
-        if self.pending is not None and self.pending.restoring_until is not None and self.flush is None:
+        rec = self.pending
+        if rec is not None and rec.restoring_until is not None and rec.waiting_since is None and self.flush is None:
             self._start_flush(now)
 
     def _on_WorkerReady(self, node: Node, msg: p.WorkerReady, now: float) -> None:

@@ -48,7 +48,8 @@ class Deadlines:
 
     def _check_waits(self, now: float) -> None:
         rec = self.pending
-        if rec is not None and rec.restoring_until is not None and now >= rec.restoring_until and self.flush is None:
+        if (rec is not None and rec.waiting_since is None and rec.restoring_until is not None
+                and now >= rec.restoring_until and self.flush is None):
             self._start_flush(now)  # the restore it waited for did not come: decide (state lost)
             return
         if rec is not None and rec.waiting_since is not None and self.flush is None:
