@@ -33,7 +33,6 @@ from .output import OutputSpec
 from .replica_server import RelabelChecked, ReplicaServer
 from .replica_store import ReplicaStore
 from .restart import RestartMode
-from .snapshot_files import load_into, save_held
 from .shutdown import Shutdown, ShutdownSequence
 from .workers import WorkerDone, WorkerGroup, describe_exit, worker_env
 
@@ -306,14 +305,8 @@ class Agent(RestartMode, ShutdownSequence):
             self._begin_shutdown(msg.exit_code, f"stop from controller: {msg.reason}", "stop", msg)
         elif isinstance(msg, SaveSnapshots) and msg.local:  # the workers write their own copies
             self._to_workers(msg)
-        elif isinstance(msg, SaveSnapshots):  # the job stops: its state outlives it (blocks the loop meanwhile)
-            results = save_held(self.replica.store, msg.directory, msg.step, msg.ranks)
-            log.info("saved snapshots of step %d in %s: %s", msg.step, msg.directory, results)
-            self._to_controller(SnapshotFiles(self.cfg.node_id, msg.step, results))
-        elif isinstance(msg, LoadSnapshots):  # a resumed job: its first generation restores these copies
-            results = load_into(self.replica.store, msg.directory, msg.step, msg.ranks, self.cfg.node_id,
-                                self._to_controller)
-            self._to_controller(SnapshotFiles(self.cfg.node_id, msg.step, results))
+        elif isinstance(msg, (SaveSnapshots, LoadSnapshots)):  # the state outlives the job (the loop waits)
+            self._to_controller(self.replica.files(msg))
         elif isinstance(msg, Inject) and msg.kind == "corrupt-replicas":
             log.warning("injected fault: corrupt-replicas (%d snapshots damaged)", self.replica.store.corrupt_all())
         elif isinstance(msg, Inject):

@@ -25,9 +25,11 @@ from .channel import Channel, Incoming
 from .checksum import checksum_chunks
 from .dedup import EXPECT_RESTORE_S, LocalCopies, Offer, assemble, decide, parse_offer
 from .events import EventPipe
-from .protocol import (FetchSnapshot, LocalSnapshot, OfferSnapshot, PutSnapshot, ReserveSnapshot, SnapshotAck,
-                       SnapshotBlocks, SnapshotChunk, SnapshotData, SnapshotReserved, SnapshotStored, SnapshotWants)
+from .protocol import (FetchSnapshot, LoadSnapshots, LocalSnapshot, OfferSnapshot, PutSnapshot, ReserveSnapshot,
+                       SaveSnapshots, SnapshotAck, SnapshotBlocks, SnapshotChunk, SnapshotData, SnapshotFiles,
+                       SnapshotReserved, SnapshotStored, SnapshotWants)
 from .replica_store import ReplicaStore, Snapshot, intact
+from .snapshot_files import load_into, save_held
 
 log = logging.getLogger("dpagent")
 
@@ -187,6 +189,16 @@ class ReplicaServer:
     def relabel_checked(self, done: RelabelChecked) -> None:
         """The background check of a relabel finished: keep the copy (or not) and answer the sender."""
         self._answer(done.incoming, done.put, self.store.relabel_checked(done.put, done.snapshot, done.intact))
+
+    def files(self, msg: SaveSnapshots | LoadSnapshots) -> SnapshotFiles:
+        """Write the store's copies as files (a stopping job) or read files into it (a resumed one); the answer."""
+        if isinstance(msg, SaveSnapshots):
+            results = save_held(self.store, msg.directory, msg.step, msg.ranks)
+        else:
+            results = load_into(self.store, msg.directory, msg.step, msg.ranks, self.node_id, self._report)
+        log.info("%s snapshots of step %d in %s: %s", "saved" if isinstance(msg, SaveSnapshots) else "loaded",
+                 msg.step, msg.directory, {rank: error or "ok" for rank, error in results.items()})
+        return SnapshotFiles(self.node_id, msg.step, results)
 
     def close(self) -> None:
         if self.checker is not None:
