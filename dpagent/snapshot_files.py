@@ -140,7 +140,8 @@ def saved_step(folder: str | os.PathLike, world_size: int) -> int:
             raise ValueError(f"{folder} has no snapshot of rank {rank} ({rank_file(path, rank).name}): it was "
                              f"saved by a job of another size than {world_size} ranks, or not whole") from None
         steps.add(header["step"])
-    extra = sorted(p.name for p in path.glob("rank-*.dpsnap") if int(p.stem.split("-")[1]) >= world_size)
+    extra = sorted(p.name for p in path.glob("rank-*.dpsnap")
+                   if not p.stem[5:].isdigit() or int(p.stem[5:]) >= world_size)
     if extra or len(steps) != 1:
         raise ValueError(f"{folder} does not hold one step of a job of {world_size} ranks "
                          f"(steps {sorted(steps)}{', also ' + ', '.join(extra) if extra else ''})")

@@ -71,5 +71,8 @@ def test_saved_step_names_the_step_of_a_whole_folder_and_what_is_wrong_with_any_
         saved_step(folder, 4)
     with pytest.raises(ValueError, match="rank-1.dpsnap"):
         saved_step(folder, 1)
+    (folder / "rank-x.dpsnap").write_bytes(b"")
+    with pytest.raises(ValueError, match="rank-x.dpsnap"):
+        saved_step(folder, 2)
     with pytest.raises(ValueError, match="not a folder"):
         saved_step(tmp_path / "nowhere", 2)
