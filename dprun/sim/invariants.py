@@ -162,7 +162,7 @@ def judge_outcome(world) -> str:
         good = {r: {step for n in usable for step in n.store.get(r, []) if (r, step) not in n.corrupt}
                 for r in range(c.spec.world_size)}
         gone = [r for r in failed_ranks if not good[r]]
-        if not gone and any(n.corrupt for n in world.nodes.values()):
+        if not gone and world.corrupted:  # (ever: a store drops a damaged copy once newer ones come)
             # bad copies were met: walking back past them can leave good copies only at steps that no cut
             # can use any more (survivors dropped them when they restored an older one, or their rings of
             # local copies never reached back that far): lost is the truth when no step has a good copy of

@@ -56,6 +56,7 @@ class World(WorkerSide):
         self.errors: list[ScriptError] = []  # armed in the training script (see raise_due)
         self.raised: list[tuple[str, str]] = []  # (node, stderr's last line) of each error the script raised
         self.saved: dict[int, int] = {}  # rank -> the step of it written to a file (a job that stops, save_dir)
+        self.corrupted = False  # a store's copies were ever damaged (the judge of "state lost" then looks deeper)
         for i, node in enumerate(self.nodes.values()):
             node.workers = [SimWorker() for _ in range(node.nproc)]
             want_spare = i >= spec.nnodes
@@ -212,6 +213,7 @@ class World(WorkerSide):
         each rank's "newest", or "all-but-oldest" (the restore falls back copy by copy to the oldest)."""
         self.log.append(f"{self.now:.3f} corrupt {which} on {node_id}")
         self.nodes[node_id].damage(which)
+        self.corrupted = True
 
     def kill_worker(self, node_id: str, local: int = 0, code: int = -9, detail: str = "") -> None:
         """A worker ends: killed (by default), or exiting with `code` and this last line of stderr."""
