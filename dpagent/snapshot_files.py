@@ -116,10 +116,11 @@ def load_into(store: ReplicaStore, folder: str | os.PathLike, step: int, ranks: 
             put, meta, chunks = read_snapshot(path, generation=0)
             if (put.rank, put.step) != (rank, step):
                 raise ValueError(f"{path} holds rank {put.rank} step {put.step}, not rank {rank} step {step}")
-            error = store.add(put, meta, *chunks)
-        except (OSError, ValueError) as exc:
-            error = str(exc)
-        results[str(rank)] = f"{path}: {error}" if error and not error.startswith(str(path)) else error
+        except (OSError, ValueError) as exc:  # (each names the file)
+            results[str(rank)] = str(exc)
+            continue
+        error = store.add(put, meta, *chunks)
+        results[str(rank)] = f"{path}: {error}" if error else ""
         if not error:
             report(SnapshotStored(node_id, rank, step, 0, put.nbytes))
     return results

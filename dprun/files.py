@@ -73,7 +73,7 @@ class Files:
         """Forming a resumed job: each node reads its own ranks' files into its replica store; the first
         generation starts from them once every node answered (`_files_done`)."""
         folder, step = self.spec.resume_from, self.spec.resume_step
-        waiting = {rank: node_id for i, node_id in enumerate(self.layout) for rank in self.ranks_of(i)}
+        waiting = {rank: self.node_of_rank(rank) for rank in range(self.spec.world_size)}
         self.files = FileWork(False, folder, step, waiting, self.now + self.spec.files_timeout)
         for i, node_id in enumerate(self.layout):
             self._send(node_id, p.LoadSnapshots(folder, step, list(self.ranks_of(i))))
@@ -149,5 +149,4 @@ class Files:
         elif not complete:
             self._finish(1, f"cannot resume from {work.folder}: {why}")
         else:  # each rank restores from its own node's store
-            sources = {rank: node_id for i, node_id in enumerate(self.layout) for rank in self.ranks_of(i)}
-            self._start_first_generation(work.step, sources)
+            self._start_first_generation(work.step, {r: self.node_of_rank(r) for r in range(self.spec.world_size)})

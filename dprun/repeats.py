@@ -13,12 +13,17 @@ _RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")  # what torch puts before each
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
 
+def without_rank_prefix(line: str) -> str:
+    """A line a rank printed, without the "[rankN]: " torch put before it (once or more)."""
+    return _RANK_PREFIX.sub("", line.strip())
+
+
 def signature(exitcode: int, detail: str) -> str | None:
     """What makes two exits the same failure: the exit code and the last line of stderr, without the rank
     prefix and memory addresses. None for a signal (a kill, the OOM killer): that says nothing of the script."""
     if exitcode <= 0:
         return None
-    line = _ADDRESS.sub("0x?", _RANK_PREFIX.sub("", detail.strip()))
+    line = _ADDRESS.sub("0x?", without_rank_prefix(detail))
     return f"exit code {exitcode}: {line}" if line and line != f"exit code {exitcode}" else f"exit code {exitcode}"
 
 

@@ -11,6 +11,7 @@ import re
 from dpagent import protocol as p
 from dprun.controller import ANY_GENERATION, Finish, Received, Send
 from dprun.nodes import ACTIVE, FAILED
+from dprun.repeats import without_rank_prefix
 
 
 class InvariantViolation(AssertionError):
@@ -75,7 +76,7 @@ class Checker:
     def _bug_ends_the_job(self, world, event, actions) -> None:
         """Invariant 6: the exit of a second node raising the script's bug (not a one-off error) ends the job at
         once (dprun.repeats): no more spares go to it."""
-        line = event.msg.detail.split("]: ", 1)[-1]
+        line = without_rank_prefix(event.msg.detail)
         if event.msg.exitcode != 1 or not any(e.detail == line and not e.once for e in world.errors):
             return
         nodes = self.struck.setdefault(line, set())
@@ -184,7 +185,7 @@ def judge_outcome(world) -> str:
     if "a spare cannot fix it" in finish.message:  # dprun.repeats: named so only if 2 nodes raised it
         nodes_of: dict[str, set] = {}
         for node_id, detail in world.raised:
-            nodes_of.setdefault(detail.split("]: ", 1)[1], set()).add(node_id)
+            nodes_of.setdefault(without_rank_prefix(detail), set()).add(node_id)
         named = [line for line, nodes in nodes_of.items()
                  if len(nodes) > 1 and f"exit code 1: {line})" in finish.message]
         if not named:
