@@ -79,6 +79,7 @@ class Agent(RestartMode, ShutdownSequence):
         self.latest_reconfigure: Reconfigure | None = None
         self.standby: Standby | None = None  # a spare's: the snapshot sizes its workers make room for
         self.shutdown: Shutdown | None = None
+        self.retired = False  # its workers stopped by Stop(keep_store): only its replica store serves
         self.exit_code: int | None = None
         self._peers: dict[bytes, int] = {}  # worker identity -> local rank, once it said Hello
         self._statuses: dict[int, tuple] = {}  # local rank -> (latest WorkerStatus, when it came)
@@ -228,17 +229,17 @@ class Agent(RestartMode, ShutdownSequence):
             due.append(offers_due)
         if self.shutdown is not None:
             due.append(self.shutdown.deadline)
-        elif self.liveness is not None:
+        if not self._exiting() and self.liveness is not None:
             due.append(self.liveness.next_deadline())
-        else:
+        elif not self._exiting():
             due.append(self.started + self.cfg.register_timeout)
         return poll_ms(min(due), now)
 
     def _tick(self, now: float) -> None:
-        if self._signalled and self.shutdown is None:
+        if self._signalled and not self._exiting():
             name = signal.Signals(self._signalled).name
             self._begin_shutdown(128 + self._signalled, f"received {name}", "stop")
-        if self.shutdown is None:
+        if not self._exiting():  # (a node whose store stays heartbeats while its workers stop)
             if self.liveness is not None:
                 if self.liveness.lost(now):
                     log.error(
@@ -284,6 +285,8 @@ class Agent(RestartMode, ShutdownSequence):
             self._to_controller(Pong(self.cfg.node_id, msg.seq))
         elif isinstance(msg, Welcome):
             self._on_welcome(msg, now)
+        elif self.retired and isinstance(msg, (Reconfigure, Standby, Inject)):
+            self.control.drop_unexpected(incoming)
         elif isinstance(msg, Reconfigure):
             self.generation = msg.generation
             self.role = "active"

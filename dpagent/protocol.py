@@ -46,11 +46,12 @@ from typing import Any, Sequence
 
 from .checksum import CHECKSUM_BLOCK
 
-PROTOCOL_VERSION = 10  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
+PROTOCOL_VERSION = 11  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
 #                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...);
 #                      8: check plans (data parallel blocks sampled: dpagent.checksum.CheckPlan);
 #                      9: SnapshotStored.nbytes and Standby (spares reserve snapshot memory while idle);
 #                      10: SaveSnapshots, LoadSnapshots, SnapshotFiles (a stopped job's state on disk)
+#                      11: Stop.keep_store (a node fenced for its worker's exit keeps its store for a save)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -276,10 +277,12 @@ class Reconfigure:
 
 @_message
 class Stop:
-    """Stop all workers and exit. Sent at the end of a job and to fence a failed node."""
+    """Stop all workers and exit. Sent at the end of a job and to fence a failed node. keep_store: stop the
+    workers but stay, the replica store serving (Ping, SaveSnapshots), until a Stop without it."""
 
     reason: str
     exit_code: int = 0
+    keep_store: bool = False
 
 
 @_message

@@ -21,13 +21,21 @@ class Shutdown:
     reason: str
     phase: str  # "stop" (Stop relayed) -> "term" -> "kill"
     deadline: float
+    keep_store: bool = False  # once the workers are gone, stay (retired) instead of exiting
 
 
 class ShutdownSequence:
-    """Needs the agent's cfg, workers, shutdown, exit_code and _to_workers."""
+    """Needs the agent's cfg, workers, shutdown, retired, exit_code and _to_workers."""
+
+    def _exiting(self) -> bool:
+        """Stopping to exit: not running, nor only stopping its workers to keep its store (Stop.keep_store)."""
+        return self.shutdown is not None and not self.shutdown.keep_store
 
     def _begin_shutdown(self, code: int, reason: str, phase: str, stop: Stop | None = None) -> None:
+        keep_store = stop is not None and stop.keep_store
         if self.shutdown is not None:
+            if self.shutdown.keep_store and not keep_store:  # the end while its workers still stop: exit then
+                self.shutdown.keep_store, self.shutdown.code, self.shutdown.reason = False, code, reason
             return
         now = time.monotonic()
         alive = self.workers.alive()
@@ -38,12 +46,16 @@ class ShutdownSequence:
         else:
             self.workers.signal_all(signal.SIGKILL)
             deadline = now + 2.0
-        self.shutdown = Shutdown(code, reason, phase, deadline)
+        self.shutdown = Shutdown(code, reason, phase, deadline, keep_store)
         self._advance_shutdown(now)
 
     def _advance_shutdown(self, now: float) -> None:
         sd = self.shutdown
         alive = self.workers.alive()
+        if not alive and sd.keep_store:
+            log.info("workers stopped; the replica store stays for the job's end (a save may need its copies)")
+            self.shutdown, self.retired = None, True
+            return
         if not alive:
             self.exit_code = sd.code
             return

@@ -35,7 +35,7 @@ def write_snapshot(folder: str | os.PathLike, rank: int, step: int, checksum: in
     views = [frame_view(c) for c in chunks]
     header = {"format": FORMAT, "rank": rank, "step": step, "checksum": checksum,
               "nbytes": meta.nbytes + sum(v.nbytes for v in views), "meta_bytes": meta.nbytes}
-    partial = path.with_suffix(".partial")
+    partial = path.with_suffix(f".{os.getpid()}.partial")  # two writers of one rank (a retry) do not mix
     with open(partial, "wb") as f:
         f.write(json.dumps(header).encode() + b"\n")
         f.write(meta)

@@ -115,6 +115,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             return  # it ends once the nodes wrote its state (dprun.files)
         for node in self.table.live():
             self._send(node.node_id, p.Stop(reason=message, exit_code=code))
+        self._release_kept(message, code)
         self._publish("job_finished", exit_code=code, message=message)
         self._out.append(Finish(code, message))
         self.finished = True
@@ -146,6 +147,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             self._drop("unregistered sender")
             return
         if node.role == FAILED:
+            if node.keeps_store and self._kept_heard(node, msg, now):
+                return
             self._drop("fenced node")
             if isinstance(msg, (p.Heartbeat, p.Pong)):
                 self._send(sender, p.Stop(reason=f"node {sender} was fenced: {node.cause}", exit_code=1))
@@ -308,7 +311,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             rank = self.ranks_of(node.node_rank)[msg.local_rank] if node.node_rank >= 0 else -1
             same = self.repeats.seen(msg.exitcode, msg.detail, node.node_id, rank, self.max_step)
         node.raised = msg.exitcode > 0
-        self._node_failed(node.node_id, cause, now)
+        self._node_failed(node.node_id, cause, now, agent_alive=True)
         if same is not None:
             self._finish(1, same)
 

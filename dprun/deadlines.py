@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dpagent import protocol as p
 
-from .nodes import ACTIVE
+from .nodes import ACTIVE, FAILED
 
 
 class Deadlines:
@@ -24,9 +24,9 @@ class Deadlines:
                                     f"registered within {self.spec.rdzv_timeout:g} s; start the missing nodes "
                                     "or lower --nnodes")
                     return
-        for node in self.table.live():
+        for node in self.table.nodes.values():
             silent = now - node.last_heard
-            if silent > self.spec.heartbeat_timeout:
+            if silent > self.spec.heartbeat_timeout and (node.role != FAILED or node.keeps_store):
                 self._node_failed(node.node_id, f"no heartbeat for {silent:.1f} s", now)
         if self.flush is not None and now >= self.flush.deadline:
             for node_id in sorted(self.flush.waiting):

@@ -27,6 +27,9 @@ def describe(event: dict) -> str:
                 f"{e['spares']} spare(s) standing by{resumed}")
     if kind == "saving_state":
         return f"the job stops: saving the state of step {e['step']} ({e['ranks']} ranks) in {e['folder']}"
+    if kind == "save_retried":
+        where = f"its worker on {e['node']}" if e.get("local") else f"the store on {e['node']}"
+        return f"rank {e['rank']}'s file could not be written ({e['why']}); writing it from {where} instead"
     if kind == "fault_injected":
         return f"injected {e['spec']} on {e['node']}"
     if kind == "node_failed":

@@ -16,6 +16,7 @@ from .controller_io import NodeGone, Received, Shutdown, Tick
 from .ledger import INIT
 from .nodes import FAILED
 
+ANY_STEP = 2**62  # ReplicaLedger.plan's no_local: a rank's own local copy does not count, whatever its step
 WAITING_FOR_FILES = (p.SnapshotFiles, p.SnapshotStored, p.Heartbeat, p.Pong, p.Register)
 
 
@@ -29,45 +30,113 @@ class FileWork:
     waiting: dict[int, str]  # rank -> the node asked for its file, until it answers
     deadline: float
     local: set[int] = field(default_factory=set)  # saving: ranks asked of their workers (own local copies)
+    fallbacks: dict[int, list[tuple[str, bool]]] = field(default_factory=dict)  # saving: rank -> (node, local)
+    # sources still to ask, in order, should the one asked fail: the other stores holding that step, then its worker
+    gone: set[str] = field(default_factory=set)  # nodes lost during the wait
+    dead_workers: set[int] = field(default_factory=set)  # ranks whose worker failed during the wait
     done: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     code: int = 0  # saving: how the job ends once the files are written
     message: str = ""
+    hurried: bool = False  # saving: out of time (the deadline, a second signal): no older step is tried
 
 
 class Files:
     """The files half of dprun.controller.Controller (its state lives there: files, saved, now)."""
 
-    def _save_first(self, code: int, message: str) -> str | None:
+    def _save_first(self, code: int, message: str, before: FileWork | None = None) -> str | None:
         """A job about to end with an error or a signal, with --save-dir: ask for the newest step that every
         rank can still come back to to be written: by the replica stores that hold it, or where a rank's every
         replica died with its holder, by its worker from its local copy. None: the job ends once they answered;
-        else the message to end with now (nothing to save)."""
+        else the message to end with now (nothing to save). `before`: a save of a newer step that failed (the
+        workers and nodes it lost are not asked again)."""
         if code == 0 or not self.spec.save_dir or self.saved or self.generation < 0 or self.spec.restart_mode:
             return message
         self.saved = True
-        failed = {r for i, n in enumerate(self.layout) if self.table.nodes[n].role == FAILED
-                  for r in self.ranks_of(i)} | self.unrestored
-        plan = self.ledger.plan(self.spec.world_size, failed, self._survivor_floors())
+        self.ledger.take_back_kept()
+        gone, dead = (before.gone, before.dead_workers) if before else (set(), set())
+        failed = {r for i, n in enumerate(self.layout) if self.table.nodes[n].role == FAILED or n in gone
+                  for r in self.ranks_of(i)} | self.unrestored | dead
+        # the newest step that stores hold for every rank: they need no worker (a stopping job's are often dying:
+        # the script's error, scancel's signal); else the newest step counting workers' own local copies
+        ranks = range(self.spec.world_size)
+        plan = self.ledger.plan(self.spec.world_size, failed, no_local=dict.fromkeys(ranks, ANY_STEP))
+        if plan.lost or plan.step <= 0:
+            plan = self.ledger.plan(self.spec.world_size, failed, self._survivor_floors())
         if plan.lost or plan.step <= 0 or INIT in plan.sources.values():
             return f"{message}; no step of which every rank has a copy was left to save"
         folder = str(step_folder(self.spec.save_dir, plan.step))
-        stores: dict[str, list[int]] = {}
-        workers: dict[str, list[int]] = {}
-        for rank, holder in sorted(plan.sources.items()):
-            holder = holder or next(iter(self.ledger.holders_of(rank, plan.step)), "")  # a store's copy first
-            if holder:
-                stores.setdefault(holder, []).append(rank)
-            else:
-                workers.setdefault(self.node_of_rank(rank), []).append(rank)
-        waiting = {rank: node for asked in (stores, workers) for node, ranks in asked.items() for rank in ranks}
-        self.files = FileWork(True, folder, plan.step, waiting, self.now + self.spec.files_timeout,
-                              local={rank for ranks in workers.values() for rank in ranks}, code=code, message=message)
-        for asked, local in ((stores, False), (workers, True)):
-            for node_id, ranks in asked.items():
-                self._send(node_id, p.SaveSnapshots(folder, plan.step, ranks, local=local))
-        self._publish("saving_state", step=plan.step, folder=folder, ranks=len(waiting))
+        deadline = before.deadline if before else self.now + self.spec.files_timeout  # for every step tried
+        self.files = FileWork(True, folder, plan.step, {}, deadline, code=code,
+                              message=message, gone=set(gone), dead_workers=set(dead))
+        first: dict[tuple[str, bool], list[int]] = {}
+        for rank, planned in sorted(plan.sources.items()):
+            holders = sorted(self.ledger.holders_of(rank, plan.step), key=lambda holder: holder != planned)
+            sources = [(holder, False) for holder in holders]  # a store's copy first: it needs no worker
+            if rank not in failed:
+                sources.append((self.node_of_rank(rank), True))
+            first.setdefault(sources[0], []).append(rank)
+            self.files.fallbacks[rank] = sources[1:]
+        for (node_id, local), ranks in first.items():
+            self._ask_to_save(node_id, local, ranks)
+        self._publish("saving_state", step=plan.step, folder=folder, ranks=len(self.files.waiting))
         return None
+
+    def _ask_to_save(self, node_id: str, local: bool, ranks: list[int]) -> None:
+        work = self.files
+        for rank in ranks:
+            work.waiting[rank] = node_id
+            (work.local.add if local else work.local.discard)(rank)
+        self._send(node_id, p.SaveSnapshots(work.folder, work.step, ranks, local=local))
+
+    def _save_elsewhere(self, rank: int, why: str) -> bool:
+        """The source asked for `rank`'s file failed (`why`): ask the next one still alive. False: none is
+        left (or files are read, which has no second source)."""
+        work = self.files
+        work.waiting.pop(rank, None)
+        while work.saving and work.fallbacks.get(rank):
+            node_id, local = work.fallbacks[rank].pop(0)
+            if node_id in work.gone or (local and rank in work.dead_workers):
+                continue
+            self._publish("save_retried", rank=rank, node=node_id, local=local, why=why)
+            self._ask_to_save(node_id, local, [rank])
+            return True
+        return False
+
+    def _keeps_store(self, node) -> bool:
+        """A node fenced for its worker's exit (its agent alive): with --save-dir its store stays, its workers
+        stopped, until the recovery that replaced it completes or the job ends, so that a job that ends over
+        it (the script's error on every rank, no spare left) can still save the copies it holds."""
+        if not self.spec.save_dir or self.spec.restart_mode or self.generation < 0:
+            return False
+        node.keeps_store = True
+        self.ledger.holder_kept(node.node_id)
+        return True
+
+    def _kept_heard(self, node, msg, now: float) -> bool:
+        """A message from a fenced node whose store stays: True if taken (what shows it alive, its files)."""
+        if isinstance(msg, (p.Heartbeat, p.Pong)):
+            node.last_heard = now
+            return True
+        if isinstance(msg, p.SnapshotFiles) and self.files is not None:
+            self._on_SnapshotFiles(node, msg, now)
+            return True
+        return False
+
+    def _kept_gone(self, node_id: str, cause: str) -> None:
+        """A fenced node whose store stayed was lost too: its copies with it."""
+        self.table.nodes[node_id].keeps_store = False
+        self.ledger.holder_lost(node_id)
+        if self.files is not None:
+            self._files_failed(node_id, cause)
+
+    def _release_kept(self, reason: str, code: int = 1) -> None:
+        """Stop the fenced nodes whose stores stayed: no save needs them any more."""
+        for node in self.table.with_role(FAILED):
+            if node.keeps_store:
+                node.keeps_store = False
+                self.ledger.holder_lost(node.node_id)
+                self._send(node.node_id, p.Stop(reason=reason, exit_code=code))
 
     def _load_first(self) -> None:
         """Forming a resumed job: each node reads its own ranks' files into its replica store; the first
@@ -90,9 +159,11 @@ class Files:
             self._files_failed(event.node_id, event.cause)
         elif isinstance(event, Shutdown):
             work.errors.append(event.reason)
+            work.hurried = True
             self._files_done()
         elif isinstance(event, Tick):
             if now >= work.deadline:
+                work.hurried = True
                 work.errors.append(f"{', '.join(sorted(set(work.waiting.values())))} did not answer within "
                                    f"{self.spec.files_timeout:g} s")
                 self._files_done()
@@ -100,24 +171,27 @@ class Files:
                 self._ping_due(now)
 
     def _worker_lost(self, node_id: str, msg: p.WorkerExited) -> None:
-        """A worker failed while files are written or read: a resume fails; a save loses the rank only if that
-        worker was to write it (a replica store's copy does not need its node's workers)."""
+        """A worker failed while files are written or read: a resume fails; a save asks the next source for
+        its rank if that worker was to write it (a replica store's copy does not need its node's workers)."""
         node, work = self.table.get(node_id), self.files
         rank = self.ranks_of(node.node_rank)[msg.local_rank] if node is not None and node.node_rank >= 0 else -1
+        work.dead_workers.add(rank)
         if not work.saving or (rank in work.local and work.waiting.get(rank) == node_id):
             self._files_lost([rank], f"{node_id}: its worker {msg.local_rank} {p.describe_exit(msg.exitcode)}")
 
     def _files_failed(self, node_id: str, cause: str) -> None:
-        """A node was lost while files are written (its ranks' files are) or read (the resume fails)."""
+        """A node was lost while files are written (its ranks' files are asked of the next source) or read
+        (the resume fails)."""
+        self.files.gone.add(node_id)
+        self.ledger.holder_lost(node_id)
         lost = [rank for rank, node in self.files.waiting.items() if node == node_id]
         if lost or not self.files.saving:
             self._files_lost(lost, f"{node_id} failed: {cause}")
 
     def _files_lost(self, ranks: list[int], why: str) -> None:
         work = self.files
-        for rank in ranks:
-            work.waiting.pop(rank, None)
-        work.errors.append(why)
+        if not ranks or not all([self._save_elsewhere(rank, why) for rank in ranks]):
+            work.errors.append(why)
         if not work.saving or not work.waiting:
             self._files_done()
 
@@ -127,13 +201,15 @@ class Files:
             self._drop("unexpected SnapshotFiles")
             return
         for rank_text, error in msg.results.items():
-            if work.waiting.get(int(rank_text)) != node.node_id:
+            rank = int(rank_text)
+            if work.waiting.get(rank) != node.node_id:
                 continue
-            del work.waiting[int(rank_text)]
-            if error:
+            if not error:
+                del work.waiting[rank]
+                work.done.append(rank)
+                continue
+            if not self._save_elsewhere(rank, f"{node.node_id}: {error}"):
                 work.errors.append(f"{node.node_id}: {error}")
-            else:
-                work.done.append(int(rank_text))
         if not work.waiting:
             self._files_done()
 
@@ -141,11 +217,17 @@ class Files:
         work, self.files = self.files, None
         complete = sorted(work.done) == list(range(self.spec.world_size)) and not work.errors
         why = "; ".join(work.errors) or f"ranks {sorted(set(range(self.spec.world_size)) - set(work.done))} missing"
-        if work.saving:
-            said = (f"the state of step {work.step} is saved in {work.folder} (go on from it: dprun ... "
-                    f"--resume-from {work.folder})" if complete else
-                    f"saving the state of step {work.step} in {work.folder} failed: {why}")
-            self._finish(work.code, f"{work.message}; {said}")
+        if work.saving and complete:
+            self._finish(work.code, f"{work.message}; the state of step {work.step} is saved in {work.folder} "
+                                    f"(go on from it: dprun ... --resume-from {work.folder})")
+        elif work.saving:
+            said = f"{work.message}; saving the state of step {work.step} in {work.folder} failed: {why}"
+            if not work.hurried:  # an older step instead, if every rank still has a copy of one
+                self.ledger.rollback(work.step - 1)
+                self.saved = False
+                said = self._save_first(work.code, said, before=work)
+            if said is not None:
+                self._finish(work.code, said)
         elif not complete:
             self._finish(1, f"cannot resume from {work.folder}: {why}")
         else:  # each rank restores from its own node's store

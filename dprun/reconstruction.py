@@ -37,15 +37,21 @@ class Reconstruction:
         if self.flush is None:
             self._start_flush(now)
 
-    def _node_failed(self, node_id: str, cause: str, now: float) -> None:
+    def _node_failed(self, node_id: str, cause: str, now: float, agent_alive: bool = False) -> None:
+        """Fence the node (its agent told to stop) and plan without it. agent_alive: its agent reported its
+        worker's exit, so its replica store may stay for a save (dprun.files)."""
         node = self.table.get(node_id)
+        if node is not None and node.keeps_store:  # fenced already; now its store is lost too
+            self._kept_gone(node_id, cause)
         if node is None or node.role == FAILED:
             return
         was = node.role
         self.table.set_role(node, FAILED)
         node.cause = cause
-        self.ledger.holder_lost(node_id)
-        self._send(node_id, p.Stop(reason=f"node {node_id} was fenced: {cause}", exit_code=1))
+        keep = agent_alive and self._keeps_store(node)
+        if not keep:
+            self.ledger.holder_lost(node_id)
+        self._send(node_id, p.Stop(reason=f"node {node_id} was fenced: {cause}", exit_code=1, keep_store=keep))
         self._publish("node_failed", node=node_id, node_rank=node.node_rank if was == ACTIVE else None,
                       role=was, cause=cause)
         if self.flush is not None:
@@ -230,3 +236,4 @@ class Reconstruction:
                       lost_steps=rec.lost_steps, failed=rec.failed, promoted=rec.promoted, phases=phases)
         self.recoveries.append(rec)
         self.recovery = None
+        self._release_kept("the recovery that replaced it completed")

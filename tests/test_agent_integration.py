@@ -309,6 +309,23 @@ def test_stop_exit_code_and_grandchildren_cleaned(start_agent):
     assert wait_gone(pids)  # the workers' own children too
 
 
+def test_stop_keeping_the_store_stops_the_workers_but_the_agent_stays_until_a_plain_stop(start_agent):
+    """A node fenced for its worker's exit, with --save-dir: its workers go, its store stays (a save may need
+    it), it still heartbeats and answers; the job's end (a plain Stop) ends it with that code."""
+    agent = start_agent(nproc=2)
+    agent.welcome()
+    pids = [r["pid"] for r in agent.reports(2).values()]
+    agent.ctl.send(Stop("node n1 was fenced: worker 0 exit code 1", 1, keep_store=True))
+    assert {e.exitcode for e in agent.ctl.recv_all(WorkerExited, 2)} == {0}
+    assert wait_gone(pids)
+    agent.ctl.send(Ping(9))
+    assert agent.ctl.recv(Pong) == Pong("n1", 9)  # answering once its workers are gone ...
+    assert agent.ctl.recv(Heartbeat, skip=()).node_id == "n1"  # ... and beating (sent after that Pong)
+    assert agent.proc.poll() is None
+    agent.ctl.send(Stop("job over", 5))
+    assert agent.wait() == 5
+
+
 def test_stop_escalates_to_sigterm_then_sigkill(start_agent):
     agent = start_agent(
         nproc=2, agent_args=["--stop-grace", "0.3", "--term-grace", "0.3"], worker_args=["--ignore-stop", "--ignore-term"]

@@ -1,6 +1,7 @@
 """A training script's own failures, in real dprun jobs: an error that follows its rank onto the spare that
 replaced the node ends the job saying it is the script's, with spares left unspent; a one-off error is
-recovered from; a rank that leaves the loop early is named as such, not as a finished run."""
+recovered from; a rank that leaves the loop early is named as such, not as a finished run; a bug that strikes
+every rank at once still leaves the state of the step before it, with --save-dir, to go on from once fixed."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ job.track(model=model, optimizer=opt)
 mode = os.environ["BUG"]
 for step in job.steps(12):
     with step:
-        if step.number == 5 and job.rank == 1 and (mode == "always" or job.generation == 0):
+        if step.number == 5 and (job.rank == 1 or mode == "every") and mode != "fixed" and (
+                mode in ("always", "every") or job.generation == 0):
             raise ValueError("bad batch at step 5")
         loss = ddp(torch.randn(4, 8)).square().mean()
         opt.zero_grad()
@@ -38,7 +40,7 @@ for step in job.steps(12):
 def _run(procs, tmp_path, mode: str, *options: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     script = tmp_path / "bug.py"
     script.write_text(SCRIPT)
-    events = tmp_path / "events.jsonl"
+    events = tmp_path / f"{mode}.events.jsonl"
     proc = procs.dprun("--nnodes", "2", "--no-tui", "--events-file", events, *options, script,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                        env={"BUG": mode})
@@ -73,3 +75,19 @@ def test_a_rank_that_leaves_the_loop_early_is_named_not_taken_for_a_finished_run
     (finished,) = _named(events, "job_finished")
     assert "rank 1 exited (exit code 0) after step" in finished["message"], finished
     assert "training completed" not in finished["message"]
+
+
+def test_a_bug_on_every_rank_saves_the_step_before_it_and_the_fixed_script_goes_on_from_there(procs, tmp_path):
+    """Each node's worker raises at step 5; each node's replica store holds the other's rank. The node fenced
+    first keeps its store (its agent is fine), so the save has a copy of every rank although no worker lives."""
+    run, events = _run(procs, tmp_path, "every", "--spares", "0", "--save-dir", "saved")
+    assert run.returncode == 1, run.stderr[-3000:]
+    (saving,) = _named(events, "saving_state")
+    (finished,) = _named(events, "job_finished")
+    assert "ValueError: bad batch at step 5" in finished["message"]
+    assert f"the state of step {saving['step']} is saved in" in finished["message"], finished["message"]
+    assert 1 <= saving["step"] <= 4
+    resumed, events = _run(procs, tmp_path, "fixed", "--spares", "0", "--resume-from", saving["folder"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert min(e["step"] for e in _named(events, "progress")) == saving["step"] + 1
+    assert _named(events, "job_finished")[0]["exit_code"] == 0

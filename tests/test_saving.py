@@ -4,8 +4,9 @@ complete step write it before it ends; a resumed job has them read it back befor
 from __future__ import annotations
 
 from dpagent import protocol as p
-from dprun.controller import Shutdown, Tick
-from test_controller import Harness, spec
+from dprun.controller import NodeGone, Shutdown, Tick
+from dprun.events import describe
+from test_controller import Harness, formed, spec
 
 
 def _two_nodes(**kw) -> Harness:
@@ -21,7 +22,7 @@ def _trained_to_step_4_then_b_died(h: Harness) -> None:
         h.msg("b", p.Progress("b", 0, 1, step, snapshot=True))
         h.msg("b", p.SnapshotStored("b", 0, step, 0))  # rank 0's replicas are on b ...
         h.msg("a", p.SnapshotStored("a", 1, step, 0))  # ... rank 1's on a
-    h.msg("b", p.WorkerExited("b", 0, 0, 11, -9))
+    h.feed(NodeGone("b", "agent process exited"))
     h.pong_all()
 
 
@@ -45,7 +46,13 @@ def test_a_node_that_does_not_write_in_time_ends_the_job_saying_so():
     h = _two_nodes(save_dir="/saved", files_timeout=30.0)
     _trained_to_step_4_then_b_died(h)
     h.msg("a", p.SnapshotFiles("a", 4, {"1": "", "0": "rank 0: No space left on device"}))
+    assert h.finish is None, "an older step is tried: a file may fail for want of its copy, not of the disk"
+    assert sorted((m.ranks, m.local) for m in h.sent_to("a", p.SaveSnapshots) if m.step == 2) == [([0], True),
+                                                                                                   ([1], False)]
+    h.msg("a", p.SnapshotFiles("a", 2, {"1": "", "0": "rank 0: No space left on device"}))
     assert h.finish and "saving the state of step 4 in /saved/step-4 failed: a: rank 0: No space" in h.finish.message
+    assert "saving the state of step 2 in /saved/step-2 failed" in h.finish.message
+    assert h.finish.message.endswith("no step of which every rank has a copy was left to save")
     h2 = _two_nodes(save_dir="/saved", files_timeout=30.0)
     _trained_to_step_4_then_b_died(h2)
     h2.feed(Tick(), dt=31.0)
@@ -105,3 +112,153 @@ def test_a_worker_lost_while_it_writes_its_own_copy_fails_the_save_saying_so():
     h.msg("a", p.WorkerExited("a", 0, 0, 10, -9))  # it was to write rank 0, whose holder died
     assert h.finish and "saving the state of step 4 in /saved/step-4 failed: a: its worker 0 killed by SIGKILL" \
         in h.finish.message
+
+
+def _sigterm_at_step_4(h: Harness) -> None:
+    for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
+        h.msg(node, p.Progress(node, 0, rank, 4, snapshot=True))
+        h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
+    h.feed(Shutdown(143, "dprun received SIGTERM; stopping every node"))
+
+
+def test_a_damaged_copy_in_a_store_is_saved_from_the_rank_s_own_worker_instead():
+    h = _two_nodes(save_dir="/saved")
+    _sigterm_at_step_4(h)
+    h.msg("a", p.SnapshotFiles("a", 4, {"1": ""}))
+    h.msg("b", p.SnapshotFiles("b", 4, {"0": "rank 0 step 4 is damaged here (checksum mismatch)"}))
+    assert h.finish is None, "a second source is asked before the save is given up"
+    (retry,) = [m for m in h.sent_to("a", p.SaveSnapshots) if m.ranks == [0]]
+    assert retry.local and retry.step == 4 and retry.directory == "/saved/step-4"
+    assert h.named("save_retried")[0]["why"].startswith("b: rank 0 step 4 is damaged")
+    assert "writing it from its worker on a instead" in describe(h.named("save_retried")[0])
+    h.msg("a", p.SnapshotFiles("a", 4, {"0": ""}))
+    assert h.finish and h.finish.exit_code == 143 and "the state of step 4 is saved" in h.finish.message
+
+
+def test_a_store_lost_while_it_writes_has_its_ranks_saved_elsewhere_until_none_is_left():
+    h = _two_nodes(save_dir="/saved")
+    _sigterm_at_step_4(h)
+    h.feed(NodeGone("b", "agent process exited"))
+    assert [m.ranks for m in h.sent_to("a", p.SaveSnapshots) if m.local] == [[0]], "rank 0 from its own worker"
+    assert h.finish is None
+    h.msg("a", p.WorkerExited("a", 0, 0, 10, -9))  # ... which dies too: rank 0 has no copy left to write
+    h.msg("a", p.SnapshotFiles("a", 4, {"1": ""}))
+    assert h.finish and "saving the state of step 4 in /saved/step-4 failed: a: its worker 0 killed by SIGKILL" \
+        in h.finish.message
+
+
+def test_two_replicas_give_a_failed_store_s_rank_a_second_store_before_its_worker():
+    h = Harness(spec(spares=0, nnodes=3, replicas=2, save_dir="/saved"))
+    for rank, node in enumerate("abc"):
+        h.register(node, rank=rank)
+    for rank, node in enumerate("abc"):
+        h.msg(node, p.Progress(node, 0, rank, 4, snapshot=True))
+        for holder in "abc":
+            if holder != node:
+                h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
+    h.feed(Shutdown(143, "dprun received SIGTERM; stopping every node"))
+    first = {node: [m.ranks for m in h.sent_to(node, p.SaveSnapshots)] for node in "abc"}
+    asked_of = {rank: node for node, lists in first.items() for ranks in lists for rank in ranks}
+    failing = asked_of[0]
+    h.feed(NodeGone(failing, "killed"))
+    retried = [(node, m.ranks, m.local) for node in "abc" if node != failing
+               for m in h.sent_to(node, p.SaveSnapshots) if [r for r in m.ranks if asked_of[r] == failing]
+               and m.ranks not in first[node]]
+    assert retried and all(not local for _, _, local in retried), retried
+    for node in "abc":
+        if node != failing:
+            for m in h.sent_to(node, p.SaveSnapshots):
+                h.msg(node, p.SnapshotFiles(node, 4, {str(r): "" for r in m.ranks}))
+    assert h.finish and "the state of step 4 is saved" in h.finish.message, h.finish
+
+
+def test_a_stopping_job_saves_the_newest_step_its_stores_hold_rather_than_ask_its_workers():
+    """Step 6 of rank 1 is only in its worker (its store has not acked it yet), step 4 of both is in the stores:
+    a stopping job's workers are often dying (scancel signals them too), so step 4 is saved, by the stores."""
+    h = _two_nodes(save_dir="/saved")
+    for step in (4, 6):
+        for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
+            h.msg(node, p.Progress(node, 0, rank, step, snapshot=True))
+            if (rank, step) != (1, 6):
+                h.msg(holder, p.SnapshotStored(holder, rank, step, 0))
+    h.feed(Shutdown(143, "dprun received SIGTERM; stopping every node"))
+    asked = [(node, m.ranks, m.step, m.local) for node in "ab" for m in h.sent_to(node, p.SaveSnapshots)]
+    assert asked == [("a", [1], 4, False), ("b", [0], 4, False)], asked
+
+
+def test_a_node_fenced_for_its_worker_s_error_keeps_its_store_for_the_save():
+    """b's worker raises (its agent is fine): b is fenced, its workers stopped, but its store (rank 0's copies)
+    stays; with no spare the job ends and rank 0 is saved from b's store, not asked of a's worker."""
+    h = _two_nodes(save_dir="/saved")
+    for step in (2, 4):
+        for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
+            h.msg(node, p.Progress(node, 0, rank, step, snapshot=True))
+            h.msg(holder, p.SnapshotStored(holder, rank, step, 0))
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, "ValueError: bad batch"))
+    (fenced,) = h.sent_to("b", p.Stop)
+    assert fenced.keep_store and fenced.exit_code == 1
+    h.msg("b", p.Heartbeat("b", 0))
+    assert h.sent_to("b", p.Stop) == [fenced], "a kept node's heartbeat is not answered with another Stop"
+    h.pong_all()
+    asked = [(node, m.ranks, m.step, m.local) for node in "ab" for m in h.sent_to(node, p.SaveSnapshots)]
+    assert asked == [("a", [1], 4, False), ("b", [0], 4, False)], asked
+    h.msg("a", p.SnapshotFiles("a", 4, {"1": ""}))
+    h.msg("b", p.SnapshotFiles("b", 4, {"0": ""}))
+    assert h.finish and "the state of step 4 is saved" in h.finish.message
+    assert [m.keep_store for m in h.sent_to("b", p.Stop)] == [True, False], "the job's end stops it for good"
+
+
+def test_without_save_dir_a_fenced_node_stops_at_once_and_a_kept_one_stops_once_it_was_replaced():
+    h = formed()
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, "ValueError"))
+    assert [m.keep_store for m in h.sent_to("b", p.Stop)] == [False]
+    h = formed(spec(save_dir="/saved"))
+    h.msg("a", p.SnapshotStored("a", 1, 3, 0))
+    h.msg("b", p.SnapshotStored("b", 0, 3, 0))
+    h.msg("a", p.Progress("a", 0, 0, 4))
+    h.msg("b", p.Progress("b", 0, 1, 4))
+    h.msg("b", p.WorkerExited("b", 0, 0, 99, -9))
+    h.pong_all()
+    assert h.c.generation == 1 and [m.keep_store for m in h.sent_to("b", p.Stop)] == [True]
+    h.msg("a", p.WorkerReady("a", 1, 0, 0.02, 0.01, "local"))
+    h.msg("s", p.WorkerReady("s", 1, 1, 0.03, 0.05, "replica"))
+    h.msg("a", p.Progress("a", 1, 0, 4))
+    h.msg("s", p.Progress("s", 1, 1, 4))
+    assert h.named("recovery_complete")
+    assert [m.keep_store for m in h.sent_to("b", p.Stop)] == [True, False]
+    assert "b" not in {holder for by_holder in h.c.ledger.held.values() for holder in by_holder}
+
+
+def test_a_kept_node_that_falls_silent_loses_its_copies():
+    h = _two_nodes(save_dir="/saved", on_spare_exhausted="wait")  # (the job does not end at once)
+    for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
+        h.msg(node, p.Progress(node, 0, rank, 4, snapshot=True))
+        h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, "ValueError"))
+    h.pong_all()
+    assert h.c.ledger.kept == {"b": {0: [4]}}
+    h.alive({"a": {}}, dt=3.0)
+    h.alive({"a": {}}, dt=3.0)  # b silent for 6 s (timeout 5)
+    assert h.c.ledger.kept == {} and not h.c.table.get("b").keeps_store
+
+
+def test_a_save_whose_copies_turn_out_damaged_goes_down_to_an_older_step_every_rank_has():
+    """Rank 0's step-4 copy is damaged and its worker died with its node: nothing else holds rank 0's step 4,
+    but every rank's step 2 is still in a store: that is saved, the message saying why not step 4."""
+    h = _two_nodes(save_dir="/saved")
+    for step in (2, 4):
+        for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
+            h.msg(node, p.Progress(node, 0, rank, step, snapshot=True))
+            h.msg(holder, p.SnapshotStored(holder, rank, step, 0))
+    h.msg("a", p.WorkerExited("a", 0, 0, 11, -9))  # a fenced, its store (rank 1's copies) kept; no spare
+    h.pong_all()
+    h.msg("a", p.SnapshotFiles("a", 4, {"1": ""}))
+    h.msg("b", p.SnapshotFiles("b", 4, {"0": "rank 0 step 4 is damaged here"}))
+    assert h.finish is None
+    asked = [(node, m.ranks, m.local) for node in "ab" for m in h.sent_to(node, p.SaveSnapshots) if m.step == 2]
+    assert asked == [("a", [1], False), ("b", [0], False)], asked
+    h.msg("a", p.SnapshotFiles("a", 2, {"1": ""}))
+    h.msg("b", p.SnapshotFiles("b", 2, {"0": ""}))
+    assert h.finish and "saving the state of step 4 in /saved/step-4 failed: b: rank 0 step 4 is damaged" \
+        in h.finish.message
+    assert "the state of step 2 is saved in /saved/step-2 (go on from it" in h.finish.message

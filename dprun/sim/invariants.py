@@ -36,8 +36,9 @@ def is_stale(controller, event) -> bool:
     if not isinstance(event, Received):
         return False
     node = controller.table.get(event.node_id)
-    if node is not None and node.role == FAILED:
-        return not isinstance(event.msg, p.Register)
+    if node is not None and node.role == FAILED:  # (a fenced node whose store stays for a save still counts)
+        kept = node.keeps_store and isinstance(event.msg, (p.Heartbeat, p.Pong, p.SnapshotFiles))
+        return not kept and not isinstance(event.msg, p.Register)
     generation = getattr(event.msg, "generation", None)
     return (generation is not None and generation < controller.generation
             and not isinstance(event.msg, ANY_GENERATION))

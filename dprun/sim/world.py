@@ -141,7 +141,7 @@ class World(WorkerSide):
         elif isinstance(msg, p.Welcome):
             node.welcomed = True
         elif isinstance(msg, p.Stop):
-            self._stop_node(node)
+            self._stop_node(node, keep_store=msg.keep_store)
         elif isinstance(msg, p.Reconfigure):
             node.generation, node.node_rank = msg.generation, msg.node_rank
             node.replica_to = [msg.replica_to, *msg.replica_also]
@@ -165,8 +165,9 @@ class World(WorkerSide):
                 self.saved[rank] = msg.step
         return results
 
-    def _stop_node(self, node: SimNode) -> None:
-        node.stopped = True
+    def _stop_node(self, node: SimNode, keep_store: bool = False) -> None:
+        """Its workers stop; so does its agent, unless its store is to stay (it still answers, saves)."""
+        node.stopped = not keep_store
         for worker in node.workers:
             worker.phase = "dead" if worker.phase != "done" else "done"
 
