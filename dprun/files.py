@@ -2,7 +2,8 @@
 read back into its nodes' replica stores (--resume-from), so that the state outlives the job.
 
 A part of the Controller state machine (it inherits this), kept apart so each file reads in one sitting.
-While files are written or read, the controller waits for them and little else (`_while_files`).
+While files are written or read, the controller waits for them and little else (`_while_files`). A node fenced
+for its worker's exit keeps its store for such a save until it is no longer needed (`_keeps_store`).
 """
 
 from __future__ import annotations
