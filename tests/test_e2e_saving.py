@@ -65,6 +65,25 @@ def test_sigterm_saves_the_state_before_the_job_stops(procs, tmp_path, sha):
     _resumed(procs, tmp_path, saving["folder"], sha)
 
 
+def test_a_copy_found_damaged_is_saved_from_the_rank_s_own_worker_instead(procs, tmp_path, sha):
+    """Node 1's store holds rank 0's copies; bit rot strikes them all at step 12, then SIGTERM: the save of step
+    10 finds rank 0's copy damaged and has rank 0's worker write its own; the resumed run ends bitwise alike."""
+    events = tmp_path / "rot.events.jsonl"
+    proc = procs.dprun("--nnodes", "2", "--spares", "0", "--no-tui", "--save-dir", tmp_path / "saved",
+                       "--snapshot-interval", "5", "--inject", "corrupt-replicas:1@step=12", "--events-file", events,
+                       TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.3",
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    wait_for(lambda: any(e["event"] == "fault_injected" for e in read_events(events)), 90, "the injected fault")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    (saving,) = [e for e in read_events(events) if e["event"] == "saving_state"]
+    (retried,) = [e for e in read_events(events) if e["event"] == "save_retried"]
+    assert saving["step"] == 10 and (retried["rank"], retried["local"]) == (0, True), retried
+    assert "damaged" in retried["why"] or "corrupt" in retried["why"], retried
+    _resumed(procs, tmp_path, saving["folder"], sha)
+
+
 def test_resume_from_a_folder_that_is_not_a_saved_step_is_refused_in_one_line(procs, tmp_path):
     proc = procs.dprun("--nnodes", "2", "--resume-from", tmp_path / "nowhere", TRAIN, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True, cwd=tmp_path)

@@ -1,0 +1,103 @@
+"""The agent's side of its workers: spawning them with their environment, what they send (forwarded, statuses,
+hellos), what is sent to them, and their exits reported to the controller.
+
+A part of the Agent (it inherits this), kept apart so each file reads in one sitting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .channel import Incoming
+from .protocol import (
+    Hello, PeerError, Progress, RankFinished, RestoreFailed, SnapshotFiles, Stop, WorkerExited, WorkerReady,
+    WorkerStatus,
+)
+from .replica_server import RelabelChecked
+from .workers import WorkerDone, describe_exit, worker_env
+
+log = logging.getLogger("dpagent")
+FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, SnapshotFiles)  # to the controller
+
+
+class WorkerLink:
+    """Needs the agent's cfg, job_id, endpoints, workers, worker_ch, _peers, _statuses, shutdown, standby,
+    latest_reconfigure, generation, replica, _to_controller and _hold_exit / _retired_exit (restart mode)."""
+
+    def _base_env(self, local_rank: int, role: str) -> dict[str, str]:
+        return worker_env(
+            self.cfg.env, node_id=self.cfg.node_id, endpoint=self.worker_endpoint, token=self.cfg.token,
+            job_id=self.job_id, role=role, nproc=self.cfg.nproc, local_rank=local_rank,
+            local_addr=self.cfg.local_addr, replica_endpoint=self.replica_endpoint,
+        )
+
+    def _spawn(self, local_rank: int, env: dict[str, str], attempt: int):
+        folder = self.workers.log_folder(self.job_id, self.cfg.node_id, attempt, local_rank)
+        try:
+            worker = self.workers.spawn(local_rank, self.cfg.command, env, folder)
+        except OSError as exc:
+            log.error("cannot start worker %d (%s): %s", local_rank, " ".join(self.cfg.command), exc)
+            self._to_controller(WorkerExited(self.cfg.node_id, self.generation, local_rank, 0, 127, str(exc)))
+            return None
+        log.info("worker %d started (pid %d)%s", local_rank, worker.pid, f"; logs in {folder}" if folder else "")
+        return worker
+
+    def _worker_statuses(self, now: float) -> dict:
+        """Each worker's latest status and its age: a stopped or wedged worker's age keeps growing."""
+        return {str(local): {"rank": st.rank, "step": st.step, "activity": st.activity, "age": round(now - t, 3),
+                             "room": st.room}
+                for local, (st, t) in self._statuses.items()}
+
+    def _to_workers(self, msg) -> None:
+        for identity in self._peers:
+            self.worker_ch.send(msg, to=identity)
+
+    def _on_worker(self, incoming: Incoming) -> None:
+        msg = incoming.msg
+        if isinstance(msg, FORWARDED):
+            self._to_controller(msg)
+        elif isinstance(msg, WorkerStatus):
+            self._statuses[msg.local_rank] = (msg, time.monotonic())
+        elif isinstance(msg, Hello):
+            identity = incoming.sender
+            self._peers[identity] = msg.local_rank
+            worker = self.workers.get(msg.local_rank)
+            if worker is not None and worker.identity is None:
+                worker.identity = identity
+            log.info("worker %d said hello (pid %d)", msg.local_rank, msg.pid)
+            if self.shutdown is not None and self.shutdown.phase == "stop":
+                self.worker_ch.send(Stop(self.shutdown.reason, self.shutdown.code), to=identity)
+            elif self.latest_reconfigure is not None:
+                self.worker_ch.send(self.latest_reconfigure, to=identity)
+            elif self.standby is not None:
+                self.worker_ch.send(self.standby, to=identity)
+        else:
+            self.worker_ch.drop_unexpected(incoming)
+
+    def _on_events(self) -> None:
+        for event in self.events.drain():
+            if isinstance(event, WorkerDone):
+                self._on_worker_done(event)
+            elif isinstance(event, RelabelChecked):
+                self.replica.relabel_checked(event)
+
+    def _on_worker_done(self, done: WorkerDone) -> None:
+        if self._retired_exit(done.pid):
+            return
+        worker = self.workers.mark_done(done)
+        if worker is None:
+            return
+        if worker.identity is not None:
+            self._peers.pop(worker.identity, None)
+        output = worker.output
+        last = output.last_line() if output is not None and done.exitcode != 0 else ""
+        log.log(logging.INFO if done.exitcode == 0 or self.shutdown else logging.WARNING,
+                "worker %d (pid %d) exited: %s%s", done.local_rank, done.pid, describe_exit(done.exitcode),
+                f" ({last})" if last else "")
+        exited = WorkerExited(self.cfg.node_id, self.generation, done.local_rank, done.pid, done.exitcode,
+                              last or describe_exit(done.exitcode),
+                              stderr_tail=output.tail() if output is not None and done.exitcode != 0 else "",
+                              log_path=output.log_path if output is not None else "")
+        if not self._hold_exit(exited):
+            self._to_controller(exited)
