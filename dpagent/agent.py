@@ -229,10 +229,9 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
             due.append(offers_due)
         if self.shutdown is not None:
             due.append(self.shutdown.deadline)
-        if not self._exiting() and self.liveness is not None:
-            due.append(self.liveness.next_deadline())
-        elif not self._exiting():
-            due.append(self.started + self.cfg.register_timeout)
+        if not self._exiting():  # heartbeats due, or the Welcome still awaited
+            due.append(self.liveness.next_deadline() if self.liveness is not None
+                       else self.started + self.cfg.register_timeout)
         return poll_ms(min(due), now)
 
     def _tick(self, now: float) -> None:

@@ -119,7 +119,7 @@ class Files:
         if isinstance(msg, (p.Heartbeat, p.Pong)):
             node.last_heard = now
             return True
-        if isinstance(msg, p.SnapshotFiles) and self.files is not None:
+        if isinstance(msg, p.SnapshotFiles):  # (one that comes after the save is dropped there)
             self._on_SnapshotFiles(node, msg, now)
             return True
         return False
