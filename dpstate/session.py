@@ -43,6 +43,7 @@ class Step:
         self.number = number
         self.metrics: dict[str, Any] = {}
         self.failure: BaseException | None = None
+        self.done = False  # its `with` block ended without an exception
         self._job = job
 
     def log(self, **metrics: Any) -> None:
@@ -53,6 +54,7 @@ class Step:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self.done = exc is None
         if exc is None or self._job._standalone or not isinstance(exc, Exception):
             return False
         if classify(exc, self._job._abort) is None and not self._job._abort.stopped:
@@ -178,7 +180,11 @@ class Job:
                 self.activity = "compute"
                 self._snapshot_gate.step = number
                 self._step_started = time.perf_counter()
-                yield step
+                try:
+                    yield step
+                except GeneratorExit:  # the script left the loop (a break): its last step still counts
+                    self._left_loop(step)
+                    raise
                 if step.failure is not None:
                     raise step.failure
                 self._abort.check()  # a reconfiguration arrived during the step: its result is abandoned
@@ -237,6 +243,17 @@ class Job:
         if snapshot:
             self._replicator.submit(step.number, self._tracked.capture(step.number), self._tracked.shared_keys)
             gate.submitted()
+        self._report(step, snapshot)
+
+    def _left_loop(self, step: Step) -> None:
+        """The script broke out of job.steps() after `step`: report the step if it completed, with no snapshot
+        and no collective (its peers may not have left with it), so that the job's last step is not one short."""
+        if not step.done or step.failure is not None or self._abort.is_set() or self._control.finished:
+            return
+        self._last_step = step.number
+        self._report(step, snapshot=False)
+
+    def _report(self, step: Step, snapshot: bool) -> None:
         metrics = {k: _jsonable(v) for k, v in step.metrics.items()}
         self._send(P.Progress(node_id=self.node_id, generation=self.generation, rank=self.rank,
                               step=step.number, metrics=metrics, snapshot=snapshot))

@@ -5,6 +5,7 @@ every rank at once still leaves the state of the step before it, with --save-dir
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -24,7 +25,7 @@ job.track(model=model, optimizer=opt)
 mode = os.environ["BUG"]
 for step in job.steps(12):
     with step:
-        if step.number == 5 and (job.rank == 1 or mode == "every") and mode != "fixed" and (
+        if step.number == 5 and (job.rank == 1 or mode == "every") and mode not in ("fixed", "converged") and (
                 mode in ("always", "every") or job.generation == 0):
             raise ValueError("bad batch at step 5")
         loss = ddp(torch.randn(4, 8)).square().mean()
@@ -34,6 +35,8 @@ for step in job.steps(12):
         step.log(loss=loss.item())
     if mode == "leave" and step.number == 5 and job.rank == 1:
         break  # a rank that stops early on its own: its peers cannot go on
+    if mode == "converged" and step.number == 5:
+        break  # every rank stops early: a clean end at step 5
 """
 
 
@@ -75,6 +78,14 @@ def test_a_rank_that_leaves_the_loop_early_is_named_not_taken_for_a_finished_run
     (finished,) = _named(events, "job_finished")
     assert "rank 1 exited (exit code 0) after step" in finished["message"], finished
     assert "training completed" not in finished["message"]
+
+
+def test_every_rank_leaving_the_loop_early_ends_cleanly_at_the_step_it_left_after(procs, tmp_path):
+    run, events = _run(procs, tmp_path, "converged", "--spares", "1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    (finished,) = _named(events, "job_finished")
+    assert finished["exit_code"] == 0 and not _named(events, "node_failed")
+    assert re.search(r"dprun: done in \S+, step 5\b", run.stdout), run.stdout[-1500:]  # not one short
 
 
 def test_a_bug_on_every_rank_saves_the_step_before_it_and_the_fixed_script_goes_on_from_there(procs, tmp_path):
