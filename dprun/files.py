@@ -224,6 +224,8 @@ class Files:
         elif work.saving:
             said = f"{work.message}; saving the state of step {work.step} in {work.folder} failed: {why}"
             if not work.hurried:  # an older step instead, if every rank still has a copy of one
+                # dropping the newer steps from the ledger is safe only because the job is ending: no recovery
+                # plans with it after a save, and the stores keep the copies it forgets
                 self.ledger.rollback(work.step - 1)
                 self.saved = False
                 said = self._save_first(work.code, said, before=work)
