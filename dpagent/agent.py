@@ -61,6 +61,7 @@ class AgentConfig:
     run_dir: str | None = None
     stop_grace: float = 3.0  # after Stop is relayed, before SIGTERM
     term_grace: float = 2.0  # after SIGTERM, before SIGKILL
+    save_timeout: float = 300.0  # the controller lost: how long the workers may take to write their snapshots
     register_timeout: float = 300.0  # no Welcome by then: exit 3
     output: OutputSpec = field(default_factory=OutputSpec)  # log files, console filter (torchrun's -r/-t)
     max_restarts: int = 3  # restart mode: for TORCHELASTIC_MAX_RESTARTS
@@ -241,12 +242,14 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         if not self._exiting():  # (a node whose store stays heartbeats while its workers stop)
             if self.liveness is not None:
                 if self.liveness.lost(now):
+                    saving = bool(self.welcome.save_dir) and not self.restart_mode
                     log.error(
-                        "controller lost: nothing from %s for %.1fs (timeout %.1fs); killing workers, exiting %d",
+                        "controller lost: nothing from %s for %.1fs (timeout %.1fs); %skilling workers, exiting %d",
                         self.cfg.controller, self.liveness.silent_for(now), self.liveness.timeout,
+                        f"saving this node's snapshots to {self.welcome.save_dir}, then " if saving else "",
                         EXIT_CONTROLLER_LOST,
                     )
-                    self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", "kill")
+                    self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", "save" if saving else "kill")
                 elif self.liveness.beat_due(now):
                     self._to_controller(Heartbeat(self.cfg.node_id, self.generation, self._worker_statuses(now)))
                     self.liveness.beat_sent(now)

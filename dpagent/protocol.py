@@ -46,12 +46,14 @@ from typing import Any, Sequence
 
 from .checksum import CHECKSUM_BLOCK
 
-PROTOCOL_VERSION = 11  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
+PROTOCOL_VERSION = 12  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
 #                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...);
 #                      8: check plans (data parallel blocks sampled: dpagent.checksum.CheckPlan);
 #                      9: SnapshotStored.nbytes and Standby (spares reserve snapshot memory while idle);
 #                      10: SaveSnapshots, LoadSnapshots, SnapshotFiles (a stopped job's state on disk)
 #                      11: Stop.keep_store (a node fenced for its worker's exit keeps its store for a save)
+#                      12: Welcome.save_dir, SaveSnapshots of every step held (NO_RANK), SnapshotFiles.steps:
+#                          an agent that loses its controller writes its copies to the job's --save-dir
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -244,6 +246,7 @@ class Welcome:
     heartbeat_interval: float
     heartbeat_timeout: float
     prespawn: bool = True  # start workers now (dpstate scripts wait in init()); False: only on Reconfigure
+    save_dir: str = ""  # the job's --save-dir: where this node writes its copies should it lose the controller
 
 
 @_message
@@ -303,7 +306,8 @@ class SaveSnapshots:
     """The job is stopping: write the snapshots of `ranks` at `step` as files in `directory`
     (dpagent.snapshot_files): those this node's replica store holds, or with `local`, relayed to the node's
     workers, their own local copies (a rank whose every replica died with its holder). Each answers with
-    SnapshotFiles."""
+    SnapshotFiles. `step` NO_RANK (from an agent that lost its controller, to its workers): every step each
+    holds, each into `directory`/step-S."""
 
     directory: str
     step: int
@@ -329,6 +333,7 @@ class SnapshotFiles:
     node_id: str
     step: int
     results: dict[str, str]  # str(rank) -> "" or the error
+    steps: list[int] = field(default_factory=list)  # for a SaveSnapshots of every step held: those written
 
 
 @_message

@@ -1,4 +1,5 @@
-"""The agent's shutdown sequence: relay Stop to the workers, then SIGTERM after a grace, then SIGKILL.
+"""The agent's shutdown sequence: relay Stop to the workers, then SIGTERM after a grace, then SIGKILL; or, having
+lost the controller, save what the node holds to the job's --save-dir first (dpagent.lost_save), then SIGKILL.
 
 A part of the Agent (it inherits this), kept apart so each file reads in one sitting.
 """
@@ -10,6 +11,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+from .lost_save import LostSave, save_store
 from .protocol import Stop
 
 log = logging.getLogger("dpagent")
@@ -19,13 +21,14 @@ log = logging.getLogger("dpagent")
 class Shutdown:
     code: int
     reason: str
-    phase: str  # "stop" (Stop relayed) -> "term" -> "kill"
+    phase: str  # "stop" (Stop relayed) -> "term" -> "kill"; or "save" (the controller lost) -> "kill"
     deadline: float
     keep_store: bool = False  # once the workers are gone, stay (retired) instead of exiting
+    save: LostSave | None = None  # phase "save": what the node writes before it kills its workers
 
 
 class ShutdownSequence:
-    """Needs the agent's cfg, workers, shutdown, retired, exit_code and _to_workers."""
+    """Needs the agent's cfg, workers, shutdown, retired, exit_code, replica, _to_workers and _own_ranks."""
 
     def _exiting(self) -> bool:
         """Stopping to exit: not running, nor only stopping its workers to keep its store (Stop.keep_store)."""
@@ -40,14 +43,28 @@ class ShutdownSequence:
         now = time.monotonic()
         alive = self.workers.alive()
         log.info("%s; %d live worker(s); will exit %d", reason, len(alive), code)
+        save = None
         if phase == "stop":
             self._to_workers(stop or Stop(reason, code))
             deadline = now + self.cfg.stop_grace
+        elif phase == "save":
+            greeted = {w.local_rank for w in self.workers.greeted()}  # (each answers for its rank)
+            save = LostSave(self.welcome.save_dir, {r for r in self._own_ranks() if r % self.cfg.nproc in greeted})
+            save_store(self.replica.store, save)
+            self._to_workers(save.request())
+            deadline = now + self.cfg.save_timeout
         else:
             self.workers.signal_all(signal.SIGKILL)
             deadline = now + 2.0
-        self.shutdown = Shutdown(code, reason, phase, deadline, keep_store)
+        self.shutdown = Shutdown(code, reason, phase, deadline, keep_store, save)
         self._advance_shutdown(now)
+
+    def _saved(self, msg) -> bool:
+        """A worker's answer to the save of a node that lost its controller (else False: not ours)."""
+        if self.shutdown is None or self.shutdown.save is None:
+            return False
+        self.shutdown.save.answered(msg)
+        return True
 
     def _advance_shutdown(self, now: float) -> None:
         sd = self.shutdown
@@ -56,6 +73,13 @@ class ShutdownSequence:
             log.info("workers stopped; the replica store stays for the job's end (a save may need its copies)")
             self.shutdown, self.retired = None, True
             return
+        answering = {w.local_rank for w in alive}
+        if sd.phase == "save" and (not any(r % self.cfg.nproc in answering for r in sd.save.waiting)
+                                   or now >= sd.deadline):
+            log.log(logging.WARNING if sd.save.waiting or sd.save.errors else logging.INFO, "controller lost: %s",
+                    sd.save.summary())
+            self.workers.signal_all(signal.SIGKILL)
+            sd.phase, sd.deadline = "kill", now + 2.0
         if not alive:
             self.exit_code = sd.code
             return

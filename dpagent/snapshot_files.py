@@ -126,6 +126,24 @@ def load_into(store: ReplicaStore, folder: str | os.PathLike, step: int, ranks: 
     return results
 
 
+def newest_saved(folder: str | os.PathLike, world_size: int) -> tuple[Path, int]:
+    """The folder to resume from and its step: `folder` itself if it is a step-S folder, else (a --save-dir)
+    its newest step-S that holds a file for every rank. ValueError, saying what is wrong, if there is none."""
+    path = Path(folder)
+    steps = sorted(((int(p.name[5:]), p) for p in path.glob("step-*") if p.name[5:].isdigit() and p.is_dir()),
+                   reverse=True)
+    if not steps or any(path.glob("rank-*.dpsnap")):
+        return path, saved_step(path, world_size)
+    why = []
+    for step, candidate in steps:
+        try:
+            return candidate, saved_step(candidate, world_size)
+        except ValueError as exc:
+            why.append(str(exc))
+    raise ValueError(f"no step-S folder in {folder} holds a file of every rank of a job of {world_size} ranks "
+                     f"(newest: {why[0]})")
+
+
 def saved_step(folder: str | os.PathLike, world_size: int) -> int:
     """The step that `folder` (a --save-dir's step-S) holds a file of for every rank of a job of `world_size`.
     ValueError, saying what is wrong, if it does not."""

@@ -49,12 +49,21 @@ class WorkerLink:
                              "room": st.room}
                 for local, (st, t) in self._statuses.items()}
 
+    def _own_ranks(self) -> list[int]:
+        """The global ranks of this node's workers in the current generation ([] before one, or on a spare)."""
+        reconf = self.latest_reconfigure
+        if reconf is None or reconf.node_rank < 0:
+            return []
+        return list(range(reconf.node_rank * self.cfg.nproc, (reconf.node_rank + 1) * self.cfg.nproc))
+
     def _to_workers(self, msg) -> None:
         for identity in self._peers:
             self.worker_ch.send(msg, to=identity)
 
     def _on_worker(self, incoming: Incoming) -> None:
         msg = incoming.msg
+        if isinstance(msg, SnapshotFiles) and self._saved(msg):
+            return
         if isinstance(msg, FORWARDED):
             self._to_controller(msg)
         elif isinstance(msg, WorkerStatus):

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import typer
 
-from dpagent.snapshot_files import saved_step
+from dpagent.snapshot_files import newest_saved
 
 from . import faults, slurm
 from .job import JobOptions, is_local, parse_endpoint, run_multinode, run_standalone, uses_dpstate
@@ -124,8 +124,9 @@ def run(
              "--resume-from."),
     resume_from: Optional[Path] = typer.Option(
         None, "--resume-from",
-        help="Go on from the snapshots a stopped job saved (its --save-dir's step-S folder): every rank "
-             "starts from step S + 1. The job must have as many ranks."),
+        help="Go on from the snapshots a stopped job saved (its --save-dir's step-S folder, or the --save-dir "
+             "itself: its newest step saved for every rank): every rank starts from step S + 1. The job must "
+             "have as many ranks."),
     rdzv_endpoint: Optional[str] = typer.Option(
         None, "--rdzv-endpoint", "--rdzv_endpoint", envvar="PET_RDZV_ENDPOINT",
         help="HOST:PORT of the controller (multi-node). Without it, every node runs on this machine."),
@@ -255,7 +256,10 @@ def run(
     resume_step = -1
     if resume_from is not None:
         try:
-            resume_step = saved_step(resume_from, nnodes * nproc_per_node)
+            chosen, resume_step = newest_saved(resume_from, nnodes * nproc_per_node)
+            if chosen != resume_from:  # a --save-dir: its newest step that every rank has a file of
+                print(f"dprun: resuming from {chosen} (the newest step saved for every rank)", file=sys.stderr)
+                resume_from = chosen
         except ValueError as exc:
             _fail(f"--resume-from: {exc}")
     if save_dir is not None:

@@ -203,7 +203,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self._send(node.node_id, p.Welcome(
             node_id=node.node_id, role=node.role, job_id=self.spec.job_id,
             heartbeat_interval=self.spec.heartbeat_interval, heartbeat_timeout=self.spec.heartbeat_timeout,
-            prespawn=not self.spec.restart_mode,
+            prespawn=not self.spec.restart_mode, save_dir=self.spec.save_dir,
         ))
         standby = self.sizing.message()
         if node.role == SPARE and standby is not None:

@@ -1,26 +1,38 @@
 """A stopping job's own copy of a rank: where no replica of a rank is left (its holder died), the rank's worker
-writes its local snapshot of the step the controller names (SaveSnapshots, local=True) as a file."""
+writes its local snapshot of the step the controller names (SaveSnapshots, local=True) as a file, or, when its
+agent lost the controller, every step it holds."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from dpagent import protocol as P
-from dpagent.snapshot_files import write_snapshot
+from dpagent.snapshot_files import step_folder, write_snapshot
 
 
 def save_local(replicator: Any, msg: P.SaveSnapshots, rank: int, node_id: str,
                send: Callable[[P.SnapshotFiles], Any]) -> None:
-    """If msg asks for this rank: write its local snapshot of msg.step into msg.directory and `send` the answer."""
+    """If msg asks for this rank: write its local snapshot of msg.step into msg.directory (of every step it
+    holds, each into msg.directory/step-S, for msg.step NO_RANK) and `send` the answer."""
     if rank not in msg.ranks:
         return
-    slot = replicator.local(msg.step)
+    if msg.step != P.NO_RANK:
+        send(P.SnapshotFiles(node_id, msg.step, {str(rank): _write(replicator, msg.directory, rank, msg.step)}))
+        return
+    written, errors = [], []
+    for step in replicator.local_steps():
+        error = _write(replicator, step_folder(msg.directory, step), rank, step)
+        (errors if error else written).append(error or step)
+    send(P.SnapshotFiles(node_id, msg.step, {str(rank): "; ".join(errors)}, steps=written))
+
+
+def _write(replicator: Any, folder: Any, rank: int, step: int) -> str:
+    """Write this rank's local snapshot of `step` as a file in `folder`: "" or why not."""
+    slot = replicator.local(step)
     if slot is None:
-        error = f"rank {rank} no longer holds step {msg.step} (it holds {replicator.local_steps()})"
-    else:
-        try:
-            write_snapshot(msg.directory, rank, msg.step, slot.checksum, slot.meta, [slot.data.numpy()])
-            error = ""
-        except OSError as exc:
-            error = f"rank {rank}: {exc}"
-    send(P.SnapshotFiles(node_id, msg.step, {str(rank): error}))
+        return f"rank {rank} no longer holds step {step} (it holds {replicator.local_steps()})"
+    try:
+        write_snapshot(folder, rank, step, slot.checksum, slot.meta, [slot.data.numpy()])
+    except OSError as exc:
+        return f"rank {rank}: {exc}"
+    return ""

@@ -422,3 +422,37 @@ def test_a_spare_job_makes_room_on_standby_and_reports_it_in_its_status():
     control.on_standby(P.Standby([5 << 20]))
     job._room.join(timeout=10)
     assert job._status().room == 2 * (5 << 20)
+
+
+# ----------------------------------------------------------------------------- saving own copies
+
+class _Ring:
+    """A worker's ring of local snapshots, as dpstate.replication.Replicator shows them to dpstate.saving."""
+
+    def __init__(self, snapshots: dict[int, bytes]):
+        from dpagent.checksum import checksum_chunks
+        from dpstate.fetch import Slot
+        self.slots = {step: Slot(buffer=torch.frombuffer(bytearray(data), dtype=torch.uint8), step=step,
+                                 meta=b"{}", nbytes=len(data), checksum=checksum_chunks(b"{}", [data]))
+                      for step, data in snapshots.items()}
+
+    def local(self, step):
+        return self.slots.get(step)
+
+    def local_steps(self):
+        return sorted(self.slots)
+
+
+def test_a_worker_asked_for_every_step_it_holds_writes_each_into_its_step_folder(tmp_path):
+    from dpagent.snapshot_files import rank_file, read_snapshot, step_folder
+    from dpstate.saving import save_local
+    ring, sent = _Ring({10: b"a" * 64, 11: b"b" * 64}), []
+    save_local(ring, P.SaveSnapshots(str(tmp_path), P.NO_RANK, [3], local=True), 3, "n1", sent.append)
+    assert sent == [P.SnapshotFiles("n1", P.NO_RANK, {"3": ""}, steps=[10, 11])]
+    for step, byte in ((10, b"a"), (11, b"b")):
+        put, _, chunks = read_snapshot(rank_file(step_folder(tmp_path, step), 3), generation=0)
+        assert (put.rank, put.step) == (3, step) and b"".join(bytes(c) for c in chunks) == byte * 64
+    save_local(ring, P.SaveSnapshots(str(tmp_path), P.NO_RANK, [4], local=True), 3, "n1", sent.append)
+    assert len(sent) == 1, "another rank's request is not this worker's to answer"
+    save_local(ring, P.SaveSnapshots(str(tmp_path), 9, [3], local=True), 3, "n1", sent.append)
+    assert sent[-1] == P.SnapshotFiles("n1", 9, {"3": "rank 3 no longer holds step 9 (it holds [10, 11])"})

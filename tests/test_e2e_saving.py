@@ -1,6 +1,6 @@
 """A job's state outlives the job, in real dprun jobs: one that stops (out of spares, or told to by SIGTERM)
-writes its newest complete step with --save-dir, and a job started with --resume-from that folder goes on from
-it to the very parameters of a run that never stopped."""
+writes its newest complete step with --save-dir (as do the nodes that outlive the controller's), and a job started
+with --resume-from that folder goes on from it to the very parameters of a run that never stopped."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from conftest import Processes
+from conftest import Processes, free_port
 from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
 
 pytestmark = pytest.mark.slow
@@ -101,3 +101,27 @@ def test_save_dir_for_a_script_without_dpstate_is_refused_in_one_line(procs, tmp
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
     assert "--save-dir needs a script that uses dpstate" in err
+
+
+def test_nodes_that_lose_the_controller_write_their_copies_and_the_job_resumes_from_them(procs, tmp_path, sha):
+    """The first node (the controller's) dies with its agent and worker: node 1's agent, silent controller
+    past the heartbeat timeout, writes the copy of rank 0 it holds and has its worker write rank 1's own, then
+    exits 3; `--resume-from` the --save-dir picks the newest step every rank has and ends bitwise alike."""
+    token, saved, events = tmp_path / "token", tmp_path / "saved", tmp_path / "lost.events.jsonl"
+    token.write_text("lost-controller-secret")
+    common = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--token-file", token, "--nnodes", "2",
+              "--spares", "0", "--heartbeat-interval", "0.25", "--heartbeat-timeout", "2"]
+    script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1"]
+    head = procs.dprun(*common, "--node-rank", "0", "--save-dir", saved, "--events-file", events, *script,
+                       cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    other = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90, "step 8")
+    head.kill()  # the controller's process: its agent and worker die with it (no save from it)
+    _, err = other.communicate(timeout=90)
+    assert other.returncode == 3, err[-3000:]
+    assert "controller lost: wrote rank 0 (held) step" in err and "rank 1 (own) step" in err, err[-3000:]
+    complete = [f.name for f in saved.iterdir() if sorted(g.name for g in f.iterdir()) == ["rank-0.dpsnap",
+                                                                                          "rank-1.dpsnap"]]
+    assert complete, f"no step has every rank's file: {[(f.name, sorted(g.name for g in f.iterdir())) for f in saved.iterdir()]}"
+    _resumed(procs, tmp_path, str(saved), sha)

@@ -9,7 +9,11 @@ import pytest
 from dpagent.checksum import CHECKSUM_BLOCK, checksum_chunks
 from dpagent.protocol import PutSnapshot, SnapshotStored, chunk_views
 from dpagent.replica_store import ReplicaStore
-from dpagent.snapshot_files import load_into, rank_file, read_snapshot, save_held, saved_step, step_folder
+from dpagent.lost_save import LostSave, save_store
+from dpagent.protocol import SnapshotFiles
+from dpagent.snapshot_files import (
+    load_into, newest_saved, rank_file, read_snapshot, save_held, saved_step, step_folder,
+)
 
 META = b'{"step": 7}'
 
@@ -76,3 +80,37 @@ def test_saved_step_names_the_step_of_a_whole_folder_and_what_is_wrong_with_any_
         saved_step(folder, 2)
     with pytest.raises(ValueError, match="not a folder"):
         saved_step(tmp_path / "nowhere", 2)
+
+
+def _save(folder, rank: int, step: int) -> None:
+    save_held(_store_with(rank, step, os.urandom(CHECKSUM_BLOCK)), step_folder(folder, step), step, [rank])
+
+
+def test_resuming_from_a_save_dir_takes_its_newest_step_that_every_rank_has(tmp_path):
+    for rank, step in [(0, 9), (1, 9), (0, 10), (1, 10), (1, 11)]:  # step 11: rank 0's file was never written
+        _save(tmp_path, rank, step)
+    assert newest_saved(tmp_path, 2) == (step_folder(tmp_path, 10), 10)
+    assert newest_saved(step_folder(tmp_path, 9), 2) == (step_folder(tmp_path, 9), 9), "a step-S folder as is"
+    with pytest.raises(ValueError, match="no step-S folder .* holds a file of every rank .*newest: .*step-11"):
+        newest_saved(tmp_path, 3)
+
+
+def test_a_node_that_lost_its_controller_writes_each_copy_it_holds_once_and_says_what_it_wrote(tmp_path):
+    store = _store_with(0, 10, os.urandom(2 * CHECKSUM_BLOCK))
+    data = os.urandom(CHECKSUM_BLOCK)
+    put = PutSnapshot(rank=2, step=9, generation=3, checksum=checksum_chunks(META, [data]), nbytes=len(META) + len(data))
+    assert store.add(put, META, data) == ""
+    _save(tmp_path, 2, 9)  # another holder of rank 2 wrote it first: not written again
+    before = rank_file(step_folder(tmp_path, 9), 2).read_bytes()
+    save = LostSave(str(tmp_path), waiting={1})
+    save_store(store, save)
+    assert rank_file(step_folder(tmp_path, 10), 0).exists()
+    assert rank_file(step_folder(tmp_path, 9), 2).read_bytes() == before
+    assert save.request().step == -1 and save.request().ranks == [1] and save.request().local
+    assert "not written: rank 1" in save.summary()
+    save.answered(SnapshotFiles("n1", -1, {"1": ""}, steps=[11, 10]))
+    assert not save.waiting
+    assert save.summary() == (f"wrote rank 0 (held) step 10; rank 1 (own) steps 10, 11 to {tmp_path}; once every "
+                              "rank's file of a step is there (other nodes write theirs), go on with: dprun ... "
+                              f"--resume-from {tmp_path}")
+    assert LostSave(str(tmp_path), set()).summary() == f"nothing written to {tmp_path}"

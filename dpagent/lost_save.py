@@ -1,0 +1,66 @@
+"""What an agent that lost its controller leaves on disk: every copy its replica store holds and, asked of its
+workers, their own snapshots, each in the job's --save-dir/step-S, before it kills them and exits 3.
+
+The controller is one process on the first node: if that node dies, its agents' copies would die with them.
+A step-S folder that every rank wrote to is what `dprun --resume-from` goes on from (it picks the newest).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from .protocol import NO_RANK, SaveSnapshots, SnapshotFiles
+from .replica_store import ReplicaStore
+from .snapshot_files import rank_file, save_held, step_folder
+
+log = logging.getLogger("dpagent")
+
+
+@dataclass
+class LostSave:
+    """A save under way after the controller was lost: the workers' answers awaited, what was written."""
+
+    directory: str
+    waiting: set[int]  # global ranks of this node's live workers that have not answered yet
+    written: dict[str, list[int]] = field(default_factory=dict)  # "rank R (held)" / "(own)" -> steps
+    errors: list[str] = field(default_factory=list)
+
+    def request(self) -> SaveSnapshots:
+        """To this node's workers: every step each holds, each into directory/step-S."""
+        return SaveSnapshots(self.directory, NO_RANK, sorted(self.waiting), local=True)
+
+    def answered(self, msg: SnapshotFiles) -> None:
+        for rank, error in msg.results.items():
+            self.waiting.discard(int(rank))
+            if msg.steps:
+                self.written[f"rank {rank} (own)"] = sorted(msg.steps)
+            if error:
+                self.errors.append(error)
+
+    def summary(self) -> str:
+        """One line for the log: what is on disk now, and how to go on from it."""
+        if not self.written:
+            return f"nothing written to {self.directory}" + (f" ({'; '.join(self.errors)})" if self.errors else "")
+        what = "; ".join(f"{who} step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+                         for who, steps in sorted(self.written.items()))
+        missing = f"; not written: {', '.join(f'rank {r}' for r in sorted(self.waiting))}" if self.waiting else ""
+        failed = f"; errors: {'; '.join(self.errors)}" if self.errors else ""
+        return (f"wrote {what} to {self.directory}{missing}{failed}; once every rank's file of a step is there "
+                f"(other nodes write theirs), go on with: dprun ... --resume-from {self.directory}")
+
+
+def save_store(store: ReplicaStore, save: LostSave) -> None:
+    """Write every copy `store` holds into save.directory/step-S, but those a file already exists for (another
+    node holding the same copy wrote it: files are written whole or not at all) and those gone stale (kept by
+    reference to this node's own snapshot, which its worker has written over since)."""
+    for rank in store.ranks():
+        for step in store.steps(rank):
+            folder = step_folder(save.directory, step)
+            if store.get(rank, step) is None or rank_file(folder, rank).exists():
+                continue
+            error = save_held(store, folder, step, [rank])[str(rank)]
+            if error:
+                save.errors.append(error)
+            else:
+                save.written.setdefault(f"rank {rank} (held)", []).append(step)
