@@ -85,6 +85,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         self._peers: dict[bytes, int] = {}  # worker identity -> local rank, once it said Hello
         self._statuses: dict[int, tuple] = {}  # local rank -> (latest WorkerStatus, when it came)
         self._signalled = 0
+        self._signals = 0  # how many (a second one cuts a save short)
         self._old_handlers: dict = {}
         self._wakeup = None
         self._owns_run_dir = False
@@ -153,6 +154,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
 
     def _on_signal(self, signum, _frame) -> None:
         self._signalled = signum
+        self._signals += 1
 
     def _close(self) -> None:
         for sig, handler in self._old_handlers.items():
@@ -239,6 +241,8 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         if self._signalled and not self._exiting():
             name = signal.Signals(self._signalled).name
             self._begin_shutdown(128 + self._signalled, f"received {name}", "stop")
+        elif self._signals and self.shutdown is not None and self.shutdown.phase == "save":
+            self._signal_while_saving(now)
         if not self._exiting():  # (a node whose store stays heartbeats while its workers stop)
             if self.liveness is not None:
                 if self.liveness.lost(now):

@@ -25,6 +25,7 @@ class LostSave:
     waiting: set[int]  # global ranks of this node's live workers that have not answered yet
     written: dict[str, list[int]] = field(default_factory=dict)  # "rank R (held)" / "(own)" -> steps
     errors: list[str] = field(default_factory=list)
+    warned: bool = False  # told that a second signal cuts it short
 
     def request(self) -> SaveSnapshots:
         """To this node's workers: every step each holds, each into directory/step-S."""

@@ -25,10 +25,12 @@ class Shutdown:
     deadline: float
     keep_store: bool = False  # once the workers are gone, stay (retired) instead of exiting
     save: LostSave | None = None  # phase "save": what the node writes before it kills its workers
+    signals: int = 0  # signals the agent had received when it began
 
 
 class ShutdownSequence:
-    """Needs the agent's cfg, workers, shutdown, retired, exit_code, replica, _to_workers and _own_ranks."""
+    """Needs the agent's cfg, workers, shutdown, retired, exit_code, replica, _signals, _signalled, _to_workers
+    and _own_ranks."""
 
     def _exiting(self) -> bool:
         """Stopping to exit: not running, nor only stopping its workers to keep its store (Stop.keep_store)."""
@@ -56,8 +58,20 @@ class ShutdownSequence:
         else:
             self.workers.signal_all(signal.SIGKILL)
             deadline = now + 2.0
-        self.shutdown = Shutdown(code, reason, phase, deadline, keep_store, save)
+        self.shutdown = Shutdown(code, reason, phase, deadline, keep_store, save, self._signals)
         self._advance_shutdown(now)
+
+    def _signal_while_saving(self, now: float) -> None:
+        """A signal while the node saves after losing its controller: the first is told it may cut the save
+        short (as Slurm's time limit's SIGTERM comes before its SIGKILL, the save goes on), the second does."""
+        sd = self.shutdown
+        if self._signals - sd.signals == 1 and not sd.save.warned:
+            log.warning("received %s while saving (up to %.0fs more); a second signal cuts the save short",
+                        signal.Signals(self._signalled).name, sd.deadline - now)
+            sd.save.warned = True
+        elif self._signals - sd.signals > 1 and sd.deadline > now:
+            log.warning("received %s again: the save is cut short", signal.Signals(self._signalled).name)
+            sd.deadline = now  # (the files written stay)
 
     def _saved(self, msg) -> bool:
         """A worker's answer to the save of a node that lost its controller (else False: not ours)."""

@@ -87,8 +87,8 @@ class AgentRun:
         self.run_dir, self.report_dir, self.stderr_path = run_dir, report_dir, stderr_path
         self.register: Register | None = None
 
-    def welcome(self, role="active", interval=0.2, timeout=30.0):
-        self.ctl.send(Welcome(self.node_id, role, JOB, interval, timeout))
+    def welcome(self, role="active", interval=0.2, timeout=30.0, save_dir=""):
+        self.ctl.send(Welcome(self.node_id, role, JOB, interval, timeout, save_dir=save_dir))
 
     def reports(self, nproc, timeout=10.0) -> dict[int, dict]:
         deadline = time.monotonic() + timeout
@@ -356,6 +356,40 @@ def test_controller_silence_exits_3_and_kills_workers(start_agent):
     own_run_dir = Path(reports[0]["env"]["DP_AGENT_ENDPOINT"][len("ipc://"):]).parent
     assert not own_run_dir.exists()  # the default temp run dir is removed
     assert "controller lost" in agent.stderr()
+
+
+def test_controller_silence_with_a_save_dir_has_the_workers_save_first_then_exits_3(start_agent, tmp_path):
+    agent = start_agent(nproc=2, worker_args=["--answer-save"])
+    agent.welcome(interval=0.1, timeout=1.0, save_dir=str(tmp_path / "saved"))
+    agent.reconfigure(node_rank=1)
+    pids = [r["pid"] for r in agent.reports(2).values()]
+    assert agent.wait(10) == 3, "the workers answered: no wait for the save's timeout"
+    assert wait_gone(pids)
+    assert f"controller lost: wrote rank 2 (own) step 5; rank 3 (own) step 5 to {tmp_path / 'saved'}" in agent.stderr()
+
+
+def test_a_save_after_the_controller_is_lost_is_cut_short_by_a_second_signal_only(start_agent, tmp_path):
+    agent = start_agent(nproc=2)  # workers that never answer a save
+    agent.welcome(interval=0.1, timeout=1.0, save_dir=str(tmp_path / "saved"))
+    agent.reconfigure()
+    pids = [r["pid"] for r in agent.reports(2).values()]
+    wait_for_text(agent, "saving this node's snapshots to")
+    agent.proc.send_signal(signal.SIGTERM)
+    wait_for_text(agent, "a second signal cuts the save short")
+    assert agent.proc.poll() is None and not any(gone(p) for p in pids), "the first signal lets the save go on"
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.wait(10) == 3
+    assert wait_gone(pids)
+    assert "the save is cut short" in agent.stderr()
+    assert f"controller lost: nothing written to {tmp_path / 'saved'}" in agent.stderr()
+
+
+def wait_for_text(agent: AgentRun, text: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in agent.stderr():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{text!r} not in the agent's log within {timeout}s:\n{agent.stderr()}")
+        time.sleep(0.02)
 
 
 def test_replica_put_fetch_round_trip(start_agent):

@@ -2,6 +2,8 @@
 
 Hello -> waits for Reconfigure -> Progress(step 0, metrics={"generation": G}) -> exits 0 (or --stop-exit) on Stop.
 A Standby is echoed as Progress(generation -1, rank = local rank, metrics={"standby": its sizes}).
+A save of every step held (SaveSnapshots of NO_RANK, its agent having lost the controller) is ignored, or with
+--answer-save answered as if step 5 had been written.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import zmq  # noqa: E402
 
-from dpagent.protocol import Codec, Hello, Progress, ProtocolError, Reconfigure, Standby, Stop  # noqa: E402
+from dpagent.protocol import (  # noqa: E402
+    NO_RANK, Codec, Hello, Progress, ProtocolError, Reconfigure, SaveSnapshots, SnapshotFiles, Standby, Stop,
+)
 
 ENV_KEYS = (
     "DP_NODE_ID", "DP_AGENT_ENDPOINT", "DP_JOB_TOKEN", "DP_JOB_ID", "DP_ROLE", "DP_NPROC_PER_NODE",
@@ -32,6 +36,8 @@ def main() -> int:
     p.add_argument("--ignore-stop", action="store_true", help="do not exit on Stop")
     p.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM")
     p.add_argument("--spawn-child", action="store_true", help="start a sleeping grandchild")
+    p.add_argument("--answer-save", action="store_true",
+                   help="answer a SaveSnapshots of every step held as if it had written step 5")
     args = p.parse_args()
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -55,12 +61,15 @@ def main() -> int:
     sock.linger = 1000
     sock.connect(os.environ["DP_AGENT_ENDPOINT"])
     sock.send_multipart(codec.encode(Hello(node_id, local_rank, os.getpid())))
+    rank = -1
     while True:
         try:
             msg, _ = codec.decode(sock.recv_multipart())
         except ProtocolError:
             continue
-        if isinstance(msg, Reconfigure):
+        if isinstance(msg, SaveSnapshots) and msg.step == NO_RANK and rank in msg.ranks and args.answer_save:
+            sock.send_multipart(codec.encode(SnapshotFiles(node_id, NO_RANK, {str(rank): ""}, steps=[5])))
+        elif isinstance(msg, Reconfigure):
             rank = msg.node_rank * msg.nproc_per_node + local_rank
             sock.send_multipart(codec.encode(Progress(node_id, msg.generation, rank, 0, {"generation": msg.generation})))
         elif isinstance(msg, Standby):
