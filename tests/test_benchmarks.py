@@ -109,6 +109,17 @@ def test_goodput_quick(procs, tmp_path):
     assert got["failures"]["deadpool"] >= 1 and got["failures"]["torchrun"] >= 1
 
 
+def test_gradient_log_quick(procs, tmp_path):
+    """The gradient log probe: each mode paired with a plain step, in one real 2-rank torchrun job."""
+    got = bench(procs, tmp_path, "gradient_log", "--quick")
+    (run,) = got["runs"]
+    assert run["state_bytes"] == 3 * run["grad_bytes"] > 0 and run["plain_step_s"] > 0
+    assert set(run["added_ms"]) == {"gradient", "gradient_after", "whole", "by_reference"}
+    assert all(v is not None for v in run["added_ms"].values()), run
+    assert set(got["alone_ms"]) == {"optimizer_step", "gradient", "gradient_after", "whole"}
+    assert all(v > 0 for v in got["alone_ms"].values()), got["alone_ms"]
+
+
 def test_cuda_step_on_the_cpu(procs, tmp_path):
     """The CUDA step benchmark's code on the CPU (its smoke run): both modes measured, auto decided, and
     without a GPU the default device says so and exits 0."""
