@@ -62,6 +62,9 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.unrestored: set[int] = set()  # ranks handed to a new node that has not yet restored their state
         self.restores_answered: set[int] = set()  # ranks that said restored or failed to, this generation
         self.rank_step: dict[int, int] = {}  # newest step each rank reported in this generation's timeline
+        self.trained_generation = -1  # the newest generation that any rank made a step in
+        self.restore_step = p.NO_RANK  # the current generation's
+        self.late_copies: list[tuple[int, int, str]] = []  # (rank, step, holder) reported in an older one
         self.dropped: dict[str, int] = {}
         self.max_step = 0
         self.last_progress_event = float("-inf")
@@ -158,7 +161,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             self._drop("node_id does not match the sender")
             return
         generation = getattr(msg, "generation", None)
-        if generation is not None and generation != self.generation and not isinstance(msg, ANY_GENERATION):
+        if generation is not None and generation != self.generation and not isinstance(msg, ANY_GENERATION) \
+                and not self._late_copy(msg):
             self._drop("stale generation")
             return
         handler = getattr(self, f"_on_{type(msg).__name__}", None)
@@ -217,6 +221,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             self.flush.waiting.discard(node.node_id)
 
     def _on_Progress(self, node: Node, msg: p.Progress, now: float) -> None:
+        if msg.generation > self.trained_generation:
+            self._first_step_of_generation()
         node.last_step = max(node.last_step, msg.step)
         self.rank_step[msg.rank] = max(self.rank_step.get(msg.rank, 0), msg.step)
         if msg.snapshot:
@@ -236,6 +242,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self._fire_faults(now)
 
     def _on_SnapshotStored(self, node: Node, msg: p.SnapshotStored, now: float) -> None:
+        if msg.generation != self.generation:
+            self.late_copies.append((msg.rank, msg.step, node.node_id))
         self.ledger.stored(msg.rank, msg.step, node.node_id)
         self._restore_news(now)  # (a restored rank replicates its step again before its barrier)
         if self.sizing.stored(msg.rank, msg.nbytes):
@@ -356,6 +364,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
                       **({"resumed_from": self.spec.resume_from, "step": restore_step} if restore_step >= 0 else {}))
 
     def _reconfigure_all(self, restore_step: int, sources: dict[int, str], reason: str) -> None:
+        self.restore_step = restore_step
         self.holders = {r: self.replica_holders(r) for r in range(len(self.layout))}
         endpoint = lambda node_id: self.table.nodes[node_id].replica_endpoint  # noqa: E731
         for node_rank, node_id in enumerate(self.layout):

@@ -184,6 +184,22 @@ class Reconstruction:
                       layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))
         self.recovery = rec
 
+    def _late_copy(self, msg) -> bool:
+        """A copy stored for an older generation, reported late (its sender's put was in flight when a failure
+        began a new one), is still taken in while no generation since has trained: it is of the one timeline
+        that did, and the store made room for it, so the ledger must know what the store now holds (simulator
+        seed 6008067: an older copy counted on was gone, the newer one unknown, and the state said lost)."""
+        return isinstance(msg, p.SnapshotStored) and self.trained_generation <= msg.generation < self.generation
+
+    def _first_step_of_generation(self) -> None:
+        """This generation trains from its restore step on: the late copies of steps past it are of an abandoned
+        timeline (the stores drop them as this generation's copies come), and the ledger forgets them too."""
+        self.trained_generation = self.generation
+        for rank, step, holder in self.late_copies:
+            if step > self.restore_step:
+                self.ledger.discard(rank, step, holder)
+        self.late_copies = []
+
     def _still_restoring(self, ranks: list[int]) -> bool:
         """Is any of `ranks` one that a live node was handed and has neither restored nor failed to yet?"""
         return any(rank in self.unrestored and rank not in self.restores_answered

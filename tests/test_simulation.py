@@ -138,14 +138,22 @@ def test_a_corrupt_copy_met_during_recovery_is_reported_and_an_older_one_restore
     assert reported and all(m.reason == "corrupt" for m in reported)
 
 
-def test_a_walk_back_past_a_survivors_local_copies_ends_as_state_lost(monkeypatch):
-    """A 2-node ring: every copy in the store holding the dead node's rank goes bad as the recovery starts.
-    Here the survivor is a step ahead of the dead rank's newest copy (its last snapshot was not acked yet, as
-    the gate allows), so when the walk back reaches the dead rank's older copy, the survivor (whose own
-    holder was the dead node) finds it holds no local copy of that step and says so (RestoreFailed, source
-    ""): the job ends as state lost instead of planning the same step until the replan limit."""
+def test_a_late_copy_is_taken_in_so_that_no_plan_counts_on_the_copy_it_displaced(monkeypatch):
+    """A 2-node ring: every copy in the store holding the dead node's rank goes bad as the recovery starts,
+    and the dead node's last put (step 28) reaches that store after the failure began generation 1, displacing
+    step 26 there. Its late report is taken in (no generation has trained since), so the ledger knows the store
+    holds 27 and 28, not 26: once 27 is found bad the state is lost at once, with no walk back to a step the
+    store no longer holds (before: 26 planned, "not held", then the survivor's missing local copy)."""
     reported = restore_failures_reported(monkeypatch)
     schedule = Schedule(seed=365, nnodes=2, spares=1, nproc=1, steps=30,
                         faults=[Fault(0.3, "corrupt-all-during-recovery", 0.0), Fault(0.5, "kill-node", 0.9)])
     assert run_schedule(schedule) == "state-lost"
-    assert [(m.rank, m.source) for m in reported][-1] == (0, ""), reported
+    assert [(m.rank, m.step, m.reason) for m in reported] == [(1, 27, "corrupt")], reported
+
+
+def test_a_late_copy_newer_than_the_plan_is_restored_from_when_the_planned_one_is_bad():
+    """Seed 6008067: one node and a spare that holds its copies; the node dies with its put of step 22 in
+    flight, which reaches the spare after it was promoted (displacing step 20 there); every copy it held then
+    goes bad. The late step 22 is known, so after 21 is found bad the job restores 22 and trains on (until its
+    second failure leaves it without a spare), instead of planning 20 and calling the state lost."""
+    assert run_schedule(random_schedule(6008067)) == "spares-exhausted"
