@@ -134,14 +134,14 @@ def newest_saved(folder: str | os.PathLike, world_size: int) -> tuple[Path, int]
                    reverse=True)
     if not steps or any(path.glob("rank-*.dpsnap")):
         return path, saved_step(path, world_size)
-    why = []
+    newest_error = None
     for step, candidate in steps:
         try:
             return candidate, saved_step(candidate, world_size)
         except ValueError as exc:
-            why.append(str(exc))
+            newest_error = newest_error or exc
     raise ValueError(f"no step-S folder in {folder} holds a file of every rank of a job of {world_size} ranks "
-                     f"(newest: {why[0]})")
+                     f"(newest: {newest_error})")
 
 
 def saved_step(folder: str | os.PathLike, world_size: int) -> int:

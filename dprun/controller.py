@@ -63,7 +63,6 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.restores_answered: set[int] = set()  # ranks that said restored or failed to, this generation
         self.rank_step: dict[int, int] = {}  # newest step each rank reported in this generation's timeline
         self.trained_generation = -1  # the newest generation that any rank made a step in
-        self.restore_step = p.NO_RANK  # the current generation's
         self.late_copies: list[tuple[int, int, str]] = []  # (rank, step, holder) reported in an older one
         self.dropped: dict[str, int] = {}
         self.max_step = 0
@@ -364,7 +363,6 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
                       **({"resumed_from": self.spec.resume_from, "step": restore_step} if restore_step >= 0 else {}))
 
     def _reconfigure_all(self, restore_step: int, sources: dict[int, str], reason: str) -> None:
-        self.restore_step = restore_step
         self.holders = {r: self.replica_holders(r) for r in range(len(self.layout))}
         endpoint = lambda node_id: self.table.nodes[node_id].replica_endpoint  # noqa: E731
         for node_rank, node_id in enumerate(self.layout):

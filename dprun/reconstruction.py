@@ -193,10 +193,12 @@ class Reconstruction:
 
     def _first_step_of_generation(self) -> None:
         """This generation trains from its restore step on: the late copies of steps past it are of an abandoned
-        timeline (the stores drop them as this generation's copies come), and the ledger forgets them too."""
+        timeline (the stores drop them as this generation's copies come), and the ledger forgets them too. (A
+        generation after the first comes of a recovery, in progress until its ranks step past its restore step.)"""
         self.trained_generation = self.generation
+        restore_step = self.recovery.restore_step if self.recovery is not None else p.NO_RANK
         for rank, step, holder in self.late_copies:
-            if step > self.restore_step:
+            if step > restore_step:
                 self.ledger.discard(rank, step, holder)
         self.late_copies = []
 

@@ -40,9 +40,8 @@ def is_stale(controller, event) -> bool:
         kept = node.keeps_store and isinstance(event.msg, (p.Heartbeat, p.Pong, p.SnapshotFiles))
         return not kept and not isinstance(event.msg, p.Register)
     generation = getattr(event.msg, "generation", None)
-    late_copy = isinstance(event.msg, p.SnapshotStored) and generation >= controller.trained_generation
     return (generation is not None and generation < controller.generation
-            and not isinstance(event.msg, ANY_GENERATION) and not late_copy)
+            and not isinstance(event.msg, ANY_GENERATION) and not controller._late_copy(event.msg))
 
 
 class Checker:
