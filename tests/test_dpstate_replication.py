@@ -3,6 +3,8 @@ real ROUTER (dpagent's ReplicaServer), the local ring of buffers, corrupt and mi
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -167,6 +169,32 @@ def test_without_replica_snapshots_stay_local():
     rep.submit(1, tracked.capture(1))
     rep.wait_acked(timeout=10)
     assert rep.local_steps() == [1]
+
+
+EXIT_MID_CAPTURE = """
+import threading, torch
+from dpagent import protocol as P
+from dpstate.abort import AbortSignal
+from dpstate.replication import Replicator
+started = threading.Event()
+
+def shared_keys():  # called by the replicator's thread as its capture starts: a second of torch calls
+    started.set()
+    for _ in range(100_000):
+        torch.zeros(1).view(torch.uint8)
+    return []
+
+Replicator(P.Codec(b"k" * 32), 0, AbortSignal()).submit(1, {"w": torch.zeros(4)}, shared_keys)
+started.wait(60)
+raise ValueError("bad batch at step 2")
+"""
+
+
+def test_a_process_that_exits_on_an_error_mid_capture_keeps_its_exit_code_and_traceback():
+    """The replicator's thread is stopped before the interpreter finalizes: one that came back from a torch call
+    then would abort the process ("terminate called without an active exception", exit -6)."""
+    run = subprocess.run([sys.executable, "-c", EXIT_MID_CAPTURE], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.rstrip().endswith("ValueError: bad batch at step 2"), run.stderr[-2000:]
 
 
 class BadStore:
