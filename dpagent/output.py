@@ -7,6 +7,8 @@ One pump thread per piped stream copies bytes as they come; nothing here parses 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import threading
 import time
@@ -147,11 +149,40 @@ class WorkerOutput:
             text = self._tail.decode(errors="replace")
         return "\n".join(text.rstrip("\n").splitlines()[-lines:])
 
-    def last_line(self, width: int = 200) -> str:
-        for line in reversed(self.tail().splitlines()):
-            if line.strip():
-                return line.strip()[:width]
-        return ""
+
+def last_line(text: str, width: int = 200) -> str:
+    """The last line of `text` that is not blank, stripped and cut to `width`."""
+    for line in reversed(text.splitlines()):
+        if line.strip():
+            return line.strip()[:width]
+    return ""
+
+
+CRASHES = (-signal.SIGABRT, -signal.SIGSEGV)  # the process's own end; a SIGKILL or SIGTERM came from outside
+_RANK_PREFIX = re.compile(r"^(?:\[rank\d+\]: ?)*")  # torch's excepthook puts "[rankN]: " before each line
+
+
+def raised_exception(text: str) -> str:
+    """The exception line of the last Python traceback in `text` (a worker's stderr tail), or ""."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines)
+              if _RANK_PREFIX.sub("", line).startswith("Traceback (most recent call last):")]
+    for line in lines[starts[-1] + 1:] if starts else []:
+        body = _RANK_PREFIX.sub("", line)
+        if body.strip() and not body[0].isspace():  # past the indented frames, source lines and carets
+            return line.strip()
+    return ""
+
+
+def failure_detail(tail: str, exitcode: int, width: int = 200) -> str:
+    """What a failed worker's stderr says went wrong: its last line; for one that crashed (SIGABRT, SIGSEGV)
+    after a Python traceback, as a process may while it exits on the exception ("terminate called without an
+    active exception"), the exception first: that is what the user has to fix."""
+    last = last_line(tail, width)
+    raised = raised_exception(tail) if exitcode in CRASHES else ""
+    if not raised or raised.strip() == last:
+        return last
+    return f"{raised[:width]} (then: {last})"
 
 
 def _write_all(fd: int, data: bytes) -> None:

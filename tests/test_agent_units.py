@@ -1,4 +1,5 @@
-"""Unit tests of the agent's pure parts: worker env and command, heartbeat timers, channel drops, event pipe."""
+"""Unit tests of the agent's pure parts: worker env and command, heartbeat timers, channel drops, event pipe,
+what a failed worker's stderr is summed up as."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import zmq
 from dpagent.channel import Channel, poll_ms
 from dpagent.events import EventPipe
 from dpagent.liveness import Liveness
+from dpagent.output import failure_detail
 from dpagent.protocol import PROTOCOL_VERSION, Codec, Ping, Pong, ProtocolError, Standby
 from dpagent.workers import describe_exit, is_loopback, worker_command, worker_env
 
@@ -258,3 +260,33 @@ def test_a_plain_host_slot_lives_in_a_huge_page_buffer_and_lets_it_go():
     slot.release()
     gc.collect()
     assert _vma_fields(address).get("range") != vma["range"], "the buffer stayed mapped"
+
+
+CRASH_AFTER_RAISE = """step 4 loss 0.31
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/job/bug.py", line 12, in <module>
+[rank0]:     raise ValueError("bad batch at step 5")
+[rank0]:     ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+[rank0]: ValueError: bad batch at step 5
+terminate called without an active exception
+"""
+
+
+def test_a_worker_that_crashed_while_exiting_on_an_exception_is_summed_up_by_the_exception():
+    assert failure_detail(CRASH_AFTER_RAISE, -6) == (
+        "[rank0]: ValueError: bad batch at step 5 (then: terminate called without an active exception)")
+    assert failure_detail(CRASH_AFTER_RAISE, -11).startswith("[rank0]: ValueError: bad batch at step 5 (then: ")
+
+
+def test_otherwise_a_failed_worker_is_summed_up_by_its_last_line():
+    assert failure_detail(CRASH_AFTER_RAISE, -9) == "terminate called without an active exception", \
+        "a SIGKILL came from outside: its last line is what it was doing"
+    raised = CRASH_AFTER_RAISE.replace("terminate called without an active exception\n", "")
+    assert failure_detail(raised, 1) == "[rank0]: ValueError: bad batch at step 5"
+    assert failure_detail(raised, -6) == "[rank0]: ValueError: bad batch at step 5", "said once"
+    chained = "Traceback (most recent call last):\n  File \"a.py\", line 1\nKeyError: 1\n\nDuring handling " \
+              "of the above exception, another exception occurred:\n\nTraceback (most recent call last):\n" \
+              "  File \"a.py\", line 3\nRuntimeError: two\nSegmentation fault\n"
+    assert failure_detail(chained, -11) == "RuntimeError: two (then: Segmentation fault)", "the last traceback's"
+    assert failure_detail("free(): invalid pointer\n\n", -6) == "free(): invalid pointer"
+    assert failure_detail("", -6) == ""
