@@ -174,15 +174,18 @@ def raised_exception(text: str) -> str:
     return ""
 
 
+def crash_exception(tail: str, exitcode: int, width: int = 200) -> str:
+    """For a worker that crashed (SIGABRT, SIGSEGV) after a Python traceback, as a process may while it exits on
+    the exception ("terminate called without an active exception"), the exception's line; else ""."""
+    return raised_exception(tail)[:width] if exitcode in CRASHES else ""
+
+
 def failure_detail(tail: str, exitcode: int, width: int = 200) -> str:
-    """What a failed worker's stderr says went wrong: its last line; for one that crashed (SIGABRT, SIGSEGV)
-    after a Python traceback, as a process may while it exits on the exception ("terminate called without an
-    active exception"), the exception first: that is what the user has to fix."""
+    """What a failed worker's stderr says went wrong: its last line, after the exception for one that crashed
+    as it exited on it (crash_exception): that is what the user has to fix."""
     last = last_line(tail, width)
-    raised = raised_exception(tail) if exitcode in CRASHES else ""
-    if not raised or raised.strip() == last:
-        return last
-    return f"{raised[:width]} (then: {last})"
+    raised = crash_exception(tail, exitcode, width)
+    return last if not raised or raised == last else f"{raised} (then: {last})"
 
 
 def _write_all(fd: int, data: bytes) -> None:

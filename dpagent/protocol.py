@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 from .checksum import CHECKSUM_BLOCK
 
-PROTOCOL_VERSION = 12  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
+PROTOCOL_VERSION = 13  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
 #                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...);
 #                      8: check plans (data parallel blocks sampled: dpagent.checksum.CheckPlan);
 #                      9: SnapshotStored.nbytes and Standby (spares reserve snapshot memory while idle);
@@ -54,6 +54,7 @@ PROTOCOL_VERSION = 12  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.sn
 #                      11: Stop.keep_store (a node fenced for its worker's exit keeps its store for a save)
 #                      12: Welcome.save_dir, SaveSnapshots of every step held (NO_RANK), SnapshotFiles.steps:
 #                          an agent that loses its controller writes its copies to the job's --save-dir
+#                      13: WorkerExited.raised (a worker that crashed while it exited on a Python exception)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -110,7 +111,9 @@ class WorkerExited:
     """A local worker process ended; exitcode < 0 is -signal, as in subprocess.
 
     detail: its last line of stderr (or how it ended); stderr_tail: its last lines of stderr when it failed;
-    log_path: its stderr log file under --log-dir, if any (for the job's failure summary).
+    log_path: its stderr log file under --log-dir, if any (for the job's failure summary);
+    raised: for one that crashed (SIGABRT, SIGSEGV) after printing a Python traceback, the exception's line:
+    the script raised, as with an exit code of 1 (dpagent.output.crash_exception).
     """
 
     node_id: str
@@ -121,6 +124,7 @@ class WorkerExited:
     detail: str = ""
     stderr_tail: str = ""
     log_path: str = ""
+    raised: str = ""
 
 
 def describe_exit(exitcode: int) -> str:

@@ -10,7 +10,7 @@ import logging
 import time
 
 from .channel import Incoming
-from .output import failure_detail
+from .output import crash_exception, failure_detail
 from .protocol import (
     Hello, PeerError, Progress, RankFinished, RestoreFailed, SnapshotFiles, Stop, WorkerExited, WorkerReady,
     WorkerStatus,
@@ -102,13 +102,15 @@ class WorkerLink:
             self._peers.pop(worker.identity, None)
         output = worker.output
         failed = output is not None and done.exitcode != 0
-        last = failure_detail(output.tail(lines=1000), done.exitcode) if failed else ""
+        tail = output.tail(lines=1000) if failed else ""
+        last = failure_detail(tail, done.exitcode) if failed else ""
         log.log(logging.INFO if done.exitcode == 0 or self.shutdown else logging.WARNING,
                 "worker %d (pid %d) exited: %s%s", done.local_rank, done.pid, describe_exit(done.exitcode),
                 f" ({last})" if last else "")
         exited = WorkerExited(self.cfg.node_id, self.generation, done.local_rank, done.pid, done.exitcode,
                               last or describe_exit(done.exitcode),
                               stderr_tail=output.tail() if failed else "",
-                              log_path=output.log_path if output is not None else "")
+                              log_path=output.log_path if output is not None else "",
+                              raised=crash_exception(tail, done.exitcode))
         if not self._hold_exit(exited):
             self._to_controller(exited)

@@ -13,7 +13,7 @@ import zmq
 from dpagent.channel import Channel, poll_ms
 from dpagent.events import EventPipe
 from dpagent.liveness import Liveness
-from dpagent.output import failure_detail
+from dpagent.output import crash_exception, failure_detail
 from dpagent.protocol import PROTOCOL_VERSION, Codec, Ping, Pong, ProtocolError, Standby
 from dpagent.workers import describe_exit, is_loopback, worker_command, worker_env
 
@@ -276,6 +276,9 @@ def test_a_worker_that_crashed_while_exiting_on_an_exception_is_summed_up_by_the
     assert failure_detail(CRASH_AFTER_RAISE, -6) == (
         "[rank0]: ValueError: bad batch at step 5 (then: terminate called without an active exception)")
     assert failure_detail(CRASH_AFTER_RAISE, -11).startswith("[rank0]: ValueError: bad batch at step 5 (then: ")
+    assert crash_exception(CRASH_AFTER_RAISE, -6) == "[rank0]: ValueError: bad batch at step 5"
+    assert crash_exception(CRASH_AFTER_RAISE, 1) == crash_exception(CRASH_AFTER_RAISE, -9) == "", \
+        "an exit code says itself that the script raised; a kill came from outside"
 
 
 def test_otherwise_a_failed_worker_is_summed_up_by_its_last_line():

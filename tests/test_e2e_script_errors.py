@@ -29,7 +29,7 @@ if mode == "crash" and job.rank == 1:  # what libstdc++ does when a native threa
 for step in job.steps(12):
     with step:
         if step.number == 5 and (job.rank == 1 or mode == "every") and mode not in ("fixed", "converged") and (
-                mode in ("always", "every") or job.generation == 0):
+                mode in ("always", "every", "crash") or job.generation == 0):
             raise ValueError("bad batch at step 5")
         loss = ddp(torch.randn(4, 8)).square().mean()
         opt.zero_grad()
@@ -68,14 +68,19 @@ def test_an_error_that_follows_its_rank_to_the_spare_ends_the_job_with_spares_le
     assert 'raise ValueError("bad batch at step 5")' in run.stderr, "the failure report shows the traceback"
 
 
-def test_a_worker_that_crashes_while_exiting_on_its_error_is_named_by_the_error(procs, tmp_path):
+def test_a_worker_that_crashes_while_exiting_on_its_error_is_named_by_it_and_spares_are_not_spent_on_it(
+        procs, tmp_path):
     """A process may abort after the traceback, while it exits (a native thread taking the interpreter's lock
-    back: "terminate called without an active exception"; seen once in CI): the job names the script's error."""
-    run, events = _run(procs, tmp_path, "crash", "--spares", "0")
+    back: "terminate called without an active exception"; seen once in CI): the node's failure names the
+    script's error, and the same crash on the spare that took the rank counts as the same error."""
+    run, events = _run(procs, tmp_path, "crash", "--spares", "2")
     assert run.returncode == 1, run.stderr[-3000:]
+    (failed, *_) = _named(events, "node_failed")
+    assert ("killed by SIGABRT: [rank1]: ValueError: bad batch at step 5 (then: terminate called without an active "
+            "exception)" in failed["cause"]), failed
     (finished,) = _named(events, "job_finished")
-    assert ("worker 0 (pid" in finished["message"] and "killed by SIGABRT: [rank1]: ValueError: bad batch at step 5 "
-            "(then: terminate called without an active exception)" in finished["message"]), finished["message"]
+    assert "rank 1 failed on" in finished["message"] and "a spare cannot fix it" in finished["message"], finished
+    assert len(_named(events, "spare_promoted")) == 1, "the second spare is not spent on the script's bug"
 
 
 def test_a_one_off_error_is_recovered_from(procs, tmp_path):

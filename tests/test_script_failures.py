@@ -87,6 +87,16 @@ def test_every_rank_failing_the_same_way_at_once_ends_the_job_before_any_spare_i
     assert not h.named("spare_promoted")
 
 
+def test_a_crash_as_the_rank_exits_on_the_same_error_counts_as_that_error():
+    """WorkerExited.raised: the spare's worker printed the same traceback, then aborted while it exited."""
+    h = _rank_1_raised_and_s_took_its_place()
+    _step(h, {"a": 0, "s": 1}, 4, 1)
+    h.msg("s", p.WorkerExited("s", 1, 0, 12, -6, f"{BUG} (then: terminate called without an active exception)",
+                              raised=BUG))
+    assert h.finish and "rank 1 failed on b and again on s" in h.finish.message, h.finish
+    assert len(h.named("spare_promoted")) == 1
+
+
 def test_a_one_off_error_recovers_and_so_does_a_kill_at_the_same_step():
     h = _rank_1_raised_and_s_took_its_place()
     _step(h, {"a": 0, "s": 1}, 5, 1)
@@ -96,14 +106,15 @@ def test_a_one_off_error_recovers_and_so_does_a_kill_at_the_same_step():
 
 
 def test_no_spare_left_after_an_error_exit_says_that_more_spares_fix_only_the_node():
-    for code, detail in ((1, BUG), (-9, "")):
+    for code, detail, raised in ((1, BUG, ""), (-9, "", ""), (-6, "terminate called", ""), (-6, "", BUG)):
         h = Harness(spec(spares=0))
         h.register("a", rank=0)
         h.register("b", rank=1)
-        h.msg("b", p.WorkerExited("b", 0, 0, 11, code, detail))
+        h.msg("b", p.WorkerExited("b", 0, 0, 11, code, detail, raised=raised))
         h.pong_all()
         assert h.finish and "no spare left" in h.finish.message
-        assert ("a spare would fail the same way" in h.finish.message) == (code > 0), h.finish.message
+        script = code > 0 or bool(raised)
+        assert ("a spare would fail the same way" in h.finish.message) == script, h.finish.message
         assert "rerun with more --spares" in h.finish.message
 
 
