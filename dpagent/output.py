@@ -180,11 +180,10 @@ def crash_exception(tail: str, exitcode: int, width: int = 200) -> str:
     return raised_exception(tail)[:width] if exitcode in CRASHES else ""
 
 
-def failure_detail(tail: str, exitcode: int, width: int = 200) -> str:
-    """What a failed worker's stderr says went wrong: its last line, after the exception for one that crashed
-    as it exited on it (crash_exception): that is what the user has to fix."""
+def failure_detail(tail: str, raised: str, width: int = 200) -> str:
+    """What a failed worker's stderr says went wrong: its last line, after `raised`, the exception of one that
+    crashed as it exited on it (crash_exception), if any: that is what the user has to fix."""
     last = last_line(tail, width)
-    raised = crash_exception(tail, exitcode, width)
     return last if not raised or raised == last else f"{raised} (then: {last})"
 
 

@@ -103,7 +103,8 @@ class WorkerLink:
         output = worker.output
         failed = output is not None and done.exitcode != 0
         tail = output.tail(lines=1000) if failed else ""
-        last = failure_detail(tail, done.exitcode) if failed else ""
+        raised = crash_exception(tail, done.exitcode)
+        last = failure_detail(tail, raised) if failed else ""
         log.log(logging.INFO if done.exitcode == 0 or self.shutdown else logging.WARNING,
                 "worker %d (pid %d) exited: %s%s", done.local_rank, done.pid, describe_exit(done.exitcode),
                 f" ({last})" if last else "")
@@ -111,6 +112,6 @@ class WorkerLink:
                               last or describe_exit(done.exitcode),
                               stderr_tail=output.tail() if failed else "",
                               log_path=output.log_path if output is not None else "",
-                              raised=crash_exception(tail, done.exitcode))
+                              raised=raised)
         if not self._hold_exit(exited):
             self._to_controller(exited)

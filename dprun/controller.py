@@ -314,12 +314,12 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         detail = f": {msg.detail}" if msg.detail else ""
         cause = f"worker {msg.local_rank} (pid {msg.pid}) {describe_exit(msg.exitcode)}{detail}"
         # a crash as it exited on a Python exception counts as the exit 1 of that exception (p.WorkerExited.raised)
-        exitcode, detail = (1, msg.raised) if msg.raised else (msg.exitcode, msg.detail)
+        code, last_line = (1, msg.raised) if msg.raised else (msg.exitcode, msg.detail)
         same = None
         if not self.spec.restart_mode:  # (restarts are --max-restarts' to count) a spare's script fails alike
             rank = self.ranks_of(node.node_rank)[msg.local_rank] if node.node_rank >= 0 else -1
-            same = self.repeats.seen(exitcode, detail, node.node_id, rank, self.max_step)
-        node.raised = exitcode > 0
+            same = self.repeats.seen(code, last_line, node.node_id, rank, self.max_step)
+        node.raised = code > 0
         self._node_failed(node.node_id, cause, now, agent_alive=True)
         if same is not None:
             self._finish(1, same)

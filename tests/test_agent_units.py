@@ -272,24 +272,29 @@ terminate called without an active exception
 """
 
 
+def summary(tail: str, exitcode: int) -> str:
+    """What the agent reports as a failed worker's detail (dpagent.worker_link)."""
+    return failure_detail(tail, crash_exception(tail, exitcode))
+
+
 def test_a_worker_that_crashed_while_exiting_on_an_exception_is_summed_up_by_the_exception():
-    assert failure_detail(CRASH_AFTER_RAISE, -6) == (
+    assert summary(CRASH_AFTER_RAISE, -6) == (
         "[rank0]: ValueError: bad batch at step 5 (then: terminate called without an active exception)")
-    assert failure_detail(CRASH_AFTER_RAISE, -11).startswith("[rank0]: ValueError: bad batch at step 5 (then: ")
+    assert summary(CRASH_AFTER_RAISE, -11).startswith("[rank0]: ValueError: bad batch at step 5 (then: ")
     assert crash_exception(CRASH_AFTER_RAISE, -6) == "[rank0]: ValueError: bad batch at step 5"
     assert crash_exception(CRASH_AFTER_RAISE, 1) == crash_exception(CRASH_AFTER_RAISE, -9) == "", \
         "an exit code says itself that the script raised; a kill came from outside"
 
 
 def test_otherwise_a_failed_worker_is_summed_up_by_its_last_line():
-    assert failure_detail(CRASH_AFTER_RAISE, -9) == "terminate called without an active exception", \
+    assert summary(CRASH_AFTER_RAISE, -9) == "terminate called without an active exception", \
         "a SIGKILL came from outside: its last line is what it was doing"
     raised = CRASH_AFTER_RAISE.replace("terminate called without an active exception\n", "")
-    assert failure_detail(raised, 1) == "[rank0]: ValueError: bad batch at step 5"
-    assert failure_detail(raised, -6) == "[rank0]: ValueError: bad batch at step 5", "said once"
+    assert summary(raised, 1) == "[rank0]: ValueError: bad batch at step 5"
+    assert summary(raised, -6) == "[rank0]: ValueError: bad batch at step 5", "said once"
     chained = "Traceback (most recent call last):\n  File \"a.py\", line 1\nKeyError: 1\n\nDuring handling " \
               "of the above exception, another exception occurred:\n\nTraceback (most recent call last):\n" \
               "  File \"a.py\", line 3\nRuntimeError: two\nSegmentation fault\n"
-    assert failure_detail(chained, -11) == "RuntimeError: two (then: Segmentation fault)", "the last traceback's"
-    assert failure_detail("free(): invalid pointer\n\n", -6) == "free(): invalid pointer"
-    assert failure_detail("", -6) == ""
+    assert summary(chained, -11) == "RuntimeError: two (then: Segmentation fault)", "the last traceback's"
+    assert summary("free(): invalid pointer\n\n", -6) == "free(): invalid pointer"
+    assert summary("", -6) == ""
