@@ -15,7 +15,7 @@ import sys
 from .agent import Agent, AgentConfig, AgentError
 from .memory import reuse_freed_memory
 from .output import OutputSpec, parse_ranks, parse_std
-from .process import set_pdeathsig
+from .process import LAUNCHER_GONE, set_pdeathsig
 from .protocol import NO_RANK
 from .workers import worker_command
 
@@ -70,7 +70,10 @@ def _setup_logging(node_id: str, verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if os.environ.get("DP_PDEATHSIG") == "1":
+    launcher = os.environ.get("DP_PDEATHSIG")
+    if launcher == "controller":  # the launcher runs the controller: its death is the controller's (a save)
+        set_pdeathsig(LAUNCHER_GONE)
+    elif launcher == "1":
         set_pdeathsig()  # die with the launcher
     opts_argv, command = _split(list(sys.argv[1:] if argv is None else argv))
     parser = _parser()
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_grace=opts.stop_grace,
         term_grace=opts.term_grace,
         register_timeout=opts.register_timeout,
+        launcher_hosts_controller=os.environ.get("DP_PDEATHSIG") == "controller",
         output=output,
         max_restarts=opts.max_restarts,
     )

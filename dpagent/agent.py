@@ -24,7 +24,7 @@ from . import faults
 from .channel import Channel, Incoming, poll_ms
 from .events import EventPipe
 from .liveness import Liveness
-from .process import descendants, reap_orphans, set_child_subreaper, signal_procs
+from .process import LAUNCHER_GONE, descendants, reap_orphans, set_child_subreaper, signal_procs
 from .protocol import (
     NO_RANK, Codec, Heartbeat, Inject, LoadSnapshots, Ping, Pong, Reconfigure, Register, SaveSnapshots, Standby, Stop,
     Welcome,
@@ -65,6 +65,7 @@ class AgentConfig:
     register_timeout: float = 300.0  # no Welcome by then: exit 3
     output: OutputSpec = field(default_factory=OutputSpec)  # log files, console filter (torchrun's -r/-t)
     max_restarts: int = 3  # restart mode: for TORCHELASTIC_MAX_RESTARTS
+    launcher_hosts_controller: bool = False  # its death (LAUNCHER_GONE) is the controller's: save at once
     env: dict = field(default_factory=lambda: dict(os.environ))
 
 
@@ -86,6 +87,8 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         self._statuses: dict[int, tuple] = {}  # local rank -> (latest WorkerStatus, when it came)
         self._signalled = 0
         self._signals = 0  # how many (a second one cuts a save short)
+        self._launcher_pid = os.getppid()
+        self._launcher_gone = False  # its parent-death signal came: the controller died with the launcher
         self._old_handlers: dict = {}
         self._wakeup = None
         self._owns_run_dir = False
@@ -151,10 +154,15 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         self.poller.register(self._wakeup[0].fileno(), zmq.POLLIN)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        if self.cfg.launcher_hosts_controller:
+            self._old_handlers[LAUNCHER_GONE] = signal.signal(LAUNCHER_GONE, self._on_launcher_gone)
 
     def _on_signal(self, signum, _frame) -> None:
         self._signalled = signum
         self._signals += 1
+
+    def _on_launcher_gone(self, _signum, _frame) -> None:
+        self._launcher_gone = True
 
     def _close(self) -> None:
         for sig, handler in self._old_handlers.items():
@@ -244,16 +252,12 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         elif self._signals and self.shutdown is not None and self.shutdown.phase == "save":
             self._signal_while_saving(now)
         if not self._exiting():  # (a node whose store stays heartbeats while its workers stop)
-            if self.liveness is not None:
+            if self._launcher_gone:
+                self._lose_controller(f"the dprun that ran it (pid {self._launcher_pid}) died")
+            elif self.liveness is not None:
                 if self.liveness.lost(now):
-                    saving = bool(self.welcome.save_dir) and not self.restart_mode
-                    log.error(
-                        "controller lost: nothing from %s for %.1fs (timeout %.1fs); %skilling workers, exiting %d",
-                        self.cfg.controller, self.liveness.silent_for(now), self.liveness.timeout,
-                        f"saving this node's snapshots to {self.welcome.save_dir}, then " if saving else "",
-                        EXIT_CONTROLLER_LOST,
-                    )
-                    self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", "save" if saving else "kill")
+                    self._lose_controller(f"nothing from {self.cfg.controller} for {self.liveness.silent_for(now):.1f}s "
+                                          f"(timeout {self.liveness.timeout:.1f}s)")
                 elif self.liveness.beat_due(now):
                     self._to_controller(Heartbeat(self.cfg.node_id, self.generation, self._worker_statuses(now)))
                     self.liveness.beat_sent(now)
@@ -269,6 +273,14 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         if now >= self._next_reap:
             reap_orphans(self.workers.pids())
             self._next_reap = now + REAP_EVERY
+
+    def _lose_controller(self, why: str) -> None:
+        """The controller is gone: save what this node holds to the job's --save-dir (if it has one), then exit 3."""
+        saving = self.welcome is not None and bool(self.welcome.save_dir) and not self.restart_mode
+        log.error("controller lost: %s; %skilling workers, exiting %d", why,
+                  f"saving this node's snapshots to {self.welcome.save_dir}, then " if saving else "",
+                  EXIT_CONTROLLER_LOST)
+        self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", "save" if saving else "kill")
 
     def _drain_wakeup(self) -> None:
         try:

@@ -41,12 +41,14 @@ class LostSave:
 
     def summary(self) -> str:
         """One line for the log: what is on disk now, and how to go on from it."""
-        if not self.written:
-            return f"nothing written to {self.directory}" + (f" ({'; '.join(self.errors)})" if self.errors else "")
-        what = "; ".join(f"{who} step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
-                         for who, steps in sorted(self.written.items()))
         missing = f"; not written: {', '.join(f'rank {r}' for r in sorted(self.waiting))}" if self.waiting else ""
         failed = f"; errors: {'; '.join(self.errors)}" if self.errors else ""
+        if not self.written:
+            if not missing and not failed:  # a spare, or a node whose workers had no snapshot yet
+                return f"this node held no snapshot to write to {self.directory}"
+            return f"nothing written to {self.directory}{missing}{failed}"
+        what = "; ".join(f"{who} step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+                         for who, steps in sorted(self.written.items()))
         return (f"wrote {what} to {self.directory}{missing}{failed}; once every rank's file of a step is there "
                 f"(other nodes write theirs), go on with: dprun ... --resume-from {self.directory}")
 

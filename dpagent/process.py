@@ -15,6 +15,9 @@ import psutil
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+# An agent's parent-death signal when its launcher ran the controller: handled as the controller's loss. A
+# real-time signal, not SIGUSR1, which Slurm's --signal and schedulers' preemption notices often use.
+LAUNCHER_GONE = int(signal.SIGRTMIN) + 2
 
 try:  # resolved here, before any fork: a preexec_fn must not load libraries
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)

@@ -138,7 +138,7 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
         env={"DP_JOB_TOKEN": token, "DP_TOTAL_LOCAL_WORKERS": str(len(local_nodes) * opts.nproc_per_node),
              **_worker_settings(opts)},
         on_exit=lambda node_id, code: server.post(NodeGone(node_id, f"agent process exited ({p.describe_exit(code)})")),
-        capture=capture,
+        capture=capture, hosts_controller=True,
     )
     server.wake_node = lambda node_id: agents.signal_node(node_id, signal.SIGCONT)
     try:

@@ -90,15 +90,19 @@ class OutputTail:
 
 
 class LocalAgents:
-    def __init__(self, env: dict[str, str], on_exit: Callable[[str, int], None], capture: OutputTail | None = None):
+    def __init__(self, env: dict[str, str], on_exit: Callable[[str, int], None], capture: OutputTail | None = None,
+                 hosts_controller: bool = False):
         self.env = env
+        # this process runs the controller: should it die (kill -9), its agents save what they hold, as they do
+        # when they lose a controller elsewhere, instead of dying with it
+        self.parent_death = "controller" if hosts_controller else "1"
         self.on_exit = on_exit
         self.capture = capture  # the dashboard owns the terminal: agents' and workers' output goes here
         self.procs: dict[str, subprocess.Popen] = {}
         self.stopping = False
 
     def start(self, cmd: AgentCommand) -> subprocess.Popen:
-        env = dict(os.environ, **self.env, **cmd.env, DP_PDEATHSIG="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **self.env, **cmd.env, DP_PDEATHSIG=self.parent_death, PYTHONUNBUFFERED="1")
         pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if self.capture else {}
         proc = subprocess.Popen(cmd.argv(), env=env, start_new_session=True, **pipe)
         if self.capture is not None:

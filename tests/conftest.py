@@ -58,6 +58,7 @@ class Processes:
 
     def __init__(self):
         self.started: list[subprocess.Popen] = []
+        self.adopted: list[psutil.Process] = []  # their descendants that may outlive them (see adopt)
         self.scratch = Path(tempfile.mkdtemp(prefix="dptest-"))
 
     def popen(self, args, **kwargs) -> subprocess.Popen:
@@ -73,7 +74,22 @@ class Processes:
     def dprun(self, *args, **kwargs) -> subprocess.Popen:
         return self.popen([sys.executable, "-m", "dprun", *map(str, args)], **kwargs)
 
+    def adopt(self, processes) -> None:
+        """Descendants to kill at teardown even once they are orphans (a test that kills their parent first)."""
+        self.adopted.extend(processes)
+
     def kill_all(self):
+        orphans = [*self.adopted]
+        for p in self.adopted:
+            try:
+                orphans += p.children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        for p in orphans:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
         for proc in self.started:
             try:
                 tree = psutil.Process(proc.pid).children(recursive=True)

@@ -1,5 +1,6 @@
 """A job's state outlives the job, in real dprun jobs: one that stops (out of spares, or told to by SIGTERM)
-writes its newest complete step with --save-dir (as do the nodes that outlive the controller's), and a job started
+writes its newest complete step with --save-dir (as do the nodes that outlive the controller's, and the agents of a
+dprun killed by SIGKILL), and a job started
 with --resume-from that folder goes on from it to the very parameters of a run that never stopped."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 
+import psutil
 import pytest
 
 from conftest import Processes, free_port
@@ -117,11 +119,39 @@ def test_nodes_that_lose_the_controller_write_their_copies_and_the_job_resumes_f
     other = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path, stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE, text=True)
     wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90, "step 8")
-    head.kill()  # the controller's process: its agent and worker die with it (no save from it)
+    procs.adopt(psutil.Process(head.pid).children(recursive=True))
+    head.kill()  # the controller's process (its agent saves too, and may write a file before node 1 does)
     _, err = other.communicate(timeout=90)
     assert other.returncode == 3, err[-3000:]
-    assert "controller lost: wrote rank 0 (held) step" in err and "rank 1 (own) step" in err, err[-3000:]
+    assert "controller lost: nothing from" in err and "rank 1 (own) step" in err, err[-3000:]
+    _assert_a_step_complete(saved)
+    _resumed(procs, tmp_path, str(saved), sha)
+
+
+def test_a_standalone_dprun_killed_by_sigkill_leaves_its_agents_to_save_the_state(procs, tmp_path, sha):
+    """kill -9 of a standalone dprun (the controller, the store and every agent's parent): each agent gets its
+    parent-death signal, writes the copies it holds and has its workers write theirs to --save-dir at once
+    (no heartbeat timeout waited for), and exits 3; the spare, holding nothing, exits too."""
+    saved, events = tmp_path / "saved", tmp_path / "killed.events.jsonl"
+    run = procs.dprun("--nnodes", "2", "--spares", "1", "--no-tui", "--save-dir", saved, "--events-file", events,
+                      TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1",
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90, "step 8")
+    agents = psutil.Process(run.pid).children()
+    procs.adopt(agents)
+    assert len(agents) == 3, agents
+    run.kill()
+    _, err = run.communicate(timeout=90)  # the agents write to its stderr: it ends when they do
+    assert not psutil.wait_procs(agents, timeout=10)[1], "an agent outlived its save"
+    lost = [line for line in err.splitlines() if "controller lost: the dprun that ran it" in line]
+    assert sorted(line.split("]")[0] for line in lost) == ["[dpagent node0", "[dpagent node1", "[dpagent node2"], err
+    assert "rank 0 (own) step" in err and "rank 1 (own) step" in err, err[-3000:]
+    assert f"[dpagent node2] controller lost: this node held no snapshot to write to {saved}" in err, err[-3000:]
+    _assert_a_step_complete(saved)
+    _resumed(procs, tmp_path, str(saved), sha)
+
+
+def _assert_a_step_complete(saved) -> None:
     complete = [f.name for f in saved.iterdir() if sorted(g.name for g in f.iterdir()) == ["rank-0.dpsnap",
                                                                                           "rank-1.dpsnap"]]
     assert complete, f"no step has every rank's file: {[(f.name, sorted(g.name for g in f.iterdir())) for f in saved.iterdir()]}"
-    _resumed(procs, tmp_path, str(saved), sha)

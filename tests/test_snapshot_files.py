@@ -113,4 +113,5 @@ def test_a_node_that_lost_its_controller_writes_each_copy_it_holds_once_and_says
     assert save.summary() == (f"wrote rank 0 (held) step 10; rank 1 (own) steps 10, 11 to {tmp_path}; once every "
                               "rank's file of a step is there (other nodes write theirs), go on with: dprun ... "
                               f"--resume-from {tmp_path}")
-    assert LostSave(str(tmp_path), set()).summary() == f"nothing written to {tmp_path}"
+    assert LostSave(str(tmp_path), set()).summary() == f"this node held no snapshot to write to {tmp_path}"
+    assert LostSave(str(tmp_path), {3}).summary() == f"nothing written to {tmp_path}; not written: rank 3"
