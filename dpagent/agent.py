@@ -24,7 +24,7 @@ from . import faults
 from .channel import Channel, Incoming, poll_ms
 from .events import EventPipe
 from .liveness import Liveness
-from .process import LAUNCHER_GONE, descendants, reap_orphans, set_child_subreaper, signal_procs
+from .process import LAUNCHER_GONE, LAUNCHER_STOP, descendants, reap_orphans, set_child_subreaper, signal_procs
 from .protocol import (
     NO_RANK, Codec, Heartbeat, Inject, LoadSnapshots, Ping, Pong, Reconfigure, Register, SaveSnapshots, Standby, Stop,
     Welcome,
@@ -87,6 +87,8 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         self._statuses: dict[int, tuple] = {}  # local rank -> (latest WorkerStatus, when it came)
         self._signalled = 0
         self._signals = 0  # how many (a second one cuts a save short)
+        self._stop_wait: float | None = None  # a first stop signal: until then the controller may stop the job
+        self._job_stopping = False  # the controller asked for the job's save: its Stop follows
         self._launcher_pid = os.getppid()
         self._launcher_gone = False  # its parent-death signal came: the controller died with the launcher
         self._old_handlers: dict = {}
@@ -154,12 +156,17 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         self.poller.register(self._wakeup[0].fileno(), zmq.POLLIN)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        self._old_handlers[LAUNCHER_STOP] = signal.signal(LAUNCHER_STOP, self._on_launcher_stop)
         if self.cfg.launcher_hosts_controller:
             self._old_handlers[LAUNCHER_GONE] = signal.signal(LAUNCHER_GONE, self._on_launcher_gone)
 
     def _on_signal(self, signum, _frame) -> None:
         self._signalled = signum
         self._signals += 1
+
+    def _on_launcher_stop(self, _signum, _frame) -> None:
+        if not self._signals:
+            self._signalled, self._signals = signal.SIGTERM, 1
 
     def _on_launcher_gone(self, _signum, _frame) -> None:
         self._launcher_gone = True
@@ -240,6 +247,8 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
             due.append(offers_due)
         if self.shutdown is not None:
             due.append(self.shutdown.deadline)
+        if self._stop_wait is not None and not self._exiting():
+            due.append(self._stop_wait)
         if not self._exiting():  # heartbeats due, or the Welcome still awaited
             due.append(self.liveness.next_deadline() if self.liveness is not None
                        else self.started + self.cfg.register_timeout)
@@ -247,8 +256,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
 
     def _tick(self, now: float) -> None:
         if self._signalled and not self._exiting():
-            name = signal.Signals(self._signalled).name
-            self._begin_shutdown(128 + self._signalled, f"received {name}", "stop")
+            self._stop_signalled(now)
         elif self._signals and self.shutdown is not None and self.shutdown.phase == "save":
             self._signal_while_saving(now)
         if not self._exiting():  # (a node whose store stays heartbeats while its workers stop)
@@ -256,7 +264,8 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
                 self._lose_controller(f"the dprun that ran it (pid {self._launcher_pid}) died")
             elif self.liveness is not None:
                 if self.liveness.lost(now):
-                    self._lose_controller(f"nothing from {self.cfg.controller} for {self.liveness.silent_for(now):.1f}s "
+                    silent = self.liveness.silent_for(now)
+                    self._lose_controller(f"nothing from {self.cfg.controller} for {silent:.1f}s "
                                           f"(timeout {self.liveness.timeout:.1f}s)")
                 elif self.liveness.beat_due(now):
                     self._to_controller(Heartbeat(self.cfg.node_id, self.generation, self._worker_statuses(now)))
@@ -273,6 +282,21 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         if now >= self._next_reap:
             reap_orphans(self.workers.pids())
             self._next_reap = now + REAP_EVERY
+
+    def _stop_signalled(self, now: float) -> None:
+        """A signal to stop. When Slurm ends a step (its time limit, scancel) every process gets SIGTERM, the
+        controller's dprun too, which saves the job's state from the nodes' stores (--save-dir) and then stops
+        them: so a first signal waits up to the heartbeat timeout for the controller to say the job stops (its
+        save, its Stop), and stops this node alone if it does not. A second signal stops it at once."""
+        name = signal.Signals(self._signalled).name
+        if self._signals > 1 or self.liveness is None:
+            self._begin_shutdown(128 + self._signalled, f"received {name}", "stop")
+        elif self._stop_wait is None:
+            self._stop_wait = now + self.liveness.timeout
+            log.warning("received %s: waiting up to %.1fs for the controller to stop the job (a save first, with "
+                        "--save-dir), else this node stops; a second signal stops it now", name, self.liveness.timeout)
+        elif now >= self._stop_wait and not self._job_stopping:
+            self._begin_shutdown(128 + self._signalled, f"received {name}; the controller did not stop the job", "stop")
 
     def _lose_controller(self, why: str) -> None:
         """The controller is gone: save what this node holds to the job's --save-dir (if it has one), then exit 3."""
@@ -325,8 +349,10 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         elif isinstance(msg, Stop):
             self._begin_shutdown(msg.exit_code, f"stop from controller: {msg.reason}", "stop", msg)
         elif isinstance(msg, SaveSnapshots) and msg.local:  # the workers write their own copies
+            self._job_stopping = True
             self._to_workers(msg)
         elif isinstance(msg, (SaveSnapshots, LoadSnapshots)):  # the state outlives the job (the loop waits)
+            self._job_stopping = self._job_stopping or isinstance(msg, SaveSnapshots)
             self._to_controller(self.replica.files(msg))
         elif isinstance(msg, Inject) and msg.kind == "corrupt-replicas":
             log.warning("injected fault: corrupt-replicas (%d snapshots damaged)", self.replica.store.corrupt_all())

@@ -18,6 +18,9 @@ PR_SET_CHILD_SUBREAPER = 36
 # An agent's parent-death signal when its launcher ran the controller: handled as the controller's loss. A
 # real-time signal, not SIGUSR1, which Slurm's --signal and schedulers' preemption notices often use.
 LAUNCHER_GONE = int(signal.SIGRTMIN) + 2
+# A joining node's dprun, told to stop (SIGTERM, Ctrl-C), passes it on to its agent (in a session of its own) as
+# this signal: one stop request with the SIGTERM that Slurm, ending a step, also sends the agent itself
+LAUNCHER_STOP = int(signal.SIGRTMIN) + 3
 
 try:  # resolved here, before any fork: a preexec_fn must not load libraries
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)

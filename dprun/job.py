@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dpagent import protocol as p
+from dpagent.process import LAUNCHER_STOP
 
 from .controller import JobSpec, NodeGone
 from .events import EventSink
@@ -258,8 +259,16 @@ def _run_member(agent: AgentCommand, token: str, opts: JobOptions) -> int:
     """A joining node: its agent does the work; we wait for it and pass on its exit code."""
     agents = LocalAgents(env={"DP_JOB_TOKEN": token, **_worker_settings(opts)}, on_exit=lambda *_: None)
     proc = agents.start(agent)
+    signals = []
+
+    def stop(signum, _frame):  # the first is passed on (the agent waits for the controller's save), a second kills
+        signals.append(signum)
+        if len(signals) == 1 and agents.signal_agent(agent.node_id, LAUNCHER_STOP):
+            return
+        agents.kill_all()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _f: agents.kill_all())
+        signal.signal(sig, stop)
     code = proc.wait()
     agents.kill_all()
     if code != 0:

@@ -117,6 +117,14 @@ class LocalAgents:
         if not self.stopping:
             self.on_exit(node_id, code)
 
+    def signal_agent(self, node_id: str, sig: int) -> bool:
+        """Send `sig` to a node's agent alone; False if it is not ours or gone."""
+        proc = self.procs.get(node_id)
+        if proc is None or proc.poll() is not None:
+            return False
+        proc.send_signal(sig)
+        return True
+
     def signal_node(self, node_id: str, sig: int) -> bool:
         """Send `sig` to a node's whole process group (agent and workers); False if it is not ours."""
         proc = self.procs.get(node_id)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
+import sys
 import threading
 
 import torch.distributed as dist
@@ -26,6 +28,23 @@ def _warm_imports() -> None:
 
 
 _job: Job | None = None
+
+
+def _leave_sigterm_to_the_agent() -> None:
+    """Slurm ends a step (its time limit, scancel) by SIGTERM to every process, workers too; the job's save
+    (--save-dir) may need them, and their agent stops them once it is done. So a worker notes its first SIGTERM
+    and goes on; a second one ends it as before. A handler the script installed before init() is kept."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def first(_signum, _frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        print("dpstate: SIGTERM: this worker goes on until its agent stops it (after the job's save, if any); a "
+              "second SIGTERM ends it now", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGTERM, first)
 
 
 def init() -> Job:
@@ -52,6 +71,7 @@ def init() -> Job:
     token = os.environ.get("DP_JOB_TOKEN", "")
     if not token:
         raise RuntimeError("dpstate: DP_AGENT_ENDPOINT is set but DP_JOB_TOKEN is not")
+    _leave_sigterm_to_the_agent()
     if os.environ.get("DP_ROLE") == "spare":
         # Building DDP or an optimizer imports torch._dynamo (about 2 s here): a spare does it while idle so
         # that it is not on the recovery path (an active worker would only slow its first rendezvous with it).

@@ -22,7 +22,8 @@ import zmq
 
 from dpagent.protocol import (
     Codec, Heartbeat, Inject, Ping, Pong, Progress, PutSnapshot, Reconfigure, Register, SnapshotAck,
-    SnapshotChunk, SnapshotData, SnapshotStored, Standby, Stop, FetchSnapshot, Welcome, WorkerExited,
+    SaveSnapshots, SnapshotChunk, SnapshotData, SnapshotFiles, SnapshotStored, Standby, Stop, FetchSnapshot, Welcome,
+    WorkerExited,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -493,15 +494,47 @@ def test_agent_dies_with_its_launcher_when_asked(procs, controller, run_dir, tmp
     assert wait_gone([agent_pid, worker_pid])
 
 
-def test_sigterm_stops_workers_gracefully(start_agent):
+def _trained_then_sigterm(start_agent, timeout: float) -> tuple[AgentRun, list[int]]:
     agent = start_agent(nproc=2)
-    agent.welcome()
+    agent.welcome(timeout=timeout)
     agent.reconfigure()
     agent.ctl.recv_all(Progress, 2)
     pids = [r["pid"] for r in agent.reports(2).values()]
     agent.proc.send_signal(signal.SIGTERM)
+    wait_for_text(agent, f"received SIGTERM: waiting up to {timeout:.1f}s for the controller to stop the job")
+    return agent, pids
+
+
+def test_a_first_sigterm_waits_for_the_controller_which_saves_then_stops_the_job(start_agent, tmp_path):
+    """As when Slurm ends a step: the controller got SIGTERM too; its save and its Stop are followed."""
+    agent, pids = _trained_then_sigterm(start_agent, timeout=30.0)
+    agent.ctl.send(SaveSnapshots(str(tmp_path / "saved"), 4, [0, 1]))
+    agent.ctl.recv(SnapshotFiles)
+    assert agent.proc.poll() is None and not any(gone(p) for p in pids), "the node waits for the controller"
+    agent.ctl.send(Stop("dprun received SIGTERM; the state is saved", 143))
     exits = agent.ctl.recv_all(WorkerExited, 2)
     assert {e.exitcode for e in exits} == {0}  # they got Stop and left on their own
+    assert agent.wait() == 143
+    assert wait_gone(pids)
+
+
+def test_a_sigterm_the_controller_does_not_follow_stops_the_node_after_the_heartbeat_timeout(start_agent):
+    """A signal for this node alone (its dprun's, passed on): the job goes on without it."""
+    agent, pids = _trained_then_sigterm(start_agent, timeout=2.0)
+    deadline = time.monotonic() + 15.0
+    while agent.proc.poll() is None and time.monotonic() < deadline:
+        agent.ctl.send(Ping(seq=1))  # the controller is alive: only the wait ends it
+        time.sleep(0.2)
+    assert agent.wait() == 128 + signal.SIGTERM
+    assert "received SIGTERM; the controller did not stop the job" in agent.stderr()
+    assert wait_gone(pids)
+
+
+def test_a_second_sigterm_stops_the_node_at_once(start_agent):
+    agent, pids = _trained_then_sigterm(start_agent, timeout=30.0)
+    agent.proc.send_signal(signal.SIGTERM)
+    exits = agent.ctl.recv_all(WorkerExited, 2)
+    assert {e.exitcode for e in exits} == {0}
     assert agent.wait() == 128 + signal.SIGTERM
     assert wait_gone(pids)
 

@@ -155,3 +155,35 @@ def _assert_a_step_complete(saved) -> None:
     complete = [f.name for f in saved.iterdir() if sorted(g.name for g in f.iterdir()) == ["rank-0.dpsnap",
                                                                                           "rank-1.dpsnap"]]
     assert complete, f"no step has every rank's file: {[(f.name, sorted(g.name for g in f.iterdir())) for f in saved.iterdir()]}"
+
+
+def test_sigterm_to_every_process_of_a_multinode_job_saves_its_state(procs, tmp_path, sha):
+    """As Slurm ends a step (its time limit, scancel): every process of every node, dprun, agents and workers,
+    gets SIGTERM at once. The job still saves its newest complete step before it stops, and resumes from it."""
+    token, saved, events = tmp_path / "token", tmp_path / "saved", tmp_path / "slurm.events.jsonl"
+    token.write_text("sigterm-everyone-secret")
+    common = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--token-file", token, "--nnodes", "2",
+              "--spares", "0"]
+    script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1"]
+    head = procs.dprun(*common, "--node-rank", "0", "--save-dir", saved, "--events-file", events, *script,
+                       cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    other = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90, "step 8")
+    everyone = [psutil.Process(p.pid) for p in (head, other)]
+    everyone += [child for p in everyone for child in p.children(recursive=True)]
+    procs.adopt(everyone)
+    for p in everyone:
+        p.send_signal(signal.SIGTERM)
+    _, err = head.communicate(timeout=90)
+    _, other_err = other.communicate(timeout=90)
+    assert head.returncode == 128 + signal.SIGTERM, err[-3000:]
+    (saving,) = [e for e in read_events(events) if e["event"] == "saving_state"]
+    assert 8 <= saving["step"] < STEPS
+    (finished,) = [e for e in read_events(events) if e["event"] == "job_finished"]
+    assert f"is saved in {saving['folder']}" in finished["message"], (finished, err[-3000:], other_err[-3000:])
+    for said in (err, other_err):  # each agent waited for the controller, each worker for its agent
+        assert "received SIGTERM: waiting up to 5.0s for the controller to stop the job" in said, said[-3000:]
+        assert "dpstate: SIGTERM: this worker goes on until its agent stops it" in said, said[-3000:]
+    assert not [e for e in read_events(events) if e["event"] == "worker_exited" and e["exitcode"] < 0]
+    _resumed(procs, tmp_path, saving["folder"], sha)
