@@ -33,13 +33,12 @@ from .output import OutputSpec
 from .replica_server import ReplicaServer
 from .replica_store import ReplicaStore
 from .restart import RestartMode
-from .shutdown import Shutdown, ShutdownSequence
+from .shutdown import EXIT_CONTROLLER_LOST, Shutdown, ShutdownSequence
 from .worker_link import WorkerLink
 from .workers import WorkerGroup
 
 log = logging.getLogger("dpagent")
 
-EXIT_CONTROLLER_LOST = 3
 IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux
 REAP_EVERY = 10.0
 
@@ -282,29 +281,6 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         if now >= self._next_reap:
             reap_orphans(self.workers.pids())
             self._next_reap = now + REAP_EVERY
-
-    def _stop_signalled(self, now: float) -> None:
-        """A signal to stop. When Slurm ends a step (its time limit, scancel) every process gets SIGTERM, the
-        controller's dprun too, which saves the job's state from the nodes' stores (--save-dir) and then stops
-        them: so a first signal waits up to the heartbeat timeout for the controller to say the job stops (its
-        save, its Stop), and stops this node alone if it does not. A second signal stops it at once."""
-        name = signal.Signals(self._signalled).name
-        if self._signals > 1 or self.liveness is None:
-            self._begin_shutdown(128 + self._signalled, f"received {name}", "stop")
-        elif self._stop_wait is None:
-            self._stop_wait = now + self.liveness.timeout
-            log.warning("received %s: waiting up to %.1fs for the controller to stop the job (a save first, with "
-                        "--save-dir), else this node stops; a second signal stops it now", name, self.liveness.timeout)
-        elif now >= self._stop_wait and not self._job_stopping:
-            self._begin_shutdown(128 + self._signalled, f"received {name}; the controller did not stop the job", "stop")
-
-    def _lose_controller(self, why: str) -> None:
-        """The controller is gone: save what this node holds to the job's --save-dir (if it has one), then exit 3."""
-        saving = self.welcome is not None and bool(self.welcome.save_dir) and not self.restart_mode
-        log.error("controller lost: %s; %skilling workers, exiting %d", why,
-                  f"saving this node's snapshots to {self.welcome.save_dir}, then " if saving else "",
-                  EXIT_CONTROLLER_LOST)
-        self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", "save" if saving else "kill")
 
     def _drain_wakeup(self) -> None:
         try:

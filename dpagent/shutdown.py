@@ -1,5 +1,6 @@
 """The agent's shutdown sequence: relay Stop to the workers, then SIGTERM after a grace, then SIGKILL; or, having
 lost the controller, save what the node holds to the job's --save-dir first (dpagent.lost_save), then SIGKILL.
+Also what starts it: a stop signal (which first waits for the controller's own stop) or the controller's loss.
 
 A part of the Agent (it inherits this), kept apart so each file reads in one sitting.
 """
@@ -16,6 +17,8 @@ from .protocol import Stop
 
 log = logging.getLogger("dpagent")
 
+EXIT_CONTROLLER_LOST = 3
+
 
 @dataclass
 class Shutdown:
@@ -29,8 +32,32 @@ class Shutdown:
 
 
 class ShutdownSequence:
-    """Needs the agent's cfg, workers, shutdown, retired, exit_code, replica, _signals, _signalled, _to_workers
-    and _own_ranks."""
+    """Needs the agent's cfg, workers, shutdown, retired, exit_code, replica, welcome, liveness, restart_mode,
+    _signals, _signalled, _stop_wait, _job_stopping, _to_workers and _own_ranks."""
+
+    def _stop_signalled(self, now: float) -> None:
+        """A signal to stop. When Slurm ends a step (its time limit, scancel) every process gets SIGTERM, the
+        controller's dprun too, which saves the job's state from the nodes' stores (--save-dir) and then stops
+        them: so a first signal waits up to the heartbeat timeout for the controller to say the job stops (its
+        save, its Stop), and stops this node alone if it does not. A second signal stops it at once."""
+        name = signal.Signals(self._signalled).name
+        if self._signals > 1 or self.liveness is None:
+            self._begin_shutdown(128 + self._signalled, f"received {name}", "stop")
+        elif self._stop_wait is None:
+            self._stop_wait = now + self.liveness.timeout
+            log.warning("received %s: waiting up to %.1fs for the controller to stop the job (a save first, with "
+                        "--save-dir), else this node stops; a second signal stops it now", name, self.liveness.timeout)
+        elif now >= self._stop_wait and not self._job_stopping:
+            self._begin_shutdown(128 + self._signalled, f"received {name}; the controller did not stop the job",
+                                 "stop")
+
+    def _lose_controller(self, why: str) -> None:
+        """The controller is gone: save what this node holds to the job's --save-dir (if it has one), then exit 3."""
+        saving = self.welcome is not None and bool(self.welcome.save_dir) and not self.restart_mode
+        log.error("controller lost: %s; %skilling workers, exiting %d", why,
+                  f"saving this node's snapshots to {self.welcome.save_dir}, then " if saving else "",
+                  EXIT_CONTROLLER_LOST)
+        self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", "save" if saving else "kill")
 
     def _exiting(self) -> bool:
         """Stopping to exit: not running, nor only stopping its workers to keep its store (Stop.keep_store)."""
