@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_grace=opts.stop_grace,
         term_grace=opts.term_grace,
         register_timeout=opts.register_timeout,
-        launcher_hosts_controller=os.environ.get("DP_PDEATHSIG") == "controller",
+        launcher_hosts_controller=launcher == "controller",
         output=output,
         max_restarts=opts.max_restarts,
     )

@@ -324,11 +324,13 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
                 self._to_workers(msg)
         elif isinstance(msg, Stop):
             self._begin_shutdown(msg.exit_code, f"stop from controller: {msg.reason}", "stop", msg)
-        elif isinstance(msg, SaveSnapshots) and msg.local:  # the workers write their own copies
+        elif isinstance(msg, SaveSnapshots):  # the job stops (its Stop follows); its state outlives it
             self._job_stopping = True
-            self._to_workers(msg)
-        elif isinstance(msg, (SaveSnapshots, LoadSnapshots)):  # the state outlives the job (the loop waits)
-            self._job_stopping = self._job_stopping or isinstance(msg, SaveSnapshots)
+            if msg.local:  # the workers write their own copies
+                self._to_workers(msg)
+            else:
+                self._to_controller(self.replica.files(msg))  # (the loop waits)
+        elif isinstance(msg, LoadSnapshots):  # a resumed job's files into the store (the loop waits)
             self._to_controller(self.replica.files(msg))
         elif isinstance(msg, Inject) and msg.kind == "corrupt-replicas":
             log.warning("injected fault: corrupt-replicas (%d snapshots damaged)", self.replica.store.corrupt_all())
