@@ -5,6 +5,7 @@ with --resume-from that folder goes on from it to the very parameters of a run t
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 
@@ -173,8 +174,9 @@ def test_sigterm_to_every_process_of_a_multinode_job_saves_its_state(procs, tmp_
     everyone = [psutil.Process(p.pid) for p in (head, other)]
     everyone += [child for p in everyone for child in p.children(recursive=True)]
     procs.adopt(everyone)
-    for p in everyone:
-        p.send_signal(signal.SIGTERM)
+    for p in everyone:  # (a process may already be stopping for the controller's Stop: the save can be that quick)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGTERM)
     _, err = head.communicate(timeout=90)
     _, other_err = other.communicate(timeout=90)
     assert head.returncode == 128 + signal.SIGTERM, err[-3000:]
@@ -182,8 +184,9 @@ def test_sigterm_to_every_process_of_a_multinode_job_saves_its_state(procs, tmp_
     assert 8 <= saving["step"] < STEPS
     (finished,) = [e for e in read_events(events) if e["event"] == "job_finished"]
     assert f"is saved in {saving['folder']}" in finished["message"], (finished, err[-3000:], other_err[-3000:])
-    for said in (err, other_err):  # each agent waited for the controller, each worker for its agent
-        assert "received SIGTERM: waiting up to 5.0s for the controller to stop the job" in said, said[-3000:]
-        assert "dpstate: SIGTERM: this worker goes on until its agent stops it" in said, said[-3000:]
+    for said in (err, other_err):  # each agent served the save (whether its own SIGTERM came before it or after)
+        assert f"saved snapshots of step {saving['step']} in {saving['folder']}" in said, said[-3000:]
+        assert "the controller did not stop the job" not in said, said[-3000:]
+    # each worker waited for its agent: none died of its SIGTERM
     assert not [e for e in read_events(events) if e["event"] == "worker_exited" and e["exitcode"] < 0]
     _resumed(procs, tmp_path, saving["folder"], sha)
