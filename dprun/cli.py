@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -129,7 +130,8 @@ def run(
              "have as many ranks."),
     rdzv_endpoint: Optional[str] = typer.Option(
         None, "--rdzv-endpoint", "--rdzv_endpoint", envvar="PET_RDZV_ENDPOINT",
-        help="HOST:PORT of the controller (multi-node). Without it, every node runs on this machine."),
+        help="HOST:PORT of the controller (multi-node). Without it, every node runs on this machine, "
+             "or under `srun` the step's first node hosts it on port 20000 + job id mod 20000."),
     rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", "--rdzv_id", envvar="PET_RDZV_ID", help="Job id."),
     rdzv_backend: str = typer.Option("c10d", "--rdzv-backend", "--rdzv_backend", envvar="PET_RDZV_BACKEND",
                                      help="Accepted for torchrun compatibility (c10d or static): the controller "
@@ -174,7 +176,8 @@ def run(
                                     "--steps / --max-steps argument)."),
     rdzv_timeout: float = typer.Option(300.0, "--rdzv-timeout", help="Seconds to wait for every node to register."),
     node_rank: int = typer.Option(-1, "--node-rank", "--node_rank", envvar="PET_NODE_RANK",
-                                  help="Multi-node: 0 hosts the controller; >= --nnodes joins as a spare."),
+                                  help="Multi-node: 0 hosts the controller; >= --nnodes joins as a spare. Under `srun`: "
+                                       "SLURM_NODEID."),
     token_file: Optional[Path] = typer.Option(
         None, "--token-file", help="File with the job's secret (multi-node); or set DP_JOB_TOKEN."),
     local_addr: Optional[str] = typer.Option(None, "--local-addr", "--local_addr", envvar="PET_LOCAL_ADDR",
@@ -284,18 +287,31 @@ def run(
             _fail(f"cannot read --token-file {token_file}: {exc.strerror}")
         if not token:
             _fail(f"--token-file {token_file} is empty")
-    in_slurm = slurm.from_environment(dict(os.environ)) if not (rdzv_endpoint or standalone) else None
-    if in_slurm is not None:  # srun dprun ...: every node of the step runs this, the first hosts the controller
-        rdzv_endpoint, node_rank = in_slurm.rdzv_endpoint, in_slurm.node_rank
+    in_slurm = None
+    if not standalone:
+        try:
+            in_slurm = slurm.from_environment(dict(os.environ))
+        except ValueError as exc:
+            _fail(str(exc))
+    derived = in_slurm is not None and not rdzv_endpoint
+    if in_slurm is not None:  # srun dprun ...: every node of the step runs this; SLURM_NODEID is its node rank
+        rdzv_endpoint = rdzv_endpoint or in_slurm.rdzv_endpoint  # node rank 0 hosts the controller
+        node_rank = in_slurm.node_rank if node_rank < 0 else node_rank
         rdzv_id = rdzv_id or in_slurm.job_id
         if in_slurm.nodes < nnodes:
             _fail(f"the Slurm step has {in_slurm.nodes} node(s), fewer than --nnodes {nnodes}; ask for more with -N")
         spares = max(spares, in_slurm.nodes - nnodes)
+    elif not (standalone or rdzv_endpoint) and (notice := slurm.outside_step(dict(os.environ))):
+        print(notice, file=sys.stderr)
     if rdzv_endpoint:
         try:
-            host, _ = parse_endpoint(rdzv_endpoint)
+            host, port = parse_endpoint(rdzv_endpoint)
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except ValueError as exc:
             _fail(str(exc))
+        except OSError:
+            _fail(f"cannot resolve {host}, the Slurm step's first node: pass --rdzv-endpoint ADDRESS:PORT with its "
+                  "address, the same on every node" if derived else f"--rdzv-endpoint: cannot resolve {host!r}")
         if nnodes == 1 and node_rank < 0 and not token and is_local(host):
             standalone = True  # torchrun's single-node `--master-port P` / `--rdzv-endpoint localhost:P`
     opts = JobOptions(

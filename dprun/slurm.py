@@ -40,11 +40,27 @@ def expand_hostlist(text: str) -> list[str]:
 
 
 def from_environment(env: dict[str, str]) -> SlurmJob | None:
-    """The job's rendezvous under `srun`, or None outside a Slurm step."""
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    """The job's rendezvous inside an `srun` step, or None outside one: a batch script or an `salloc` shell
+    has SLURM_NODEID too, but runs on one node only, so dprun stays standalone there (see outside_step).
+    ValueError for a step that runs more than one dprun on a node."""
+    nodelist = env.get("SLURM_STEP_NODELIST")
     if not (env.get("SLURM_JOB_ID") and env.get("SLURM_NODEID") and nodelist):
         return None
     hosts = expand_hostlist(nodelist)
+    tasks = env.get("SLURM_STEP_NUM_TASKS", "")
+    if tasks.isdigit() and int(tasks) != len(hosts):
+        raise ValueError(f"the Slurm step runs {tasks} tasks on {len(hosts)} node(s), but dprun runs once per node: "
+                         f"srun --ntasks-per-node=1 dprun ... (its workers come from --nproc-per-node)")
     port = BASE_PORT + int(env["SLURM_JOB_ID"]) % 20000
     return SlurmJob(rdzv_endpoint=f"{hosts[0]}:{port}", node_rank=int(env["SLURM_NODEID"]), nodes=len(hosts),
                     job_id=f"slurm-{env['SLURM_JOB_ID']}")
+
+
+def outside_step(env: dict[str, str]) -> str | None:
+    """A notice for dprun started in a Slurm job of several nodes but not by `srun` (its batch script, an
+    `salloc` shell): it runs on this node only."""
+    nodes = env.get("SLURM_JOB_NUM_NODES", "")
+    if env.get("SLURM_STEP_NODELIST") or not env.get("SLURM_JOB_ID") or not nodes.isdigit() or int(nodes) < 2:
+        return None
+    return (f"dprun: Slurm job {env['SLURM_JOB_ID']} has {nodes} nodes but this dprun was not started by srun: it "
+            f"runs on this node only; use `srun --ntasks-per-node=1 dprun ...` for all of them")

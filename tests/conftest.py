@@ -27,6 +27,11 @@ if torch.cuda.is_available():
 HOST_CUDA_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(torch.cuda.device_count())))
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+# Tests start their own jobs (and tests/slurm_cluster.py its own Slurm): under srun or sbatch, the processes they
+# start must not take the allocation's SLURM_* variables for theirs.
+for _name in [n for n in os.environ if n.startswith("SLURM_")]:
+    del os.environ[_name]
+
 
 @pytest.fixture
 def replica(tmp_path):

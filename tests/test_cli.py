@@ -83,8 +83,12 @@ def test_every_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path):
         "report file": (["report", "missing.jsonl"], "cannot read missing.jsonl"),
         "report empty": (["report", script], "holds no events"),
     }
+    step = {"SLURM_JOB_ID": "7", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n[1-2]"}
     env_cases = {"PET_NNODES": ({"PET_NNODES": "0"}, "--nnodes must be at least 1"),
-                 "PET_NPROC_PER_NODE": ({"PET_NPROC_PER_NODE": "lots"}, "--nproc-per-node must be")}
+                 "PET_NPROC_PER_NODE": ({"PET_NPROC_PER_NODE": "lots"}, "--nproc-per-node must be"),
+                 "srun -n4 -N2": ({**step, "SLURM_STEP_NUM_TASKS": "4"}, "dprun runs once per node"),
+                 "srun -N2, --nnodes 3": ({**step, "SLURM_STEP_NUM_TASKS": "2", "PET_NNODES": "3"},
+                                          "the Slurm step has 2 node(s), fewer than --nnodes 3")}
     try:
         procs = [start(args, tmp_path) for args, _ in cases.values()]
         procs += [start([script], tmp_path, env) for env, _ in env_cases.values()]
@@ -98,3 +102,44 @@ def test_every_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("dprun"), (name, err)
         assert want in lines[0], (name, lines[0])
         assert "Traceback" not in out + err, name
+
+
+def test_dprun_in_a_batch_script_runs_on_its_node_and_says_so(tmp_path):
+    """Not started by srun (sbatch's script, an salloc shell): SLURM_NODEID=0 and a job of 2 nodes do not make
+    it node 0 of 2 waiting for a second dprun; it runs its job here and says how to use every node."""
+    script = tmp_path / "train.py"
+    script.write_text("print('trained')\n")
+    batch = {"SLURM_JOB_ID": "7", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"}
+    ((code, out, err),) = finish_all([start(["--nnodes", "1", script], tmp_path, batch)])
+    assert code == 0, err
+    assert "trained" in out
+    assert "Slurm job 7 has 2 nodes but this dprun was not started by srun" in err
+
+
+@pytest.mark.parametrize("where", ["given", "slurm"])
+def test_an_endpoint_host_that_does_not_resolve_is_one_line(where, tmp_path, monkeypatch):
+    """The endpoint's host is looked up before anything starts. Here a resolver that knows no host stands in
+    for DNS (a real lookup of an unknown name would leave loopback): under srun the first node's NodeName may
+    not resolve where the address does, and the message says to give the address."""
+    from typer.testing import CliRunner
+
+    from dprun.cli import app
+
+    def no_such_host(*_args, **_kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_host)
+    env = {"DP_JOB_TOKEN": "secret"}
+    args = ["--nnodes", "2", str(script)]
+    if where == "given":
+        args = ["--rdzv-endpoint", "head-node:29400", *args]
+        want = "dprun: --rdzv-endpoint: cannot resolve 'head-node'"
+    else:
+        env.update({"SLURM_JOB_ID": "7", "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "n[1-2]"})
+        want = ("dprun: cannot resolve n1, the Slurm step's first node: pass --rdzv-endpoint ADDRESS:PORT with its "
+                "address, the same on every node")
+    result = CliRunner().invoke(app, args, env=env)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == want

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dprun.slurm import BASE_PORT, expand_hostlist, from_environment
+import pytest
+
+from dprun.slurm import BASE_PORT, expand_hostlist, from_environment, outside_step
 
 
 def test_expand_hostlist_handles_ranges_padding_and_plain_names():
@@ -22,3 +24,21 @@ def test_every_node_of_a_step_agrees_on_the_controller_and_takes_its_node_id_as_
 def test_outside_slurm_nothing_is_derived():
     assert from_environment({}) is None
     assert from_environment({"SLURM_JOB_ID": "1"}) is None
+
+
+def test_a_batch_script_or_salloc_shell_is_not_a_step_and_dprun_says_it_runs_on_one_node():
+    """sbatch's script has SLURM_NODEID=0 and the job's node list but no step: taking it for node 0 of the
+    job would wait for nodes that no dprun runs on."""
+    batch = {"SLURM_JOB_ID": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"}
+    assert from_environment(batch) is None
+    assert "this dprun was not started by srun: it runs on this node only" in outside_step(batch)
+    assert outside_step({**batch, "SLURM_JOB_NUM_NODES": "1"}) is None  # a one-node job: nothing to say
+    assert outside_step({"SLURM_JOB_ID": "2", "SLURM_STEP_NODELIST": "n1", "SLURM_JOB_NUM_NODES": "2"}) is None
+    assert outside_step({}) is None
+
+
+def test_a_step_with_several_tasks_per_node_is_refused():
+    step = {"SLURM_JOB_ID": "3", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_NUM_TASKS": "4"}
+    with pytest.raises(ValueError, match="dprun runs once per node: srun --ntasks-per-node=1"):
+        from_environment(step)
+    assert from_environment({**step, "SLURM_STEP_NUM_TASKS": "2"}).nodes == 2
