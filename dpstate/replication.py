@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -91,6 +92,7 @@ class Replicator:
         self._queue: list[_Job] = []
         self._busy = False
         self._active: _Job | None = None
+        self._held: list[Slot] = []  # local snapshots being written to files (holding): nothing writes them
         self._epoch = 0  # bumped by quiesce(): the thread drops what it is doing
         self._submitted = 0  # sequence number of the newest job handed over
         self._acked = 0  # ... and of the newest one acked
@@ -210,6 +212,23 @@ class Replicator:
                     return slot
         return None
 
+    @contextmanager
+    def holding(self, step: int):
+        """The complete local snapshot of `step` (or None) for as long as it is written to a file (a stopping
+        job's save, on the control thread while training may go on): no capture or optimizer step writes its
+        buffer meanwhile; one that finds no other buffer free waits for the write."""
+        with self._cond:
+            slot = next((s for s in self.slots if s.step == step and step >= 0), None)
+            if slot is not None:
+                self._held.append(slot)
+        try:
+            yield slot
+        finally:
+            with self._cond:
+                if slot is not None:
+                    self._held.remove(slot)
+                self._cond.notify_all()
+
     def forget_after(self, step: int) -> None:
         """Drop local snapshots newer than `step` (a rollback abandons them)."""
         with self._cond:
@@ -241,14 +260,17 @@ class Replicator:
         return prepared
 
     def _in_use(self) -> list[Slot]:
-        return [j.slot for j in self._queue] + ([self._active.slot] if self._active is not None else [])
+        active = [self._active.slot] if self._active is not None else []
+        return [j.slot for j in self._queue] + active + self._held
 
     def _free_slot(self, step: int, live_first: bool = False) -> Slot:
         """An empty slot, else the one with the oldest snapshot; never one the thread works on. `live_first`: the
         one the optimizer's state lies in (dpstate.landing), when it holds no snapshot yet. Under _cond."""
         self._idle = False
-        in_use = self._in_use()
-        candidates = [s for s in self.slots if not any(s is u for u in in_use)]
+        candidates = [s for s in self.slots if not any(s is u for u in self._in_use())]
+        while not candidates and self._held:  # a file being written holds one: wait for it
+            self._cond.wait()
+            candidates = [s for s in self.slots if not any(s is u for u in self._in_use())]
         if not candidates:
             raise RuntimeError("no free snapshot buffer: snapshots are submitted faster than they are acked")
         live = [s for s in candidates if s.live and s.step < 0] if live_first else []

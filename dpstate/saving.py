@@ -28,11 +28,11 @@ def save_local(replicator: Any, msg: P.SaveSnapshots, rank: int, node_id: str,
 
 def _write(replicator: Any, folder: Any, rank: int, step: int) -> str:
     """Write this rank's local snapshot of `step` as a file in `folder`: "" or why not."""
-    slot = replicator.local(step)
-    if slot is None:
-        return f"rank {rank} no longer holds step {step} (it holds {replicator.local_steps()})"
-    try:
-        write_snapshot(folder, rank, step, slot.checksum, slot.meta, [slot.data.numpy()])
-    except OSError as exc:
-        return f"rank {rank}: {exc}"
+    with replicator.holding(step) as slot:  # training may go on meanwhile (a first SIGTERM): not into this slot
+        if slot is None:
+            return f"rank {rank} no longer holds step {step} (it holds {replicator.local_steps()})"
+        try:
+            write_snapshot(folder, rank, step, slot.checksum, slot.meta, [slot.data.numpy()])
+        except OSError as exc:
+            return f"rank {rank}: {exc}"
     return ""

@@ -171,6 +171,54 @@ def test_without_replica_snapshots_stay_local():
     assert rep.local_steps() == [1]
 
 
+def test_a_local_snapshot_written_to_a_file_is_not_overwritten_by_training_that_goes_on():
+    """A stopping job's save writes step 2's local snapshot on the control thread while training goes on (a
+    worker notes its first SIGTERM and trains until its agent stops it): captures take the other buffer, and
+    one that finds no buffer free waits for the file instead of failing or writing into it."""
+    _, _, tracked = state()
+    rep = replicator()
+    rep.configure(0, "", 1)
+    for step in (1, 2):
+        rep.submit(step, tracked.capture(step))
+        rep.wait_acked(timeout=10)
+    kept = rep.local(2)
+    meta, data = kept.meta, kept.data.clone()
+    capturing, release = threading.Event(), threading.Event()
+
+    def slow_capture():  # the replicator's thread calls it as the capture of step 4 starts
+        capturing.set()
+        release.wait(10)
+        return []
+
+    errors = []
+
+    def next_step():
+        try:
+            rep.submit(5, tracked.capture(5))
+        except Exception as exc:  # noqa: BLE001 (the old ring gave up: "no free snapshot buffer")
+            errors.append(exc)
+
+    try:
+        with rep.holding(2) as held:
+            assert held is kept
+            rep.submit(3, tracked.capture(3))
+            rep.wait_acked(timeout=10)
+            assert rep.local_steps() == [2, 3]  # training went on in the other buffer
+            rep.submit(4, tracked.capture(4), slow_capture)
+            assert capturing.wait(10)
+            stepper = threading.Thread(target=next_step)
+            stepper.start()
+            stepper.join(0.5)
+            assert stepper.is_alive() and not errors, errors  # one buffer in the file, the other in capture
+            assert held.step == 2 and held.meta == meta and torch.equal(held.data, data)
+        stepper.join(10)  # the file is written: its buffer is free again
+        assert not stepper.is_alive() and not errors, errors
+    finally:
+        release.set()
+    rep.wait_acked(timeout=10)
+    assert rep.local_steps() == [4, 5]
+
+
 EXIT_MID_CAPTURE = """
 import threading, torch
 from dpagent import protocol as P
