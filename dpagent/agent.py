@@ -328,8 +328,9 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
             self._job_stopping = True
             if msg.local:  # the workers write their own copies
                 self._to_workers(msg)
-            else:
-                self._to_controller(self.replica.files(msg))  # (the loop waits)
+            else:  # (the loop waits; its workers too: copies here may refer to their buffers, dpagent.dedup)
+                with self.workers.paused():
+                    self._to_controller(self.replica.files(msg))
         elif isinstance(msg, LoadSnapshots):  # a resumed job's files into the store (the loop waits)
             self._to_controller(self.replica.files(msg))
         elif isinstance(msg, Inject) and msg.kind == "corrupt-replicas":

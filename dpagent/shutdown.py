@@ -79,7 +79,8 @@ class ShutdownSequence:
         elif phase == "save":
             greeted = {w.local_rank for w in self.workers.greeted()}  # (each answers for its rank)
             save = LostSave(self.welcome.save_dir, {r for r in self._own_ranks() if r % self.cfg.nproc in greeted})
-            save_store(self.replica.store, save)
+            with self.workers.paused():  # (as for a SaveSnapshots: copies here may refer to their buffers)
+                save_store(self.replica.store, save)
             self._to_workers(save.request())
             deadline = now + self.cfg.save_timeout
         else:

@@ -98,10 +98,14 @@ def save_held(store: ReplicaStore, folder: str | os.PathLike, step: int, ranks: 
             results[str(rank)] = f"the copy of rank {rank} step {step} held here is corrupt"
             continue
         try:
-            write_snapshot(folder, rank, step, snap.checksum, snap.meta, list(snap.chunks))
+            path = write_snapshot(folder, rank, step, snap.checksum, snap.meta, list(snap.chunks))
             results[str(rank)] = ""
         except OSError as exc:
             results[str(rank)] = f"rank {rank}: {exc}"
+            continue
+        if snap.stale():  # its local copy (dedup) was written meanwhile: the file may mix two steps
+            path.unlink(missing_ok=True)
+            results[str(rank)] = f"the copy of rank {rank} step {step} held here changed while it was written"
     return results
 
 

@@ -8,13 +8,17 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
+
+import psutil
 
 from .events import EventPipe
 from .output import OutputSpec, WorkerOutput
@@ -207,10 +211,43 @@ class WorkerGroup:
             if worker.output is not None:
                 worker.output.join(max(0.0, deadline - time.monotonic()))
 
+    @contextmanager
+    def paused(self, timeout: float = 5.0):
+        """Every live worker stopped (SIGSTOP, until the kernel says so) for the block, then continued: the agent
+        writes files of copies that refer to their snapshot buffers (dpagent.dedup) while a stopping job's
+        workers may still train, and a buffer they wrote meanwhile would tear the file."""
+        stopped = []
+        for worker in self.alive():
+            try:
+                os.kill(worker.pid, signal.SIGSTOP)
+                stopped.append(psutil.Process(worker.pid))
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in stopped:
+                while _running(proc) and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            yield
+        finally:
+            for proc in stopped:
+                try:
+                    proc.send_signal(signal.SIGCONT)
+                except psutil.NoSuchProcess:
+                    pass
+
     def signal_all(self, sig: int) -> None:
         """Signals every live worker and its descendants."""
         for worker in self.alive():
             signal_tree(worker.pid, sig)
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Not yet stopped (nor gone)."""
+    try:
+        return proc.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return False
 
 
 describe_exit = protocol_describe_exit  # re-exported: agent.py and restart.py use it from here

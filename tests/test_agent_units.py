@@ -4,9 +4,11 @@ what a failed worker's stderr is summed up as."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
+import psutil
 import pytest
 import zmq
 
@@ -15,7 +17,7 @@ from dpagent.events import EventPipe
 from dpagent.liveness import Liveness
 from dpagent.output import crash_exception, failure_detail
 from dpagent.protocol import PROTOCOL_VERSION, Codec, Ping, Pong, ProtocolError, Standby
-from dpagent.workers import describe_exit, is_loopback, worker_command, worker_env
+from dpagent.workers import WorkerGroup, describe_exit, is_loopback, worker_command, worker_env
 
 
 def env(base=None, nproc=2, local_addr="127.0.0.1", local_rank=1):
@@ -121,6 +123,35 @@ def test_poll_timeouts_round_up_so_that_a_loop_waiting_for_a_deadline_does_not_s
                 wakeups += 1
             assert wakeups <= 3, wakeups  # truncating, the last millisecond took hundreds of polls
     finally:
+        ctx.destroy(linger=0)
+
+
+def test_workers_are_stopped_while_paused_and_go_on_after():
+    """While the agent writes a stopping job's files its workers are stopped for real (the kernel says so
+    before the block starts), also when the block fails; a worker that exited meanwhile is no error."""
+    ctx = zmq.Context()
+    pipe = EventPipe(ctx)
+    group = WorkerGroup(pipe)
+    spin = [sys.executable, "-c", "while True: pass"]
+    workers = [group.spawn(i, spin, dict(os.environ)) for i in range(2)]
+    try:
+        with pytest.raises(OSError):
+            with group.paused():
+                assert [psutil.Process(w.pid).status() for w in workers] == [psutil.STATUS_STOPPED] * 2
+                raise OSError("the disk is full")
+        assert psutil.STATUS_STOPPED not in [psutil.Process(w.pid).status() for w in workers]
+        with group.paused():
+            workers[1].popen.kill()
+            workers[1].popen.wait()
+        assert psutil.Process(workers[0].pid).status() != psutil.STATUS_STOPPED
+    finally:
+        for w in workers:
+            w.popen.kill()
+        done, deadline = [], time.monotonic() + 10
+        while len(done) < len(workers) and time.monotonic() < deadline:  # each waiter thread says so
+            pipe.wake.poll(100)
+            done += pipe.drain()
+        pipe.close()
         ctx.destroy(linger=0)
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from dpagent.checksum import CHECKSUM_BLOCK, checksum_chunks
+from dpagent.dedup import LocalCopy
 from dpagent.protocol import PutSnapshot, SnapshotStored, chunk_views
 from dpagent.replica_store import ReplicaStore
 from dpagent.lost_save import LostSave, save_store
@@ -44,6 +46,35 @@ def test_a_copy_damaged_in_memory_is_not_saved(tmp_path):
     store = _store_with(0, 7, os.urandom(3 * CHECKSUM_BLOCK))
     assert store.corrupt_all() == 1
     assert save_held(store, tmp_path, 7, [0]) == {"0": "the copy of rank 0 step 7 held here is corrupt"}
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_copy_whose_local_buffer_is_written_while_it_is_saved_leaves_no_file(tmp_path):
+    """A held copy that refers to this node's worker's snapshot buffer (dedup) whose worker writes the buffer
+    again while the file is written (training that goes on): the file could mix two steps, so it is removed and
+    the answer says why (the controller then asks the next source)."""
+    data = os.urandom(3 * CHECKSUM_BLOCK)
+    counter = np.ones(1, dtype=np.uint64)  # the buffer's write counter, as dpstate.shared keeps it
+
+    class RewrittenAsRead:  # a chunk of the worker's buffer: once armed, the worker writes it as it is read
+        armed = False
+
+        @property
+        def buffer(self):
+            if self.armed:
+                counter[0] += np.uint64(1)
+            return data
+
+    base = LocalCopy(rank=0, step=7, nbytes=len(data), writes=1, counter=counter, data=memoryview(data),
+                     digests=np.zeros(0, dtype=np.int64))
+    store = ReplicaStore()
+    put = PutSnapshot(rank=0, step=7, generation=3, checksum=checksum_chunks(META, [data]),
+                      nbytes=len(META) + len(data))
+    chunk = RewrittenAsRead()
+    assert store.add(put, META, chunk, base=base) == ""
+    chunk.armed = True  # the save starts; so does the worker's next optimizer step, into this buffer
+    assert save_held(store, tmp_path, 7, [0]) == {"0": "the copy of rank 0 step 7 held here changed while it was "
+                                                       "written"}
     assert not list(tmp_path.iterdir())
 
 
