@@ -328,11 +328,10 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
             self._job_stopping = True
             if msg.local:  # the workers write their own copies
                 self._to_workers(msg)
-            else:  # (the loop waits; its workers too: copies here may refer to their buffers, dpagent.dedup)
-                with self.workers.paused():
-                    self._to_controller(self.replica.files(msg))
-        elif isinstance(msg, LoadSnapshots):  # a resumed job's files into the store (the loop waits)
-            self._to_controller(self.replica.files(msg))
+            else:  # on a thread, its workers paused meanwhile: copies here may refer to their buffers (dedup)
+                self.replica.files(msg, pause=self.workers.paused)
+        elif isinstance(msg, LoadSnapshots):  # a resumed job's files read on a thread, then into the store
+            self.replica.files(msg)
         elif isinstance(msg, Inject) and msg.kind == "corrupt-replicas":
             log.warning("injected fault: corrupt-replicas (%d snapshots damaged)", self.replica.store.corrupt_all())
         elif isinstance(msg, Inject):

@@ -7,7 +7,7 @@ The holder checks sizes only: the checksum is checked end to end by the worker t
 copy there is reported and another one used), so a holder spends no CPU per snapshot beyond receiving it.
 The one exception, a relabel (keep a held copy for a new generation), checks the copy in a background thread
 when given the agent's EventPipe: at tens of GB that takes seconds, which the agent's loop (heartbeats) must
-not wait for.
+not wait for. So are a stopping job's files written, and a resumed job's read (SaveSnapshots, LoadSnapshots).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,7 +30,7 @@ from .protocol import (FetchSnapshot, LoadSnapshots, LocalSnapshot, OfferSnapsho
                        SaveSnapshots, SnapshotAck, SnapshotBlocks, SnapshotChunk, SnapshotData, SnapshotFiles,
                        SnapshotReserved, SnapshotStored, SnapshotWants)
 from .replica_store import ReplicaStore, Snapshot, intact
-from .snapshot_files import load_into, save_held
+from .snapshot_files import held_copies, read_files, store_loaded, write_copies
 
 log = logging.getLogger("dpagent")
 
@@ -74,6 +75,27 @@ class RelabelChecker:
                 return
 
 
+@dataclass(frozen=True)
+class FilesDone:
+    """A SaveSnapshots' files written or a LoadSnapshots' read, on a thread (posted to the agent loop): for a
+    save, each rank's "" or why not; for a load, what dpagent.snapshot_files.read_files read."""
+
+    msg: SaveSnapshots | LoadSnapshots
+    outcome: dict
+
+
+def _files_thread(events: EventPipe, msg: SaveSnapshots | LoadSnapshots, work: Callable[[], dict]) -> None:
+    try:
+        outcome = work()
+    except Exception as exc:  # noqa: BLE001 (any failure is the answer's, not a silent thread's death)
+        outcome = {str(rank): f"{type(exc).__name__}: {exc}" for rank in msg.ranks}
+    try:
+        with events.sender() as sender:
+            sender.post(FilesDone(msg, outcome))
+    except zmq.ZMQError:  # the agent's context is closing
+        pass
+
+
 class ReplicaServer:
     """Without `events`, relabels are checked inline (a holder loop that has nothing else to do).
     `local_pids`: this node's workers, whose shared snapshot buffers may be mapped (none: no dedup)."""
@@ -87,6 +109,7 @@ class ReplicaServer:
         self.store = store
         self.node_id = node_id
         self._report = report
+        self.events = events
         self.checker = RelabelChecker(events) if events is not None else None
         self.local = LocalCopies(local_pids)
         self._waiting: list[Offer] = []  # offers waiting for their step's local copy
@@ -190,14 +213,32 @@ class ReplicaServer:
         """The background check of a relabel finished: keep the copy (or not) and answer the sender."""
         self._answer(done.incoming, done.put, self.store.relabel_checked(done.put, done.snapshot, done.intact))
 
-    def files(self, msg: SaveSnapshots | LoadSnapshots) -> SnapshotFiles:
-        """Write the store's copies as files (a stopping job) or read files into it (a resumed one); the answer."""
+    def files(self, msg: SaveSnapshots | LoadSnapshots, pause: Callable[[], Any] = nullcontext) -> SnapshotFiles | None:
+        """Write the store's copies as files (a stopping job; within `pause`: dpagent.workers.WorkerGroup.paused)
+        or read files for it (a resumed one). With `events` the disk's part runs on a thread, so that the agent
+        goes on heartbeating through a slow disk, and files_done() answers; without, the answer now."""
         if isinstance(msg, SaveSnapshots):
-            results = save_held(self.store, msg.directory, msg.step, msg.ranks)
+            copies, missing = held_copies(self.store, msg.step, msg.ranks)  # (the store: here, on the loop)
+
+            def work() -> dict:
+                with pause():
+                    return {**missing, **write_copies(msg.directory, msg.step, copies)}
         else:
-            results = load_into(self.store, msg.directory, msg.step, msg.ranks, self.node_id, self._report)
-        log.info("%s snapshots of step %d in %s: %s", "saved" if isinstance(msg, SaveSnapshots) else "loaded",
-                 msg.step, msg.directory, {rank: error or "ok" for rank, error in results.items()})
+            def work() -> dict:
+                return read_files(msg.directory, msg.step, msg.ranks)
+        if self.events is None:
+            return self.files_done(FilesDone(msg, work()))
+        threading.Thread(target=_files_thread, args=(self.events, msg, work), name="dpagent-files",
+                         daemon=True).start()
+        return None
+
+    def files_done(self, done: FilesDone) -> SnapshotFiles:
+        """The answer to a SaveSnapshots or LoadSnapshots once its files are written or read (a load's copies
+        go into the store here)."""
+        msg, saving = done.msg, isinstance(done.msg, SaveSnapshots)
+        results = done.outcome if saving else store_loaded(self.store, done.outcome, self.node_id, self._report)
+        log.info("%s snapshots of step %d in %s: %s", "saved" if saving else "loaded", msg.step, msg.directory,
+                 {rank: error or "ok" for rank, error in sorted(results.items())})
         return SnapshotFiles(self.node_id, msg.step, results)
 
     def close(self) -> None:

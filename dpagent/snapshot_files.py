@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
 from .checksum import checksum_chunks
 from .protocol import CHUNK_BYTES, PutSnapshot, SnapshotStored
-from .replica_store import ReplicaStore, frame_view, intact
+from .replica_store import ReplicaStore, Snapshot, frame_view, intact
 
 FORMAT = "deadpool-snapshot/1"
 
@@ -35,7 +36,7 @@ def write_snapshot(folder: str | os.PathLike, rank: int, step: int, checksum: in
     views = [frame_view(c) for c in chunks]
     header = {"format": FORMAT, "rank": rank, "step": step, "checksum": checksum,
               "nbytes": meta.nbytes + sum(v.nbytes for v in views), "meta_bytes": meta.nbytes}
-    partial = path.with_suffix(f".{os.getpid()}.partial")  # two writers of one rank (a retry) do not mix
+    partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.partial")  # two writers (a retry) do not mix
     with open(partial, "wb") as f:
         f.write(json.dumps(header).encode() + b"\n")
         f.write(meta)
@@ -88,12 +89,28 @@ def read_snapshot(path: str | os.PathLike, generation: int) -> tuple[PutSnapshot
 def save_held(store: ReplicaStore, folder: str | os.PathLike, step: int, ranks: list[int]) -> dict[str, str]:
     """SaveSnapshots: write the copies `store` holds of `ranks` at `step` into `folder`. Returns, for each
     rank, "" or why its file was not written."""
-    results = {}
+    copies, results = held_copies(store, step, ranks)
+    return {**results, **write_copies(folder, step, copies)}
+
+
+def held_copies(store: ReplicaStore, step: int, ranks: list[int]) -> tuple[dict[int, Snapshot], dict[str, str]]:
+    """The copies of `ranks` at `step` that `store` holds, and why each other rank has none (the store's part
+    of a save: on the agent's loop, which alone touches the store; write_copies may then run on a thread)."""
+    copies, missing = {}, {}
     for rank in ranks:
         snap = store.get(rank, step)
         if snap is None:
-            results[str(rank)] = f"rank {rank} step {step} is not held here (held: {store.steps(rank)})"
-            continue
+            missing[str(rank)] = f"rank {rank} step {step} is not held here (held: {store.steps(rank)})"
+        else:
+            copies[rank] = snap
+    return copies, missing
+
+
+def write_copies(folder: str | os.PathLike, step: int, copies: dict[int, Snapshot]) -> dict[str, str]:
+    """Write each copy as its rank's file in `folder`: for each rank, "" or why not (a damaged copy, a full
+    disk, a copy whose local buffer was written meanwhile: dpagent.dedup)."""
+    results = {}
+    for rank, snap in copies.items():
         if not intact(snap):  # a file that could not be resumed from is worse than none said
             results[str(rank)] = f"the copy of rank {rank} step {step} held here is corrupt"
             continue
@@ -109,24 +126,45 @@ def save_held(store: ReplicaStore, folder: str | os.PathLike, step: int, ranks: 
     return results
 
 
+Loaded = dict  # rank -> (its file, put, meta, chunks) as read, or why it could not be
+
+
 def load_into(store: ReplicaStore, folder: str | os.PathLike, step: int, ranks: list[int], node_id: str,
               report: Callable[[SnapshotStored], Any]) -> dict[str, str]:
     """LoadSnapshots: read `ranks`' files of `step` from `folder` into `store` as copies of generation 0 (the
     resumed job's first), each reported as stored. Returns, for each rank, "" or why it was not loaded."""
-    results = {}
+    return store_loaded(store, read_files(folder, step, ranks), node_id, report)
+
+
+def read_files(folder: str | os.PathLike, step: int, ranks: list[int]) -> Loaded:
+    """Each rank's file of `step` in `folder`, read and checked (the disk's part of a load: may run on a
+    thread), or why it cannot be used (each names the file)."""
+    loaded: Loaded = {}
     for rank in ranks:
         path = rank_file(folder, rank)
         try:
             put, meta, chunks = read_snapshot(path, generation=0)
             if (put.rank, put.step) != (rank, step):
                 raise ValueError(f"{path} holds rank {put.rank} step {put.step}, not rank {rank} step {step}")
-        except (OSError, ValueError) as exc:  # (each names the file)
-            results[str(rank)] = str(exc)
+            loaded[rank] = (path, put, meta, chunks)
+        except (OSError, ValueError) as exc:
+            loaded[rank] = str(exc)
+    return loaded
+
+
+def store_loaded(store: ReplicaStore, loaded: Loaded, node_id: str,
+                 report: Callable[[SnapshotStored], Any]) -> dict[str, str]:
+    """Put what read_files read into `store`, each copy reported as stored: for each rank, "" or why not."""
+    results = {}
+    for rank, read in loaded.items():
+        if isinstance(read, str):
+            results[str(rank)] = read
             continue
+        path, put, meta, chunks = read
         error = store.add(put, meta, *chunks)
         results[str(rank)] = f"{path}: {error}" if error else ""
         if not error:
-            report(SnapshotStored(node_id, rank, step, 0, put.nbytes))
+            report(SnapshotStored(node_id, rank, put.step, 0, put.nbytes))
     return results
 
 

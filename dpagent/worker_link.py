@@ -15,7 +15,7 @@ from .protocol import (
     Hello, PeerError, Progress, RankFinished, RestoreFailed, SnapshotFiles, Stop, WorkerExited, WorkerReady,
     WorkerStatus,
 )
-from .replica_server import RelabelChecked
+from .replica_server import FilesDone, RelabelChecked
 from .workers import WorkerDone, describe_exit, worker_env
 
 log = logging.getLogger("dpagent")
@@ -91,6 +91,8 @@ class WorkerLink:
                 self._on_worker_done(event)
             elif isinstance(event, RelabelChecked):
                 self.replica.relabel_checked(event)
+            elif isinstance(event, FilesDone):  # (a save's or a resume's files, written or read on a thread)
+                self._to_controller(self.replica.files_done(event))
 
     def _on_worker_done(self, done: WorkerDone) -> None:
         if self._retired_exit(done.pid):

@@ -20,11 +20,13 @@ import psutil
 import pytest
 import zmq
 
+from dpagent.checksum import checksum_chunks
 from dpagent.protocol import (
     Codec, Heartbeat, Inject, Ping, Pong, Progress, PutSnapshot, Reconfigure, Register, SnapshotAck,
     SaveSnapshots, SnapshotChunk, SnapshotData, SnapshotFiles, SnapshotStored, Standby, Stop, FetchSnapshot, Welcome,
-    WorkerExited,
+    WorkerExited, chunk_views,
 )
+from dpagent.snapshot_files import read_snapshot
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -456,6 +458,39 @@ def test_replica_put_fetch_round_trip(start_agent):
         assert Codec(TOKEN).decode(dealer.recv_multipart())[0] == SnapshotAck(5, 1, ok=True)
     finally:
         ctx.destroy(linger=0)
+    agent.ctl.send(Stop("done", 0))
+    assert agent.wait() == 0
+
+
+@pytest.mark.timeout(90)
+def test_an_agent_writing_a_save_goes_on_answering_its_controller(start_agent, tmp_path):
+    """A stopping job's files are written on a thread: a large state on a slow disk takes minutes, and an agent
+    silent that long would be given up as dead (dprun.files). A Ping sent right behind the SaveSnapshots is
+    answered before the file is done; the file then reads back whole."""
+    agent = start_agent(nproc=1)
+    agent.welcome()
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.connect(agent.register.replica_endpoint)
+        meta, data = b'{"step": 6}', os.urandom(256 << 20)
+        crc = checksum_chunks(meta, chunk_views(data))
+        dealer.send_multipart(Codec(TOKEN).encode(PutSnapshot(2, 6, 0, crc, len(meta) + len(data)),
+                                                  [meta, *chunk_views(data)]), copy=False)
+        assert dealer.poll(10_000) and Codec(TOKEN).decode(dealer.recv_multipart())[0] == SnapshotAck(2, 6, ok=True)
+        agent.ctl.recv(SnapshotStored)
+        t0 = time.monotonic()
+        agent.ctl.send(SaveSnapshots(str(tmp_path / "step-6"), 6, [2]))
+        agent.ctl.send(Ping(78))
+        assert agent.ctl.recv(Pong).seq == 78  # (a SnapshotFiles first fails here)
+        answered = time.monotonic() - t0
+        assert agent.ctl.recv(SnapshotFiles, timeout=60) == SnapshotFiles("n1", 6, {"2": ""})
+        print(f"Pong after {1000 * answered:.1f} ms, the 256 MB file after {time.monotonic() - t0:.2f} s")
+    finally:
+        ctx.destroy(linger=0)
+    put, _, chunks = read_snapshot(tmp_path / "step-6" / "rank-2.dpsnap", generation=0)
+    assert (put.rank, put.step, put.checksum) == (2, 6, crc) and b"".join(chunks) == data
     agent.ctl.send(Stop("done", 0))
     assert agent.wait() == 0
 
