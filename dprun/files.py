@@ -168,8 +168,19 @@ class Files:
                 work.errors.append(f"{', '.join(sorted(set(work.waiting.values())))} did not answer within "
                                    f"{self.spec.files_timeout:g} s")
                 self._files_done()
-            else:
-                self._ping_due(now)
+                return
+            for node_id in self._silent_while_files(now):
+                self._files_failed(node_id, f"no heartbeat for {now - self.table.nodes[node_id].last_heard:.1f} s")
+                if self.files is not work:
+                    return
+            self._ping_due(now)
+
+    def _silent_while_files(self, now: float) -> list[str]:
+        """Nodes not heard from for the heartbeat timeout during the wait (a node killed while it writes: its
+        files are asked elsewhere at once rather than at the files' deadline), each named once."""
+        return sorted(n.node_id for n in self.table.nodes.values()
+                      if n.node_id not in self.files.gone and now - n.last_heard > self.spec.heartbeat_timeout
+                      and (n.role != FAILED or n.keeps_store))
 
     def _worker_lost(self, node_id: str, msg: p.WorkerExited) -> None:
         """A worker failed while files are written or read: a resume fails; a save asks the next source for

@@ -6,6 +6,7 @@ with --resume-from that folder goes on from it to the very parameters of a run t
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 
@@ -84,6 +85,30 @@ def test_a_copy_found_damaged_is_saved_from_the_rank_s_own_worker_instead(procs,
     (retried,) = [e for e in read_events(events) if e["event"] == "save_retried"]
     assert saving["step"] == 10 and (retried["rank"], retried["local"]) == (0, True), retried
     assert "damaged" in retried["why"] or "corrupt" in retried["why"], retried
+    _resumed(procs, tmp_path, saving["folder"], sha)
+
+
+def test_a_node_that_falls_silent_during_the_save_is_given_up_and_its_copy_written_elsewhere(procs, tmp_path, sha):
+    """Node 1 (whose store holds rank 0's copies) freezes whole just as the job gets SIGTERM: the save asks it
+    for rank 0's file, hears nothing for the heartbeat timeout (5 s), gives it up and has rank 0's own worker
+    write it instead; before, the save waited for the files' deadline (600 s), past Slurm's SIGKILL."""
+    events = tmp_path / "silent.events.jsonl"
+    proc = procs.dprun("--nnodes", "2", "--spares", "0", "--no-tui", "--save-dir", tmp_path / "saved",
+                       "--events-file", events, TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1",
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90, "step 8")
+    (started,) = [e for e in read_events(events) if e["event"] == "job_started"]
+    (node1,) = [e for e in read_events(events) if e["event"] == "node_joined" and e["node"] == started["layout"][1]]
+    os.killpg(node1["pid"], signal.SIGSTOP)  # its agent and worker (each node is a process group of its own)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    (saving,) = [e for e in read_events(events) if e["event"] == "saving_state"]
+    (retried,) = [e for e in read_events(events) if e["event"] == "save_retried"]
+    assert (retried["rank"], retried["local"]) == (0, True), retried
+    assert f"{node1['node']} failed: no heartbeat for" in retried["why"], retried
+    (finished,) = [e for e in read_events(events) if e["event"] == "job_finished"]
+    assert f"is saved in {saving['folder']}" in finished["message"], finished
     _resumed(procs, tmp_path, saving["folder"], sha)
 
 

@@ -147,6 +147,23 @@ def test_a_store_lost_while_it_writes_has_its_ranks_saved_elsewhere_until_none_i
         in h.finish.message
 
 
+def test_a_store_that_falls_silent_while_it_writes_is_given_up_at_the_heartbeat_timeout_not_the_files_one():
+    """As when Slurm ends a step: a node's agent killed during the save sends nothing more; the save goes on
+    without it after --heartbeat-timeout (5 s here) instead of waiting for the files' 600 s."""
+    h = _two_nodes(save_dir="/saved")
+    _sigterm_at_step_4(h)
+    h.msg("a", p.SnapshotFiles("a", 4, {"1": ""}))
+    for _ in range(2):
+        h.feed(Tick(), dt=2.0)
+        h.msg("a", p.Heartbeat("a", 0))
+    assert not [m for m in h.sent_to("a", p.SaveSnapshots) if m.local], "b is silent for 4 s only"
+    h.feed(Tick(), dt=2.0)
+    (retry,) = [m for m in h.sent_to("a", p.SaveSnapshots) if m.local]
+    assert retry.ranks == [0] and h.named("save_retried")[0]["why"] == "b failed: no heartbeat for 6.0 s"
+    h.msg("a", p.SnapshotFiles("a", 4, {"0": ""}))
+    assert h.finish and h.finish.exit_code == 143 and "the state of step 4 is saved" in h.finish.message
+
+
 def test_two_replicas_give_a_failed_store_s_rank_a_second_store_before_its_worker():
     h = Harness(spec(spares=0, nnodes=3, replicas=2, save_dir="/saved"))
     for rank, node in enumerate("abc"):
