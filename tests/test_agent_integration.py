@@ -395,14 +395,20 @@ def wait_for_text(agent: AgentRun, text: str, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def _replica_dealer(ctx: zmq.Context, agent) -> zmq.Socket:
+    """A socket to the agent's replica store, as a worker's Replicator has."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(agent.register.replica_endpoint)
+    return dealer
+
+
 def test_replica_put_fetch_round_trip(start_agent):
     agent = start_agent(nproc=1)
     agent.welcome()
     ctx = zmq.Context()
     try:
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.linger = 0
-        dealer.connect(agent.register.replica_endpoint)
+        dealer = _replica_dealer(ctx, agent)
         codec = Codec(TOKEN)
 
         def request(msg, payload=(), codec=codec, timeout=5.0):
@@ -471,9 +477,7 @@ def test_an_agent_writing_a_save_goes_on_answering_its_controller(start_agent, t
     agent.welcome()
     ctx = zmq.Context()
     try:
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.linger = 0
-        dealer.connect(agent.register.replica_endpoint)
+        dealer = _replica_dealer(ctx, agent)
         meta, data = b'{"step": 6}', os.urandom(256 << 20)
         crc = checksum_chunks(meta, chunk_views(data))
         dealer.send_multipart(Codec(TOKEN).encode(PutSnapshot(2, 6, 0, crc, len(meta) + len(data)),
