@@ -3,6 +3,7 @@ a node killed with its slurmd, what Slurm then does to the job, and scancel's SI
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -11,12 +12,13 @@ import sys
 import psutil
 import pytest
 
-from conftest import free_port
+from conftest import REPO, free_port
 from dpagent.snapshot_files import newest_saved
 from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
 from slurm_cluster import SlurmCluster, unavailable
 
 STEPS = 300  # at 0.3 s a step under srun: longer than Slurm takes to see a dead node (~25 s), never reached
+SBATCH_STEPS = 60  # the second submission trains the rest
 
 
 @pytest.fixture
@@ -87,3 +89,47 @@ def _is_dprun(p: psutil.Process) -> bool:
         return p.cmdline()[1:3] == ["-m", "dprun"]
     except psutil.Error:
         return False
+
+
+@pytest.mark.timeout(300)
+def test_the_sbatch_template_saves_at_its_signal_and_a_second_submission_resumes(cluster, tmp_path):
+    """slurm/train.sbatch, scaled to this cluster (3 nodes, 2 training, the test's small model): the SIGTERM
+    that `--signal=TERM@300` sends before the time limit (here at once, by `scancel --signal=TERM`, which
+    signals the steps the same way) saves the newest step; the same script submitted again resumes from it
+    and finishes, bitwise where an unbroken run ends."""
+    template = (REPO / "slurm" / "train.sbatch").read_text()
+    edits = {"--nodes=5": "--nodes=3",
+             "dprun --nnodes 4 --nproc-per-node 8": f"{sys.executable} -m dprun --rdzv-endpoint 127.0.0.1:$PORT "
+                                                   "--nnodes 2",
+             "examples/train_gpt.py --steps 10000": f"{TRAIN} --steps {SBATCH_STEPS} {' '.join(TRAIN_ARGS)} "
+                                                    "--step-sleep 0.2"}
+    for old, new in edits.items():
+        assert old in template, f"slurm/train.sbatch changed: update this test ({old!r})"
+        template = template.replace(old, new)
+    (tmp_path / "train.sbatch").write_text(template)
+    env = dict(os.environ, **cluster.env())
+
+    def submit() -> str:
+        out = subprocess.run(["sbatch", "--parsable", "-o", str(tmp_path / "%j.out"), str(tmp_path / "train.sbatch")],
+                             env={**env, "PORT": str(free_port())}, cwd=tmp_path, capture_output=True, text=True,
+                             check=True, timeout=30)
+        return out.stdout.strip().split(";")[0]
+
+    def events(job: str) -> list[dict]:
+        return read_events(tmp_path / f"events-{job}.jsonl")
+
+    first = submit()
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 5 for e in events(first)) or not cluster.jobs(),
+             120, "step 5")
+    subprocess.run(["scancel", "--signal=TERM", first], env=env, check=True, timeout=30)
+    wait_for(lambda: not cluster.jobs(), 120, "the first job to end")
+    (saving,) = [e for e in events(first) if e["event"] == "saving_state"]
+    assert saving["folder"] == str(tmp_path / "deadpool-saved" / f"step-{saving['step']}")
+    second = submit()
+    wait_for(lambda: not cluster.jobs(), 240, "the second job to end")
+    (started,) = [e for e in events(second) if e["event"] == "job_started"]
+    (finished,) = [e for e in events(second) if e["event"] == "job_finished"]
+    assert started["step"] == saving["step"] and finished["exit_code"] == 0, (tmp_path / f"{second}.out").read_text()
+    summary = json.loads((tmp_path / f"summary-{second}.json").read_text())
+    unbroken = dprun(cluster.procs, tmp_path, "unbroken", "--nnodes", "2", "--spares", "0", steps=SBATCH_STEPS)
+    assert summary["final_step"] == SBATCH_STEPS and summary["params_sha256"] == unbroken.summary["params_sha256"]
