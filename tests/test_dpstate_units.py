@@ -3,6 +3,7 @@ the control thread against a ROUTER playing the agent, and the bounded wait for 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -436,8 +437,9 @@ class _Ring:
                                  meta=b"{}", nbytes=len(data), checksum=checksum_chunks(b"{}", [data]))
                       for step, data in snapshots.items()}
 
-    def local(self, step):
-        return self.slots.get(step)
+    @contextlib.contextmanager
+    def holding(self, step):
+        yield self.slots.get(step)
 
     def local_steps(self):
         return sorted(self.slots)
