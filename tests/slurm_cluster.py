@@ -48,7 +48,10 @@ class SlurmCluster:
         self.slurmd: dict[str, subprocess.Popen] = {}
 
     def env(self) -> dict[str, str]:
-        return {"SLURM_CONF": str(self.conf)}
+        """For Slurm's commands, and through them the jobs' tasks: this cluster, and the test's scratch folder
+        for their temporary files and dprun's status records (as conftest.Processes gives its commands)."""
+        return {"SLURM_CONF": str(self.conf), "TMPDIR": str(self.procs.scratch),
+                "DPRUN_STATE_DIR": str(self.procs.scratch / "dprun-state")}
 
     def start(self, timeout: float = 60) -> None:
         key = self.root / "munge.key"
