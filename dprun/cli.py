@@ -131,7 +131,7 @@ def run(
     rdzv_endpoint: Optional[str] = typer.Option(
         None, "--rdzv-endpoint", "--rdzv_endpoint", envvar="PET_RDZV_ENDPOINT",
         help="HOST:PORT of the controller (multi-node). Without it, every node runs on this machine, "
-             "or under `srun` the step's first node hosts it on port 20000 + job id mod 20000."),
+             "or under `srun` the step's first node hosts it on port 10000 + job id mod 20000."),
     rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", "--rdzv_id", envvar="PET_RDZV_ID", help="Job id."),
     rdzv_backend: str = typer.Option("c10d", "--rdzv-backend", "--rdzv_backend", envvar="PET_RDZV_BACKEND",
                                      help="Accepted for torchrun compatibility (c10d or static): the controller "

@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-BASE_PORT = 20000  # the controller's port: BASE_PORT + job id mod 20000, the same on every node of the job
+BASE_PORT = 10000  # the controller's port: BASE_PORT + job id mod 20000, the same on every node of the job;
+# 10000-29999 stays below Linux's ephemeral ports (32768-60999), which outgoing connections take at random
 
 
 @dataclass(frozen=True)
