@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dpagent import protocol as p
 from dpagent.process import LAUNCHER_STOP
+from dpagent.shutdown import EXIT_CONTROLLER_LOST
 
 from .controller import JobSpec, NodeGone
 from .events import EventSink
@@ -29,6 +30,7 @@ from .jobview import JobView, total_steps_from_args
 from .gpus import plan_local_gpus, visible_gpus
 from .launch import AgentCommand, LocalAgents, OutputTail
 from .server import ControllerServer, PortInUse
+from .slurm import controller_lost_notice
 from .status import StatusFeed
 
 
@@ -273,6 +275,8 @@ def _run_member(agent: AgentCommand, token: str, opts: JobOptions) -> int:
     agents.kill_all()
     if code != 0:
         print(f"dprun: this node's agent ended: {p.describe_exit(code)}", file=sys.stderr)
+    if code == EXIT_CONTROLLER_LOST and os.environ.get("SLURM_JOB_ID"):
+        print(controller_lost_notice(os.environ["SLURM_JOB_ID"]), file=sys.stderr)
     return code if code >= 0 else 128 - code
 
 

@@ -65,3 +65,12 @@ def outside_step(env: dict[str, str]) -> str | None:
         return None
     return (f"dprun: Slurm job {env['SLURM_JOB_ID']} has {nodes} nodes but this dprun was not started by srun: it "
             f"runs on this node only; use `srun --ntasks-per-node=1 dprun ...` for all of them")
+
+
+def controller_lost_notice(job_id: str) -> str:
+    """What a node's dprun says under Slurm once its agent saved what it held and exited for the controller's
+    loss: measured on Slurm 22.05, a job with --no-kill whose first node (the controller's, and the batch
+    script's) died stays RUNNING on the nodes left, idle, until its time limit."""
+    return (f"dprun: the job cannot go on without its controller; if Slurm keeps job {job_id} allocated (with "
+            f"--no-kill it does when the batch script's node died), `scancel {job_id}`, then submit again: "
+            f"--resume-from the --save-dir goes on from the newest step every rank saved")

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from conftest import Processes, free_port
+from dprun.slurm import controller_lost_notice
 from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
 
 pytestmark = pytest.mark.slow
@@ -143,13 +144,14 @@ def test_nodes_that_lose_the_controller_write_their_copies_and_the_job_resumes_f
     head = procs.dprun(*common, "--node-rank", "0", "--save-dir", saved, "--events-file", events, *script,
                        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     other = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True)
+                        stderr=subprocess.PIPE, text=True, env={"SLURM_JOB_ID": "77"})  # as in a Slurm job
     wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90, "step 8")
     procs.adopt(psutil.Process(head.pid).children(recursive=True))
     head.kill()  # the controller's process (its agent saves too, and may write a file before node 1 does)
     _, err = other.communicate(timeout=90)
     assert other.returncode == 3, err[-3000:]
     assert "controller lost: nothing from" in err and "rank 1 (own) step" in err, err[-3000:]
+    assert err.rstrip().splitlines()[-1] == controller_lost_notice("77"), "the last line says what to do on Slurm"
     _assert_a_step_complete(saved)
     _resumed(procs, tmp_path, str(saved), sha)
 
