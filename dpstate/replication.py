@@ -267,10 +267,8 @@ class Replicator:
         """An empty slot, else the one with the oldest snapshot; never one the thread works on. `live_first`: the
         one the optimizer's state lies in (dpstate.landing), when it holds no snapshot yet. Under _cond."""
         self._idle = False
-        candidates = [s for s in self.slots if not any(s is u for u in self._in_use())]
-        while not candidates and self._held:  # a file being written holds one: wait for it
-            self._cond.wait()
-            candidates = [s for s in self.slots if not any(s is u for u in self._in_use())]
+        while not (candidates := [s for s in self.slots if not any(s is u for u in self._in_use())]) and self._held:
+            self._cond.wait()  # a file being written holds one: wait for it
         if not candidates:
             raise RuntimeError("no free snapshot buffer: snapshots are submitted faster than they are acked")
         live = [s for s in candidates if s.live and s.step < 0] if live_first else []
