@@ -213,10 +213,10 @@ class ReplicaServer:
         """The background check of a relabel finished: keep the copy (or not) and answer the sender."""
         self._answer(done.incoming, done.put, self.store.relabel_checked(done.put, done.snapshot, done.intact))
 
-    def files(self, msg: SaveSnapshots | LoadSnapshots, pause: Callable[[], Any] = nullcontext) -> SnapshotFiles | None:
+    def files(self, msg: SaveSnapshots | LoadSnapshots, pause: Callable[[], Any] = nullcontext) -> None:
         """Write the store's copies as files (a stopping job; within `pause`: dpagent.workers.WorkerGroup.paused)
-        or read files for it (a resumed one). With `events` the disk's part runs on a thread, so that the agent
-        goes on heartbeating through a slow disk, and files_done() answers; without, the answer now."""
+        or read files for it (a resumed one). The disk's part runs on a thread, so that the agent goes on
+        heartbeating through a slow disk; its FilesDone comes back through `events`, for files_done()."""
         if isinstance(msg, SaveSnapshots):
             copies, missing = held_copies(self.store, msg.step, msg.ranks)  # (the store: here, on the loop)
 
@@ -226,11 +226,8 @@ class ReplicaServer:
         else:
             def work() -> dict:
                 return read_files(msg.directory, msg.step, msg.ranks)
-        if self.events is None:
-            return self.files_done(FilesDone(msg, work()))
         threading.Thread(target=_files_thread, args=(self.events, msg, work), name="dpagent-files",
                          daemon=True).start()
-        return None
 
     def files_done(self, done: FilesDone) -> SnapshotFiles:
         """The answer to a SaveSnapshots or LoadSnapshots once its files are written or read (a load's copies

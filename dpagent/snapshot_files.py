@@ -129,16 +129,9 @@ def write_copies(folder: str | os.PathLike, step: int, copies: dict[int, Snapsho
 Loaded = dict  # rank -> (its file, put, meta, chunks) as read, or why it could not be
 
 
-def load_into(store: ReplicaStore, folder: str | os.PathLike, step: int, ranks: list[int], node_id: str,
-              report: Callable[[SnapshotStored], Any]) -> dict[str, str]:
-    """LoadSnapshots: read `ranks`' files of `step` from `folder` into `store` as copies of generation 0 (the
-    resumed job's first), each reported as stored. Returns, for each rank, "" or why it was not loaded."""
-    return store_loaded(store, read_files(folder, step, ranks), node_id, report)
-
-
 def read_files(folder: str | os.PathLike, step: int, ranks: list[int]) -> Loaded:
-    """Each rank's file of `step` in `folder`, read and checked (the disk's part of a load: may run on a
-    thread), or why it cannot be used (each names the file)."""
+    """LoadSnapshots: each rank's file of `step` in `folder`, read and checked (the disk's part of a load: may
+    run on a thread), or why it cannot be used (each names the file); store_loaded() puts them in a store."""
     loaded: Loaded = {}
     for rank in ranks:
         path = rank_file(folder, rank)
@@ -154,7 +147,8 @@ def read_files(folder: str | os.PathLike, step: int, ranks: list[int]) -> Loaded
 
 def store_loaded(store: ReplicaStore, loaded: Loaded, node_id: str,
                  report: Callable[[SnapshotStored], Any]) -> dict[str, str]:
-    """Put what read_files read into `store`, each copy reported as stored: for each rank, "" or why not."""
+    """Put what read_files read into `store` as copies of generation 0 (the resumed job's first), each reported
+    as stored: for each rank, "" or why not."""
     results = {}
     for rank, read in loaded.items():
         if isinstance(read, str):

@@ -14,7 +14,7 @@ from dpagent.replica_store import ReplicaStore
 from dpagent.lost_save import LostSave, save_store
 from dpagent.protocol import SnapshotFiles
 from dpagent.snapshot_files import (
-    load_into, newest_saved, rank_file, read_snapshot, save_held, saved_step, step_folder,
+    newest_saved, rank_file, read_files, read_snapshot, save_held, saved_step, step_folder, store_loaded,
 )
 
 META = b'{"step": 7}'
@@ -36,7 +36,7 @@ def test_a_saved_snapshot_reads_back_bit_for_bit_into_a_fresh_store(tmp_path):
                                                                            "here (held: [])"}
     assert [p.name for p in folder.iterdir()] == ["rank-1.dpsnap"], "no partial file is left"
     fresh, reports = ReplicaStore(), []
-    assert load_into(fresh, folder, 7, [1], "n0", reports.append) == {"1": ""}
+    assert store_loaded(fresh, read_files(folder, 7, [1]), "n0", reports.append) == {"1": ""}
     assert bytes(fresh.get(1, 7).data) == data and bytes(fresh.get(1, 7).meta) == META
     assert fresh.get(1, 7).generation == 0, "the resumed job's first generation"
     assert reports == [SnapshotStored("n0", 1, 7, 0, len(META) + len(data))]
@@ -93,7 +93,7 @@ def test_a_damaged_or_cut_file_is_refused_saying_so(tmp_path):
     path.write_bytes(b"not a snapshot\n")
     with pytest.raises(ValueError, match="not a DeadPool snapshot file"):
         read_snapshot(path, generation=0)
-    results = load_into(ReplicaStore(), folder, 7, [0], "n0", lambda _: None)
+    results = store_loaded(ReplicaStore(), read_files(folder, 7, [0]), "n0", lambda _: None)
     assert "not a DeadPool snapshot file" in results["0"]
 
 
