@@ -12,10 +12,11 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
+
+from e2e import wait_for
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sinfo", "squeue", "scancel")
 
@@ -87,16 +88,7 @@ class SlurmCluster:
     def node_processes(self, node: str) -> list[psutil.Process]:
         """The node's slurmd, its step daemons (slurmstepd: found by their socket in the node's spool folder)
         and every process they started."""
-        spool = f"{self.root}/spool-{node}/"
-        found = [psutil.Process(self.slurmd[node].pid)]
-        for p in psutil.process_iter(["name"]):
-            try:
-                if p.info["name"].startswith("slurmstepd") and any(
-                        str(c.laddr).startswith(spool) for c in p.net_connections("unix")):
-                    found += [p, *p.children(recursive=True)]
-            except psutil.Error:
-                pass
-        return found
+        return [psutil.Process(self.slurmd[node].pid), *self._step_daemons(f"{self.root}/spool-{node}/")]
 
     def kill_node(self, node: str) -> list[psutil.Process]:
         """A node failure: SIGKILL to its slurmd, its step daemons and all their tasks, at once."""
@@ -111,12 +103,10 @@ class SlurmCluster:
     def stop(self) -> None:
         """Kill every process of the cluster and of its jobs (the step daemons are not the daemons' children:
         they are found by their sockets, and the tasks by SLURM_CONF in their environment)."""
-        ours = []
-        for p in psutil.process_iter(["name"]):
+        ours = self._step_daemons(f"{self.root}/")
+        for p in psutil.process_iter():
             try:
-                if p.environ().get("SLURM_CONF") == str(self.conf) or (
-                        p.info["name"].startswith("slurmstepd") and any(
-                            str(c.laddr).startswith(str(self.root)) for c in p.net_connections("unix"))):
+                if p.environ().get("SLURM_CONF") == str(self.conf):
                     ours += [p, *p.children(recursive=True)]
             except psutil.Error:
                 pass
@@ -134,16 +124,29 @@ class SlurmCluster:
         path = self.root / f"{name}.log"
         return path.read_text()[-3000:] if path.exists() else f"(no {path})"
 
+    @staticmethod
+    def _step_daemons(folder: str) -> list[psutil.Process]:
+        """The slurmstepd processes with a socket under `folder` (a node's spool folder, or the cluster's), and
+        every process they started."""
+        found = []
+        for p in psutil.process_iter(["name"]):
+            try:
+                if p.info["name"].startswith("slurmstepd") and any(
+                        str(c.laddr).startswith(folder) for c in p.net_connections("unix")):
+                    found += [p, *p.children(recursive=True)]
+            except psutil.Error:
+                pass
+        return found
+
     def _daemon(self, name: str, args: list[str]) -> subprocess.Popen:
         with open(self.root / f"{name}.out", "ab") as out:
             return self.procs.popen(args, env=self.env(), cwd=self.root, stdout=out, stderr=subprocess.STDOUT)
 
     def _wait(self, condition, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"Slurm test cluster: no {what} after {timeout:.0f} s\n{self.log('slurmctld')}")
-            time.sleep(0.2)
+        try:
+            wait_for(condition, timeout, f"{what} (Slurm test cluster)", interval=0.2)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.log('slurmctld')}") from None
 
     def _write_conf(self) -> None:
         host, root = socket.gethostname(), self.root
