@@ -118,6 +118,11 @@ def run(
              "wait for a node to join as a spare: dprun --rdzv-endpoint ... on another machine)."),
     spare_wait_timeout: float = typer.Option(
         1800.0, "--spare-wait-timeout", help="With --on-spare-exhausted wait: give up after this many seconds."),
+    on_controller_lost: str = typer.Option(
+        "cancel", "--on-controller-lost",
+        help="Under srun, when the controller dies with the node of the batch script: once Slurm takes that node "
+             "out of the job and the nodes left have saved to --save-dir, 'cancel' the job (its nodes go back) or "
+             "'requeue' it (Slurm runs the batch script again, which goes on with --resume-from)."),
     save_dir: Optional[Path] = typer.Option(
         None, "--save-dir",
         help="A job that stops (a failure it cannot recover, a script error, a signal) first writes its newest "
@@ -251,6 +256,10 @@ def run(
         _fail(f"--replicas must be at least 1, got {replicas}")
     if on_spare_exhausted not in ("fail", "wait"):
         _fail(f"--on-spare-exhausted must be 'fail' or 'wait', got {on_spare_exhausted!r}")
+    if on_controller_lost not in ("cancel", "requeue"):
+        _fail(f"--on-controller-lost must be 'cancel' or 'requeue', got {on_controller_lost!r}")
+    if on_controller_lost == "requeue" and not save_dir:
+        _fail("--on-controller-lost requeue needs --save-dir: the requeued job goes on from what is saved there")
     if hang_timeout < 0:
         _fail(f"--hang-timeout must be 0 (off) or positive, got {hang_timeout:g}")
     if restart_mode and (save_dir or resume_from):
@@ -319,6 +328,7 @@ def run(
         events_file=str(events_file) if events_file else None, faults=fault_specs,
         heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, probe_timeout=probe_timeout,
         hang_timeout=hang_timeout, replicas=replicas, on_spare_exhausted=on_spare_exhausted,
+        on_controller_lost=on_controller_lost, slurm=in_slurm,
         spare_wait_timeout=spare_wait_timeout, snapshot_interval=snapshot_interval,
         rdzv_timeout=rdzv_timeout, rdzv_endpoint=None if standalone else rdzv_endpoint, node_rank=node_rank,
         rdzv_id=rdzv_id, token=token, local_addr=local_addr, no_python=no_python, module=module,

@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import shutil
 import time
 from contextlib import nullcontext
@@ -30,7 +31,8 @@ from .jobview import JobView, total_steps_from_args
 from .gpus import plan_local_gpus, visible_gpus
 from .launch import AgentCommand, LocalAgents, OutputTail
 from .server import ControllerServer, PortInUse
-from .slurm import controller_lost_notice
+from . import slurm_orphan
+from .slurm import SlurmJob
 from .status import StatusFeed
 
 
@@ -46,6 +48,8 @@ class JobOptions:
     snapshot_interval: str | None = None  # DP_SNAPSHOT_INTERVAL of the workers (None: theirs, default every step)
     hang_timeout: float = 600.0
     on_spare_exhausted: str = "fail"
+    on_controller_lost: str = "cancel"  # under srun: what to do with the Slurm job once its batch script's node died
+    slurm: SlurmJob | None = None  # inside an srun step
     spare_wait_timeout: float = 1800.0
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 5.0
@@ -275,9 +279,23 @@ def _run_member(agent: AgentCommand, token: str, opts: JobOptions) -> int:
     agents.kill_all()
     if code != 0:
         print(f"dprun: this node's agent ended: {p.describe_exit(code)}", file=sys.stderr)
-    if code == EXIT_CONTROLLER_LOST and os.environ.get("SLURM_JOB_ID"):
-        print(controller_lost_notice(os.environ["SLURM_JOB_ID"]), file=sys.stderr)
+    if code == EXIT_CONTROLLER_LOST and opts.slurm is not None:
+        _settle_slurm_job(opts.slurm, opts)
     return code if code >= 0 else 128 - code
+
+
+def _settle_slurm_job(job: SlurmJob, opts: JobOptions) -> None:
+    """This node saved for the controller's loss: cancel or requeue the Slurm job once it is orphaned (the batch
+    script died with the controller's node) and the nodes left have saved (dprun.slurm_orphan); a signal (Slurm
+    ending the step, another node's scancel) stops the wait."""
+    halted = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: halted.set())
+    orphan = slurm_orphan.Orphan(job.slurm_id, job.restarts, job.step_nodes, job.step_nodes[job.node_rank],
+                                 opts.save_dir)
+    line = slurm_orphan.settle(orphan, opts.on_controller_lost, halted)
+    if line:
+        print(line, file=sys.stderr)
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:

@@ -18,7 +18,10 @@ class SlurmJob:
     rdzv_endpoint: str
     node_rank: int
     nodes: int
-    job_id: str
+    job_id: str  # the rendezvous id: slurm-N
+    slurm_id: str = ""  # N, for scontrol and scancel
+    step_nodes: tuple[str, ...] = ()  # by node rank: the first hosts the controller
+    restarts: int = 0  # SLURM_RESTART_COUNT: how often Slurm requeued the job before this run
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -54,7 +57,8 @@ def from_environment(env: dict[str, str]) -> SlurmJob | None:
                          f"srun --ntasks-per-node=1 dprun ... (its workers come from --nproc-per-node)")
     port = BASE_PORT + int(env["SLURM_JOB_ID"]) % 20000
     return SlurmJob(rdzv_endpoint=f"{hosts[0]}:{port}", node_rank=int(env["SLURM_NODEID"]), nodes=len(hosts),
-                    job_id=f"slurm-{env['SLURM_JOB_ID']}")
+                    job_id=f"slurm-{env['SLURM_JOB_ID']}", slurm_id=env["SLURM_JOB_ID"], step_nodes=tuple(hosts),
+                    restarts=int(env.get("SLURM_RESTART_COUNT") or 0))
 
 
 def outside_step(env: dict[str, str]) -> str | None:

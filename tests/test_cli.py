@@ -72,6 +72,8 @@ def test_every_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path):
         "redirects": (["-r", "7", script], "bad --redirects '7'"),
         "ranks filter": (["--local-ranks-filter", "a,b", script], "bad --local-ranks-filter"),
         "recovery": (["--recovery", "maybe", script], "--recovery must be one of"),
+        "controller lost": (["--on-controller-lost", "panic", script], "--on-controller-lost must be 'cancel' or"),
+        "requeue, no save": (["--on-controller-lost", "requeue", script], "requeue needs --save-dir"),
         "snapshot check": (["--snapshot-check", "0", script], "--snapshot-check must be a positive number"),
         "endpoint": (["--rdzv-endpoint", "nohostport", "--token-file", token, script], "expected HOST:PORT"),
         "no program": (["--no-python", "no-such-program-xyz"], "no such command: no-such-program-xyz"),

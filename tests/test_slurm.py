@@ -18,7 +18,10 @@ def test_every_node_of_a_step_agrees_on_the_controller_and_takes_its_node_id_as_
             for i in range(3)]
     assert {j.rdzv_endpoint for j in jobs} == {f"n1:{BASE_PORT + 4242}"}
     assert [j.node_rank for j in jobs] == [0, 1, 2]
-    assert jobs[0].nodes == 3 and jobs[0].job_id == "slurm-4242"
+    assert jobs[0].nodes == 3 and jobs[0].job_id == "slurm-4242" and jobs[0].slurm_id == "4242"
+    assert jobs[1].step_nodes == ("n1", "n2", "n3") and jobs[1].restarts == 0
+    requeued = {"SLURM_JOB_ID": "4242", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n[4-5]", "SLURM_RESTART_COUNT": "2"}
+    assert from_environment(requeued).restarts == 2  # (a requeued job's run: its nodes do not act on the next)
     ports = {int(from_environment({**env, "SLURM_JOB_ID": str(job)}).rdzv_endpoint.rpartition(":")[2])
              for env in [{"SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n1"}] for job in range(0, 100_000, 7)}
     assert min(ports) >= 1024 and max(ports) < 32768  # never one of Linux's ephemeral ports, which any connection takes

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from typing import Callable
 
 import psutil
 import pytest
@@ -22,13 +23,15 @@ SBATCH_STEPS = 60  # the second submission trains the rest
 
 
 @pytest.fixture
-def cluster(procs):
+def cluster(procs, request):
+    """A cluster of 3 nodes, or as many as the test's `nodes` mark says."""
     why = unavailable()
     if why:
         if os.environ.get("DP_TESTS_NEED_SLURM"):  # .ci/run: CI installs Slurm, so a skip there is a failure
             pytest.fail(why)
         pytest.skip(why)
-    slurm = SlurmCluster(procs)
+    mark = request.node.get_closest_marker("nodes")
+    slurm = SlurmCluster(procs, nodes=mark.args[0] if mark else 3)
     try:
         slurm.start()
         yield slurm
@@ -91,12 +94,9 @@ def _is_dprun(p: psutil.Process) -> bool:
         return False
 
 
-@pytest.mark.timeout(300)
-def test_the_sbatch_template_saves_at_its_signal_and_a_second_submission_resumes(cluster, tmp_path):
-    """slurm/train.sbatch, scaled to this cluster (3 nodes, 2 training, the test's small model): the SIGTERM
-    that `--signal=TERM@300` sends before the time limit (here at once, by `scancel --signal=TERM`, which
-    signals the steps the same way) saves the newest step; the same script submitted again resumes from it
-    and finishes, bitwise where an unbroken run ends."""
+def sbatch_template(cluster: SlurmCluster, folder) -> Callable[[], str]:
+    """slurm/train.sbatch, scaled to this cluster (3 nodes, 2 training, the test's small model, the controller's
+    port picked free at submission), written to `folder`; returns a function that submits it (job id)."""
     template = (REPO / "slurm" / "train.sbatch").read_text()
     edits = {"--nodes=5": "--nodes=3",
              "dprun --nnodes 4 --nproc-per-node 8": f"{sys.executable} -m dprun --rdzv-endpoint 127.0.0.1:$PORT "
@@ -106,14 +106,36 @@ def test_the_sbatch_template_saves_at_its_signal_and_a_second_submission_resumes
     for old, new in edits.items():
         assert old in template, f"slurm/train.sbatch changed: update this test ({old!r})"
         template = template.replace(old, new)
-    (tmp_path / "train.sbatch").write_text(template)
-    env = dict(os.environ, **cluster.env())
+    (folder / "train.sbatch").write_text(template)
 
     def submit() -> str:
-        out = subprocess.run(["sbatch", "--parsable", "-o", str(tmp_path / "%j.out"), str(tmp_path / "train.sbatch")],
-                             env={**env, "PORT": str(free_port())}, cwd=tmp_path, capture_output=True, text=True,
-                             check=True, timeout=30)
+        out = subprocess.run(["sbatch", "--parsable", "-o", str(folder / "%j.out"), str(folder / "train.sbatch")],
+                             env={**os.environ, **cluster.env(), "PORT": str(free_port())}, cwd=folder,
+                             capture_output=True, text=True, check=True, timeout=30)
         return out.stdout.strip().split(";")[0]
+    return submit
+
+
+def outputs(folder, job: str) -> str:
+    """What the template's job printed: its batch script, then each node (the template gives each a file)."""
+    files = [folder / f"{job}.out", *sorted(folder.glob(f"deadpool-{job}-node*.out"))]
+    return "\n".join(f"== {f.name}\n{f.read_text()[-3000:]}" for f in files if f.exists())
+
+
+def assert_ends_like_an_unbroken_run(cluster: SlurmCluster, folder, job: str) -> None:
+    """The summary of the template's job `job` is that of a run of SBATCH_STEPS that nothing interrupted."""
+    summary = json.loads((folder / f"summary-{job}.json").read_text())
+    unbroken = dprun(cluster.procs, folder, "unbroken", "--nnodes", "2", "--spares", "0", steps=SBATCH_STEPS)
+    assert summary["final_step"] == SBATCH_STEPS and summary["params_sha256"] == unbroken.summary["params_sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_the_sbatch_template_saves_at_its_signal_and_a_second_submission_resumes(cluster, tmp_path):
+    """The SIGTERM that the template's `--signal=TERM@300` sends before the time limit (here at once, by
+    `scancel --signal=TERM`, which signals the steps the same way) saves the newest step; the same script
+    submitted again resumes from it and finishes, bitwise where an unbroken run ends."""
+    submit = sbatch_template(cluster, tmp_path)
+    env = dict(os.environ, **cluster.env())
 
     def events(job: str) -> list[dict]:
         return read_events(tmp_path / f"events-{job}.jsonl")
@@ -129,7 +151,34 @@ def test_the_sbatch_template_saves_at_its_signal_and_a_second_submission_resumes
     wait_for(lambda: not cluster.jobs(), 240, "the second job to end")
     (started,) = [e for e in events(second) if e["event"] == "job_started"]
     (finished,) = [e for e in events(second) if e["event"] == "job_finished"]
-    assert started["step"] == saving["step"] and finished["exit_code"] == 0, (tmp_path / f"{second}.out").read_text()
-    summary = json.loads((tmp_path / f"summary-{second}.json").read_text())
-    unbroken = dprun(cluster.procs, tmp_path, "unbroken", "--nnodes", "2", "--spares", "0", steps=SBATCH_STEPS)
-    assert summary["final_step"] == SBATCH_STEPS and summary["params_sha256"] == unbroken.summary["params_sha256"]
+    assert started["step"] == saving["step"] and finished["exit_code"] == 0, outputs(tmp_path, second)
+    assert_ends_like_an_unbroken_run(cluster, tmp_path, second)
+
+
+@pytest.mark.nodes(4)
+@pytest.mark.timeout(420)
+def test_when_the_first_node_dies_the_nodes_left_save_and_requeue_the_job_which_resumes(cluster, tmp_path):
+    """The template's first node dies whole: the controller and the batch script with it. The nodes left save
+    what they hold; once Slurm has taken the dead node out of the job they requeue it (without that, Slurm keeps
+    a --no-kill job allocated, idle, until its time limit), and Slurm runs the script again on n2-n4, which
+    resumes from the save and finishes bitwise where an unbroken run ends."""
+    submit = sbatch_template(cluster, tmp_path)
+    job = submit()
+    events = lambda: read_events(tmp_path / f"events-{job}.jsonl")  # noqa: E731 (both runs append to it)
+    said = lambda: f"{outputs(tmp_path, job)}\n{cluster.log('slurmctld')}"  # noqa: E731
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 5 for e in events()) or not cluster.jobs(),
+             120, "step 5")
+    assert cluster.jobs() == [job], said()
+    cluster.kill_node("n1")  # the batch host, and node rank 0: the controller
+    try:
+        wait_for(lambda: len([e for e in events() if e["event"] == "job_started"]) == 2 or not cluster.jobs(), 240,
+                 "the job requeued and started again")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{said()}") from None
+    first_run, second_run = [e for e in events() if e["event"] == "job_started"]
+    assert first_run.get("step", 0) == 0 and second_run.get("step", 0) > 0, said()  # it went on from the save
+    wait_for(lambda: not cluster.jobs(), 120, "the requeued job to end")
+    (finished,) = [e for e in events() if e["event"] == "job_finished"]
+    assert finished["exit_code"] == 0, said()
+    assert "requeued it (scontrol requeue" in said()
+    assert_ends_like_an_unbroken_run(cluster, tmp_path, job)
