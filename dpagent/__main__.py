@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=3, help="restart mode: TORCHELASTIC_MAX_RESTARTS")
     p.add_argument("--stop-grace", type=float, default=3.0, help="seconds workers get after Stop (default 3)")
     p.add_argument("--term-grace", type=float, default=2.0, help="seconds after SIGTERM before SIGKILL")
-    p.add_argument("--register-timeout", type=float, default=300.0, help="exit 3 without a Welcome by then")
+    p.add_argument("--register-timeout", type=float, default=300.0, help="exit 4 without a Welcome by then")
     p.add_argument("--python", default=sys.executable, help="interpreter for SCRIPT (default: this one)")
     p.add_argument("--no-python", action="store_true", help="run SCRIPT directly, not through python")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")

@@ -33,7 +33,7 @@ from .output import OutputSpec
 from .replica_server import ReplicaServer
 from .replica_store import ReplicaStore
 from .restart import RestartMode
-from .shutdown import EXIT_CONTROLLER_LOST, Shutdown, ShutdownSequence
+from .shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, Shutdown, ShutdownSequence
 from .worker_link import WorkerLink
 from .workers import WorkerGroup
 
@@ -61,7 +61,7 @@ class AgentConfig:
     stop_grace: float = 3.0  # after Stop is relayed, before SIGTERM
     term_grace: float = 2.0  # after SIGTERM, before SIGKILL
     save_timeout: float = 300.0  # the controller lost: how long the workers may take to write their snapshots
-    register_timeout: float = 300.0  # no Welcome by then: exit 3
+    register_timeout: float = 300.0  # no Welcome by then: exit 4
     output: OutputSpec = field(default_factory=OutputSpec)  # log files, console filter (torchrun's -r/-t)
     max_restarts: int = 3  # restart mode: for TORCHELASTIC_MAX_RESTARTS
     launcher_hosts_controller: bool = False  # its death (LAUNCHER_GONE) is the controller's: save at once
@@ -271,8 +271,8 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
                     self.liveness.beat_sent(now)
             elif now - self.started >= self.cfg.register_timeout:
                 log.error("no Welcome from %s within %.0fs; exiting %d",
-                          self.cfg.controller, self.cfg.register_timeout, EXIT_CONTROLLER_LOST)
-                self._begin_shutdown(EXIT_CONTROLLER_LOST, "no welcome", "kill")
+                          self.cfg.controller, self.cfg.register_timeout, EXIT_NO_CONTROLLER)
+                self._begin_shutdown(EXIT_NO_CONTROLLER, "no welcome", "kill")
         if self._held and self.shutdown is None:
             self._release_held(now)
         if self.shutdown is not None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dpagent import protocol as p
 from dpagent.process import LAUNCHER_STOP
-from dpagent.shutdown import EXIT_CONTROLLER_LOST
+from dpagent.shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER
 
 from .controller import JobSpec, NodeGone
 from .events import EventSink
@@ -79,7 +79,8 @@ class JobOptions:
         """The command of one local agent with this job's worker settings."""
         return AgentCommand(nproc_per_node=self.nproc_per_node, script=self.script, no_python=self.no_python,
                             module=self.module, log_dir=self.log_dir, redirects=self.redirects, tee=self.tee,
-                            local_ranks_filter=self.local_ranks_filter, max_restarts=self.max_restarts, **kw)
+                            local_ranks_filter=self.local_ranks_filter, max_restarts=self.max_restarts,
+                            register_timeout=self.rdzv_timeout, **kw)
 
 
 def uses_dpstate(script: str, module: bool = False, no_python: bool = False) -> bool:
@@ -279,6 +280,11 @@ def _run_member(agent: AgentCommand, token: str, opts: JobOptions) -> int:
     agents.kill_all()
     if code != 0:
         print(f"dprun: this node's agent ended: {p.describe_exit(code)}", file=sys.stderr)
+    if code == EXIT_NO_CONTROLLER:
+        head = "the step's first node" if opts.slurm else "the node with --node-rank 0"
+        print(f"dprun: no controller answered at {agent.controller} within {opts.rdzv_timeout:g} s: check that "
+              f"{head} runs dprun with the same endpoint and token (its output says why not) and that this node "
+              f"reaches it", file=sys.stderr)
     if code == EXIT_CONTROLLER_LOST and opts.slurm is not None:
         _settle_slurm_job(opts.slurm, opts)
     return code if code >= 0 else 128 - code

@@ -33,6 +33,7 @@ class AgentCommand:
     tee: str = "0"
     local_ranks_filter: str = ""
     max_restarts: int = 3
+    register_timeout: float = 300.0  # --rdzv-timeout: no Welcome by then, the agent exits 4
     env: dict[str, str] = field(default_factory=dict)  # this node's own environment (dprun.gpus)
 
     def argv(self) -> list[str]:
@@ -51,7 +52,8 @@ class AgentCommand:
             args += ["--log-dir", self.log_dir]
         if self.local_ranks_filter:
             args += ["--local-ranks-filter", self.local_ranks_filter]
-        args += ["--redirects", self.redirects, "--tee", self.tee, "--max-restarts", str(self.max_restarts)]
+        args += ["--redirects", self.redirects, "--tee", self.tee, "--max-restarts", str(self.max_restarts),
+                 "--register-timeout", str(self.register_timeout)]
         return [*args, "--", *self.script]
 
 

@@ -203,3 +203,23 @@ def test_bad_messages_to_a_running_job_are_dropped_and_it_finishes_unharmed(proc
     assert head.returncode == 0, err[-3000:]
     assert {e["sender"] for e in dropped()} == {"node-intruder"}
     assert json.loads((tmp_path / "summary.json").read_text())["params_sha256"] == sha2
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_no_controller_answers_exits_4_and_says_what_to_check(procs, tmp_path):
+    """A joining node whose token is not the head's (the controller drops its messages: bad MAC), and one whose
+    endpoint has nobody listening, get no Welcome: each ends after --rdzv-timeout with exit 4 and a line naming
+    the endpoint, not 3 (which says a controller was lost, and under Slurm sets off the job's settling)."""
+    endpoint, events, head, _ = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "0")
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("not-the-jobs-secret")
+    nobody = f"127.0.0.1:{free_port()}"
+    script = [TRAIN, "--steps", "5", *TRAIN_ARGS]
+    members = [procs.dprun("--rdzv-endpoint", where, "--node-rank", "1", "--token-file", wrong, "--nnodes", "2",
+                           "--rdzv-timeout", "3", *script, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for where in (endpoint, nobody)]
+    for member, where in zip(members, (endpoint, nobody)):
+        _, err = member.communicate(timeout=40)
+        assert member.returncode == 4, err[-2000:]
+        assert f"dprun: no controller answered at tcp://{where} within 3 s" in err, err[-2000:]
+    assert head.poll() is None  # the head still waits for a node with the right token
