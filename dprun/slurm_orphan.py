@@ -105,6 +105,11 @@ def run_slurm(args: list[str]) -> str:
     return subprocess.run(args, capture_output=True, text=True, check=True, timeout=30).stdout
 
 
+def read_job(job_id: str, run: Callable[[list[str]], str] = run_slurm) -> JobRecord:
+    """The job's record as scontrol says it; OSError / SubprocessError / ValueError where that fails."""
+    return JobRecord.parse(run(["scontrol", "show", "job", "--oneliner", job_id]))
+
+
 def slurm_patience(run: Callable[[list[str]], str] = run_slurm) -> float:
     """How long Slurm may take to take a dead node out of a job: a node is down SlurmdTimeout after its last
     answer, and Slurm asks nodes in rounds (measured: ~25 s with SlurmdTimeout=5)."""
@@ -126,7 +131,7 @@ def settle(orphan: Orphan, mode: str, halted: threading.Event, run: Callable[[li
         start = clock()
         while not halted.is_set():
             try:
-                job = JobRecord.parse(run(["scontrol", "show", "job", "--oneliner", orphan.job_id]))
+                job = read_job(orphan.job_id, run)
             except (OSError, subprocess.SubprocessError, ValueError) as exc:
                 return (f"dprun: cannot ask Slurm about job {orphan.job_id} ({_why(exc)}). "
                         f"{controller_lost_notice(orphan.job_id)}")
@@ -168,7 +173,7 @@ def _end(job: JobRecord, orphan: Orphan, mode: str, run: Callable[[list[str]], s
 def _moved_on(orphan: Orphan, run: Callable[[list[str]], str]) -> bool:
     """Whether the job is no longer this run (ended, requeued), as far as Slurm says."""
     try:
-        job = JobRecord.parse(run(["scontrol", "show", "job", "--oneliner", orphan.job_id]))
+        job = read_job(orphan.job_id, run)
     except (OSError, subprocess.SubprocessError, ValueError):
         return False
     return job.state != "RUNNING" or job.restarts != orphan.restarts
