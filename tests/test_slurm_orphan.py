@@ -3,6 +3,7 @@ scontrol/scancel with Slurm's answers scripted (the real commands run in tests/t
 
 from __future__ import annotations
 
+import random
 import subprocess
 import threading
 
@@ -163,3 +164,68 @@ def test_a_signal_ends_the_wait():
     halted.set()
     slurm = Slurm(RECORD)
     assert settle(STEP, "cancel", halted, run=slurm, patience=10.0) == "" and slurm.commands == []
+
+
+POLL = 2.0  # as dprun.slurm_orphan.POLL_S
+
+
+def simulate(seed: int) -> tuple[list[tuple[float, str]], dict[str, tuple[float, str]], dict]:
+    """One random schedule of the nodes left after the batch host n1 died, each asking next_move every 2 s
+    from its save on, against a Slurm that applies an act at once: (the acts as (time, node), each node's last
+    move, the schedule)."""
+    rng = random.Random(seed)
+    nodes = tuple(f"n{i}" for i in range(1, rng.randint(2, 7)))
+    slurm_patience_s = rng.choice([130.0, 720.0])
+    # n1 taken out in time, too late for the others' patience, or never (it is alive: its dprun alone died)
+    removed = {"n1": rng.choice([rng.uniform(5, 0.9 * slurm_patience_s), rng.uniform(1.1, 2) * slurm_patience_s,
+                                 float("inf")])}
+    died = {n: rng.choice([float("inf")] * 3 + [rng.uniform(0, 600)]) for n in nodes[1:]}
+    removed.update({n: died[n] + rng.uniform(5, 60) for n in nodes[1:]})
+    saved = {n: rng.choice([rng.uniform(0, 30)] * 4 + [rng.uniform(0, 400), float("inf")]) for n in nodes[1:]}
+    phase = {n: rng.uniform(0, POLL) for n in nodes[1:]}
+    acts, last, restarts, t = [], {}, 0, 0.0
+    while t < 3000 and len(last) < len(nodes) - 1:
+        for node in nodes[1:]:
+            if node in last or t >= died[node] or t < saved[node] or (t - saved[node] - phase[node]) % POLL >= 0.5:
+                continue
+            job = JobRecord("RUNNING" if restarts == 0 else "PENDING", tuple(n for n in nodes if t < removed[n]),
+                            "n1", restarts)
+            marks = {n for n in nodes[1:] if saved[n] <= t}
+            move = next_move(job, Orphan("5", 0, nodes, node), marks, t - saved[node], slurm_patience_s)
+            if move == "act":
+                acts.append((t, node))
+                restarts += 1
+            if move != "wait":
+                last[node] = (t, move)
+        t += 0.5
+    return acts, last, dict(nodes=nodes, removed=removed, died=died, saved=saved, patience=slurm_patience_s)
+
+
+@pytest.mark.timeout(60)
+def test_in_random_schedules_one_node_ends_an_orphaned_job_once_and_every_node_finishes():
+    """2,000 schedules: nodes saving early, late or never, dying before or after the batch host is taken out,
+    Slurm keeping the batch host (alive) or not. The job is ended exactly once iff Slurm took the batch host
+    out within the patience (twice SlurmdTimeout + 2 minutes) while some node of the step was left to act, never
+    before every live node saved or had SAVE_PATIENCE_S; a node that keeps running ends its wait in bounded
+    time, with "leave" where Slurm keeps the batch host."""
+    for seed in range(2000):
+        acts, last, s = simulate(seed)
+        live = [n for n in s["nodes"][1:] if s["died"][n] == float("inf") and s["saved"][n] < float("inf")]
+        why = f"seed {seed}: {s}, acts {acts}, moves {last}"
+        assert len(acts) <= 1, why
+        for node in live:
+            assert node in last, why  # it stopped waiting
+            assert last[node][0] - s["saved"][node] <= max(s["patience"], SAVE_PATIENCE_S + LEADER_PATIENCE_S,
+                                                           s["removed"]["n1"] + 10) + POLL + 1, why
+        if s["removed"]["n1"] == float("inf"):
+            assert not acts and all(last[n][1] == "leave" for n in live), why
+            continue
+        if live and s["removed"]["n1"] < s["patience"]:
+            assert acts, why  # someone ended it
+        if acts:
+            t, node = acts[0]
+            in_job = [n for n in s["nodes"][1:] if t < s["removed"][n]]
+            assert t >= s["removed"]["n1"], why
+            waited = t - s["saved"][node]
+            assert all(s["saved"][n] <= t for n in in_job) or waited >= SAVE_PATIENCE_S, why
+            assert node == in_job[0] or waited >= SAVE_PATIENCE_S + LEADER_PATIENCE_S, why
