@@ -32,7 +32,7 @@ from .gpus import plan_local_gpus, visible_gpus
 from .launch import AgentCommand, LocalAgents, OutputTail
 from .server import ControllerServer, PortInUse
 from . import slurm_orphan
-from .slurm import SlurmJob
+from .slurm import SlurmJob, controller_lost_notice
 from .status import StatusFeed
 
 
@@ -287,6 +287,8 @@ def _run_member(agent: AgentCommand, token: str, opts: JobOptions) -> int:
               f"reaches it", file=sys.stderr)
     if code == EXIT_CONTROLLER_LOST and opts.slurm is not None:
         _settle_slurm_job(opts.slurm, opts)
+    elif code == EXIT_CONTROLLER_LOST and os.environ.get("SLURM_JOB_ID"):  # a Slurm job, outside an srun step
+        print(controller_lost_notice(os.environ["SLURM_JOB_ID"]), file=sys.stderr)
     return code if code >= 0 else 128 - code
 
 

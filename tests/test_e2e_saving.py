@@ -135,7 +135,9 @@ def test_save_dir_for_a_script_without_dpstate_is_refused_in_one_line(procs, tmp
 def test_nodes_that_lose_the_controller_write_their_copies_and_the_job_resumes_from_them(procs, tmp_path, sha):
     """The first node (the controller's) dies with its agent and worker: node 1's agent, silent controller
     past the heartbeat timeout, writes the copy of rank 0 it holds and has its worker write rank 1's own, then
-    exits 3; `--resume-from` the --save-dir picks the newest step every rank has and ends bitwise alike."""
+    exits 3; `--resume-from` the --save-dir picks the newest step every rank has and ends bitwise alike. In a
+    Slurm job but not an srun step its last line says to scancel the job (in a step, dprun.slurm_orphan ends it:
+    tests/test_slurm_cluster.py)."""
     token, saved, events = tmp_path / "token", tmp_path / "saved", tmp_path / "lost.events.jsonl"
     token.write_text("lost-controller-secret")
     common = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--token-file", token, "--nnodes", "2",
@@ -144,7 +146,7 @@ def test_nodes_that_lose_the_controller_write_their_copies_and_the_job_resumes_f
     head = procs.dprun(*common, "--node-rank", "0", "--save-dir", saved, "--events-file", events, *script,
                        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     other = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True, env={"SLURM_JOB_ID": "77"})  # as in a Slurm job
+                        stderr=subprocess.PIPE, text=True, env={"SLURM_JOB_ID": "77"})  # a Slurm job, no srun step
     wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90, "step 8")
     procs.adopt(psutil.Process(head.pid).children(recursive=True))
     head.kill()  # the controller's process (its agent saves too, and may write a file before node 1 does)
