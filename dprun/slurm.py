@@ -17,11 +17,18 @@ BASE_PORT = 10000  # the controller's port: BASE_PORT + job id mod 20000, the sa
 class SlurmJob:
     rdzv_endpoint: str
     node_rank: int
-    nodes: int
-    job_id: str  # the rendezvous id: slurm-N
-    slurm_id: str = ""  # N, for scontrol and scancel
-    step_nodes: tuple[str, ...] = ()  # by node rank: the first hosts the controller
+    slurm_id: str  # SLURM_JOB_ID, for scontrol and scancel
+    step_nodes: tuple[str, ...]  # by node rank: the first hosts the controller
     restarts: int = 0  # SLURM_RESTART_COUNT: how often Slurm requeued the job before this run
+
+    @property
+    def nodes(self) -> int:
+        return len(self.step_nodes)
+
+    @property
+    def job_id(self) -> str:
+        """The rendezvous id."""
+        return f"slurm-{self.slurm_id}"
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -56,8 +63,8 @@ def from_environment(env: dict[str, str]) -> SlurmJob | None:
         raise ValueError(f"the Slurm step runs {tasks} tasks on {len(hosts)} node(s), but dprun runs once per node: "
                          f"srun --ntasks-per-node=1 dprun ... (its workers come from --nproc-per-node)")
     port = BASE_PORT + int(env["SLURM_JOB_ID"]) % 20000
-    return SlurmJob(rdzv_endpoint=f"{hosts[0]}:{port}", node_rank=int(env["SLURM_NODEID"]), nodes=len(hosts),
-                    job_id=f"slurm-{env['SLURM_JOB_ID']}", slurm_id=env["SLURM_JOB_ID"], step_nodes=tuple(hosts),
+    return SlurmJob(rdzv_endpoint=f"{hosts[0]}:{port}", node_rank=int(env["SLURM_NODEID"]),
+                    slurm_id=env["SLURM_JOB_ID"], step_nodes=tuple(hosts),
                     restarts=int(env.get("SLURM_RESTART_COUNT") or 0))
 
 

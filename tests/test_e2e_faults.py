@@ -216,7 +216,8 @@ def test_a_node_that_no_controller_answers_exits_4_and_says_what_to_check(procs,
     nobody = f"127.0.0.1:{free_port()}"
     script = [TRAIN, "--steps", "5", *TRAIN_ARGS]
     members = [procs.dprun("--rdzv-endpoint", where, "--node-rank", "1", "--token-file", wrong, "--nnodes", "2",
-                           "--rdzv-timeout", "3", *script, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           "--rdzv-timeout", "3", *script, cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
                for where in (endpoint, nobody)]
     for member, where in zip(members, (endpoint, nobody)):
         _, err = member.communicate(timeout=40)
