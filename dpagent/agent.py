@@ -41,6 +41,9 @@ log = logging.getLogger("dpagent")
 
 IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux
 REAP_EVERY = 10.0
+# a stop signal from outside within this long after the one its launcher passed on is the same request: Slurm,
+# ending a step, signals the launcher and the agent alike, in either order (a second request stops the node now)
+SAME_STOP_S = 2.0
 
 
 class AgentError(RuntimeError):
@@ -86,8 +89,10 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         self._statuses: dict[int, tuple] = {}  # local rank -> (latest WorkerStatus, when it came)
         self._signalled = 0
         self._signals = 0  # how many (a second one cuts a save short)
+        self._relayed_at: float | None = None  # its launcher passed on a stop signal, this agent's own yet to come
         self._stop_wait: float | None = None  # a first stop signal: until then the controller may stop the job
         self._job_stopping = False  # the controller asked for the job's save: its Stop follows
+        self._writing_own: set[int] = set()  # local ranks asked to write their own copies in that save
         self._launcher_pid = os.getppid()
         self._launcher_gone = False  # its parent-death signal came: the controller died with the launcher
         self._old_handlers: dict = {}
@@ -161,11 +166,14 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
 
     def _on_signal(self, signum, _frame) -> None:
         self._signalled = signum
+        relayed, self._relayed_at = self._relayed_at, None
+        if relayed is not None and time.monotonic() - relayed < SAME_STOP_S:
+            return  # Slurm's SIGTERM to every process of the step: its launcher's, passed on, came first
         self._signals += 1
 
     def _on_launcher_stop(self, _signum, _frame) -> None:
         if not self._signals:
-            self._signalled, self._signals = signal.SIGTERM, 1
+            self._signalled, self._signals, self._relayed_at = signal.SIGTERM, 1, time.monotonic()
 
     def _on_launcher_gone(self, _signum, _frame) -> None:
         self._launcher_gone = True
@@ -327,8 +335,13 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         elif isinstance(msg, SaveSnapshots):  # the job stops (its Stop follows); its state outlives it
             self._job_stopping = True
             if msg.local:  # the workers write their own copies
+                asked = {rank % self.cfg.nproc for rank in msg.ranks if rank in self._own_ranks()}
+                self._writing_own |= asked
+                self.workers.thaw(asked)
                 self._to_workers(msg)
-            else:  # on a thread, its workers paused meanwhile: copies here may refer to their buffers (dedup)
+            else:  # training stops here (workers that trained on would move past the copies asked); the files
+                # are written on a thread, the workers still stopped: copies here may refer to their buffers (dedup)
+                self.workers.freeze(spare=self._writing_own)
                 self.replica.files(msg, pause=self.workers.paused)
         elif isinstance(msg, LoadSnapshots):  # a resumed job's files read on a thread, then into the store
             self.replica.files(msg)

@@ -71,6 +71,7 @@ class ShutdownSequence:
                 self.shutdown.keep_store, self.shutdown.code, self.shutdown.reason = False, code, reason
             return
         now = time.monotonic()
+        self.workers.thaw()  # (stopped for a save: they act on the Stop, or write their own copies)
         alive = self.workers.alive()
         log.info("%s; %d live worker(s); will exit %d", reason, len(alive), code)
         save = None

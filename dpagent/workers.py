@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import psutil
 
@@ -136,6 +136,7 @@ class WorkerGroup:
         self._events = events
         self.output = output or OutputSpec()
         self.workers: dict[int, Worker] = {}
+        self._frozen: dict[int, int] = {}  # local rank -> pid, stopped by freeze() until thaw()
 
     def log_folder(self, job_id: str, node_id: str, attempt: int, local_rank: int) -> Path | None:
         """torchrun's layout plus the node: <log_dir>/<job>/<node>/attempt_<k>/<local_rank>/."""
@@ -211,30 +212,47 @@ class WorkerGroup:
             if worker.output is not None:
                 worker.output.join(max(0.0, deadline - time.monotonic()))
 
+    def freeze(self, spare: Collection[int] = ()) -> None:
+        """Stop (SIGSTOP) the live workers, but those of the local ranks in `spare`, until thaw(): a stopping
+        job's save, whose copies workers that train on would move past (a first SIGTERM, or a Ctrl-C to dprun
+        alone, leaves them training until the Stop)."""
+        for worker in self.alive():
+            if worker.local_rank not in spare and worker.local_rank not in self._frozen:
+                self._frozen[worker.local_rank] = worker.pid
+                self._signal([worker.pid], signal.SIGSTOP)
+
+    def thaw(self, local_ranks: Collection[int] | None = None) -> None:
+        """Continue the workers freeze() stopped (all, or those of `local_ranks`): they must act on what comes
+        next (a Stop; a save of their own copies)."""
+        ranks = [r for r in self._frozen if local_ranks is None or r in local_ranks]
+        self._signal([self._frozen.pop(r) for r in ranks], signal.SIGCONT)
+
     @contextmanager
     def paused(self, timeout: float = 5.0):
-        """Every live worker stopped (SIGSTOP, until the kernel says so) for the block, then continued: the agent
-        writes files of copies that refer to their snapshot buffers (dpagent.dedup) while a stopping job's
-        workers may still train, and a buffer they wrote meanwhile would tear the file."""
-        stopped = []
-        for worker in self.alive():
-            try:
-                os.kill(worker.pid, signal.SIGSTOP)
-                stopped.append(psutil.Process(worker.pid))
-            except (ProcessLookupError, psutil.NoSuchProcess):
-                pass
+        """Every live worker stopped (SIGSTOP, until the kernel says so) for the block, then continued unless
+        frozen: the agent writes files of copies that refer to their snapshot buffers (dpagent.dedup) while a
+        stopping job's workers may still train, and a buffer they wrote meanwhile would tear the file."""
+        stopped = self._signal([w.pid for w in self.alive()], signal.SIGSTOP)
         deadline = time.monotonic() + timeout
         try:
-            for proc in stopped:
-                while _running(proc) and time.monotonic() < deadline:
+            for pid in stopped:
+                while _running(pid) and time.monotonic() < deadline:
                     time.sleep(0.001)
             yield
         finally:
-            for proc in stopped:
-                try:
-                    proc.send_signal(signal.SIGCONT)
-                except psutil.NoSuchProcess:
-                    pass
+            self._signal([pid for pid in stopped if pid not in self._frozen.values()], signal.SIGCONT)
+
+    @staticmethod
+    def _signal(pids: list[int], sig: int) -> list[int]:
+        """Sends `sig` to each of `pids`; returns those it reached."""
+        reached = []
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+                reached.append(pid)
+            except ProcessLookupError:
+                pass
+        return reached
 
     def signal_all(self, sig: int) -> None:
         """Signals every live worker and its descendants."""
@@ -242,10 +260,10 @@ class WorkerGroup:
             signal_tree(worker.pid, sig)
 
 
-def _running(proc: psutil.Process) -> bool:
+def _running(pid: int) -> bool:
     """Not yet stopped (nor gone)."""
     try:
-        return proc.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        return psutil.Process(pid).status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except psutil.NoSuchProcess:
         return False
 

@@ -36,6 +36,7 @@ class FileWork:
     gone: set[str] = field(default_factory=set)  # nodes lost during the wait
     dead_workers: set[int] = field(default_factory=set)  # ranks whose worker failed during the wait
     done: list[int] = field(default_factory=list)
+    passed: list[int] = field(default_factory=list)  # saving: ranks whose copies were trained past meanwhile
     errors: list[str] = field(default_factory=list)
     code: int = 0  # saving: how the job ends once the files are written
     message: str = ""
@@ -220,6 +221,12 @@ class Files:
                 del work.waiting[rank]
                 work.done.append(rank)
                 continue
+            if self.ledger.newest_held_by(rank, node.node_id) > work.step:
+                # trained past (its newer copy reported before this answer): so did the rank's worker and its
+                # other stores; this node stopped its workers for the save, and a newer step is tried instead
+                del work.waiting[rank]
+                work.passed.append(rank)
+                continue
             if not self._save_elsewhere(rank, f"{node.node_id}: {error}"):
                 work.errors.append(f"{node.node_id}: {error}")
         if not work.waiting:
@@ -228,16 +235,19 @@ class Files:
     def _files_done(self) -> None:
         work, self.files = self.files, None
         complete = sorted(work.done) == list(range(self.spec.world_size)) and not work.errors
-        why = "; ".join(work.errors) or f"ranks {sorted(set(range(self.spec.world_size)) - set(work.done))} missing"
+        passed = [f"the workers trained on past it (ranks {sorted(work.passed)})"] if work.passed else []
+        missing = sorted(set(range(self.spec.world_size)) - set(work.done))
+        why = "; ".join(work.errors + passed) or f"ranks {missing} missing"
         if work.saving and complete:
             self._finish(work.code, f"{work.message}; the state of step {work.step} is saved in {work.folder} "
                                     f"(go on from it: dprun ... --resume-from {work.folder})")
         elif work.saving:
             said = f"{work.message}; saving the state of step {work.step} in {work.folder} failed: {why}"
-            if not work.hurried:  # an older step instead, if every rank still has a copy of one
-                # dropping the newer steps from the ledger is safe only because the job is ending: no recovery
-                # plans with it after a save, and the stores keep the copies it forgets
-                self.ledger.rollback(work.step - 1)
+            if not work.hurried:  # another step instead, if every rank still has a copy of one: a newer one
+                # where workers trained on past the copies asked (reported since; the nodes asked stopped their
+                # workers for the save), else an older one. Forgetting a step's copies is safe only because the
+                # job is ending: no recovery plans with the ledger after a save, and the stores keep the copies
+                self.ledger.forget(work.step)
                 self.saved = False
                 said = self._save_first(work.code, said, before=work)
             if said is not None:

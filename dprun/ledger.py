@@ -79,9 +79,22 @@ class ReplicaLedger:
                 self.newest_ever[rank] = step
         self.snapshot_steps[:] = [s for s in self.snapshot_steps if s <= step] or [0]
 
+    def forget(self, step: int) -> None:
+        """No copy of `step` is to be counted on any more (a save of it failed: its copies damaged, or moved
+        past by workers that trained on): plans pass it by, for an older step or a newer one reported since."""
+        kept = [steps for by_rank in self.kept.values() for steps in by_rank.values()]
+        for steps in kept + [steps for by_holder in self.held.values() for steps in by_holder.values()]:
+            if step in steps:
+                steps.remove(step)
+        self.snapshot_steps[:] = [s for s in self.snapshot_steps if s != step] or [0]
+
     def newest_live(self, rank: int) -> int | None:
         steps = [s for held in self.held.get(rank, {}).values() for s in held]
         return max(steps) if steps else None
+
+    def newest_held_by(self, rank: int, holder: str) -> int:
+        """The newest step of `rank` that `holder` reported it stores (-1: none)."""
+        return max(self.held.get(rank, {}).get(holder, []), default=-1)
 
     def holders_of(self, rank: int, step: int) -> list[str]:
         return [holder for holder, steps in sorted(self.held.get(rank, {}).items()) if step in steps]

@@ -54,6 +54,18 @@ def dprun(procs, tmp: Path, name: str, *options: str, steps: int = 40, timeout: 
                json.loads(summary.read_text()) if summary.exists() else None, time.monotonic() - start)
 
 
+def the_save(events: list[dict], said: str = "") -> dict:
+    """The saving_state event of the step a stopping job saved, as its job_finished says. A stopping job's
+    workers may train on past the step first asked (a first SIGTERM lets them): the save is then retried for a
+    newer step, never an older one. `said`: the job's output, for a failure's message."""
+    savings = [e for e in events if e["event"] == "saving_state"]
+    (finished,) = [e for e in events if e["event"] == "job_finished"]
+    steps = [e["step"] for e in savings]
+    assert steps and steps == sorted(set(steps)), f"{steps}\n{finished['message']}\n{said}"
+    assert f"is saved in {savings[-1]['folder']}" in finished["message"], f"{finished['message']}\n{said}"
+    return savings[-1]
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -545,11 +545,13 @@ def _trained_then_sigterm(start_agent, timeout: float) -> tuple[AgentRun, list[i
 
 
 def test_a_first_sigterm_waits_for_the_controller_which_saves_then_stops_the_job(start_agent, tmp_path):
-    """As when Slurm ends a step: the controller got SIGTERM too; its save and its Stop are followed."""
+    """As when Slurm ends a step: the controller got SIGTERM too; its save and its Stop are followed. The save
+    stops the workers (which a first SIGTERM leaves training) until the Stop: none trains past the copies."""
     agent, pids = _trained_then_sigterm(start_agent, timeout=30.0)
     agent.ctl.send(SaveSnapshots(str(tmp_path / "saved"), 4, [0, 1]))
     agent.ctl.recv(SnapshotFiles)
     assert agent.proc.poll() is None and not any(gone(p) for p in pids), "the node waits for the controller"
+    assert wait_status(pids, psutil.STATUS_STOPPED), "its workers stay stopped once the files are written"
     agent.ctl.send(Stop("dprun received SIGTERM; the state is saved", 143))
     exits = agent.ctl.recv_all(WorkerExited, 2)
     assert {e.exitcode for e in exits} == {0}  # they got Stop and left on their own

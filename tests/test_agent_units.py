@@ -155,6 +155,42 @@ def test_workers_are_stopped_while_paused_and_go_on_after():
         ctx.destroy(linger=0)
 
 
+def test_workers_frozen_for_a_save_stay_stopped_past_a_pause_until_thawed():
+    """A stopping job's save freezes a node's workers (but one asked to write its own copy) until the Stop: a
+    pause for the files' write inside that does not let them go on; thaw does, for the ranks it names."""
+    ctx = zmq.Context()
+    pipe = EventPipe(ctx)
+    group = WorkerGroup(pipe)
+    spin = [sys.executable, "-c", "while True: pass"]
+    workers = [group.spawn(i, spin, dict(os.environ)) for i in range(3)]
+
+    def assert_stopped(expected: list[bool], why: str = "") -> None:  # (a signal's effect waited for, <= 10 s)
+        deadline = time.monotonic() + 10
+        while (seen := [psutil.Process(w.pid).status() == psutil.STATUS_STOPPED for w in workers]) != expected:
+            assert time.monotonic() < deadline, (seen, why)
+            time.sleep(0.01)
+
+    try:
+        group.freeze(spare={2})
+        assert_stopped([True, True, False])
+        with group.paused():
+            assert_stopped([True, True, True])
+        assert_stopped([True, True, False], "the pause ended, the freeze did not")
+        group.thaw([1])
+        assert_stopped([True, False, False])
+        group.thaw()
+        assert_stopped([False, False, False])
+    finally:
+        for w in workers:
+            w.popen.kill()
+        done, deadline = [], time.monotonic() + 10
+        while len(done) < len(workers) and time.monotonic() < deadline:
+            pipe.wake.poll(100)
+            done += pipe.drain()
+        pipe.close()
+        ctx.destroy(linger=0)
+
+
 def test_event_pipe_wakes_the_loop_from_a_thread():
     ctx = zmq.Context()
     try:

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import Processes, free_port
 from dprun.slurm import controller_lost_notice
-from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
+from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, the_save, wait_for
 
 pytestmark = pytest.mark.slow
 STEPS = 30
@@ -65,7 +65,7 @@ def test_sigterm_saves_the_state_before_the_job_stops(procs, tmp_path, sha):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    (saving,) = [e for e in read_events(events) if e["event"] == "saving_state"]
+    saving = the_save(read_events(events), err[-3000:])
     assert 8 <= saving["step"] < STEPS
     _resumed(procs, tmp_path, saving["folder"], sha)
 
@@ -187,6 +187,49 @@ def _assert_a_step_complete(saved) -> None:
     assert complete, f"no step has every rank's file: {[(f.name, sorted(g.name for g in f.iterdir())) for f in saved.iterdir()]}"
 
 
+def test_a_member_signalled_by_its_dprun_then_by_slurm_counts_one_stop_and_serves_the_save(procs, tmp_path):
+    """Slurm signals every process of a step in no set order: a member's dprun may pass its SIGTERM on to its
+    agent before the agent's own comes. The two are one request, not the second that stops a node at once: the
+    member trains on while the controller has not stopped the job, then serves its save."""
+    token, saved, events = tmp_path / "token", tmp_path / "saved", tmp_path / "relay.events.jsonl"
+    token.write_text("relayed-stop-secret")
+    common = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--token-file", token, "--nnodes", "2",
+              "--spares", "0", "--heartbeat-timeout", "10"]  # (a member waits this long for the controller's stop)
+    script = [TRAIN, "--steps", 3000, *TRAIN_ARGS, "--step-sleep", "0.1"]
+    head = procs.dprun(*common, "--node-rank", "0", "--save-dir", saved, "--events-file", events, *script,
+                       cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(tmp_path / "member.err", "w") as err_file:
+        member = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=err_file)
+    member_err = (tmp_path / "member.err").read_text
+
+    def progress() -> int:
+        return max([e["step"] for e in read_events(events) if e["event"] == "progress"], default=0)
+
+    wait_for(lambda: progress() >= 8, 90, "step 8")
+    (agent,) = psutil.Process(member.pid).children()
+    procs.adopt([agent, *agent.children(recursive=True)])
+
+    member.send_signal(signal.SIGTERM)  # its dprun passes it on first ...
+    wait_for(lambda: "received SIGTERM: waiting up to" in member_err(), 10, "the member's agent to take it")
+    agent.send_signal(signal.SIGTERM)  # ... then Slurm's own to the agent
+    signalled_at = progress()
+    wait_for(lambda: progress() >= signalled_at + 5, 8, f"training on past step {signalled_at}\n{member_err()}")
+
+    everyone = [psutil.Process(head.pid)]
+    everyone += everyone[0].children(recursive=True)
+    procs.adopt(everyone)
+    for p in everyone:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGTERM)
+    _, err = head.communicate(timeout=90)
+    assert member.wait(timeout=90) == 128 + signal.SIGTERM, member_err()[-3000:]
+    saving = the_save(read_events(events), err[-3000:] + member_err()[-3000:])
+    said = member_err()
+    assert f"saved snapshots of step {saving['step']} in {saving['folder']}" in said, said[-3000:]
+    assert "] received SIGTERM; " not in said, f"the member's agent stopped at once\n{said[-3000:]}"
+
+
 def test_sigterm_to_every_process_of_a_multinode_job_saves_its_state(procs, tmp_path, sha):
     """As Slurm ends a step (its time limit, scancel): every process of every node, dprun, agents and workers,
     gets SIGTERM at once. The job still saves its newest complete step before it stops, and resumes from it."""
@@ -209,10 +252,8 @@ def test_sigterm_to_every_process_of_a_multinode_job_saves_its_state(procs, tmp_
     _, err = head.communicate(timeout=90)
     _, other_err = other.communicate(timeout=90)
     assert head.returncode == 128 + signal.SIGTERM, err[-3000:]
-    (saving,) = [e for e in read_events(events) if e["event"] == "saving_state"]
+    saving = the_save(read_events(events), err[-3000:] + other_err[-3000:])
     assert 8 <= saving["step"] < STEPS
-    (finished,) = [e for e in read_events(events) if e["event"] == "job_finished"]
-    assert f"is saved in {saving['folder']}" in finished["message"], (finished, err[-3000:], other_err[-3000:])
     for said in (err, other_err):  # each agent served the save (whether its own SIGTERM came before it or after)
         assert f"saved snapshots of step {saving['step']} in {saving['folder']}" in said, said[-3000:]
         assert "the controller did not stop the job" not in said, said[-3000:]

@@ -279,3 +279,28 @@ def test_a_save_whose_copies_turn_out_damaged_goes_down_to_an_older_step_every_r
     assert h.finish and "saving the state of step 4 in /saved/step-4 failed: b: rank 0 step 4 is damaged" \
         in h.finish.message
     assert "the state of step 2 is saved in /saved/step-2 (go on from it" in h.finish.message
+
+
+def test_a_save_whose_copies_the_workers_trained_past_saves_the_newer_step_instead():
+    """A first SIGTERM leaves the workers training while the controller picks the step: by the time the stores
+    look, they hold only newer copies (reported before their answers). The rank's worker moved past it too, so
+    no worker is asked for that step; the newest step every rank now has is saved instead (the nodes asked
+    stopped their workers), not an older one that is just as gone."""
+    h = _two_nodes(save_dir="/saved")
+    _sigterm_at_step_4(h)
+    for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
+        for step in (6, 8):
+            h.msg(node, p.Progress(node, 0, rank, step, snapshot=True))
+            h.msg(holder, p.SnapshotStored(holder, rank, step, 0))
+    h.msg("a", p.SnapshotFiles("a", 4, {"1": "rank 1 step 4 is not held here (held: [8])"}))
+    h.msg("b", p.SnapshotFiles("b", 4, {"0": "rank 0 step 4 is not held here (held: [8])"}))
+    assert not h.named("save_retried"), "no worker is asked for a step it trained past"
+    assert h.finish is None
+    asked = [(node, m.ranks, m.local) for node in "ab" for m in h.sent_to(node, p.SaveSnapshots) if m.step == 8]
+    assert asked == [("a", [1], False), ("b", [0], False)], asked
+    h.msg("a", p.SnapshotFiles("a", 8, {"1": ""}))
+    h.msg("b", p.SnapshotFiles("b", 8, {"0": ""}))
+    assert h.finish and h.finish.message == ("dprun received SIGTERM; stopping every node; saving the state of step "
+                                             "4 in /saved/step-4 failed: the workers trained on past it (ranks [0, "
+                                             "1]); the state of step 8 is saved in /saved/step-8 (go on from it: "
+                                             "dprun ... --resume-from /saved/step-8)"), h.finish

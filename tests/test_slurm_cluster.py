@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, free_port
 from dpagent.snapshot_files import newest_saved
-from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
+from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, the_save, wait_for
 from slurm_cluster import SlurmCluster, unavailable
 
 STEPS = 300  # at 0.3 s a step under srun: longer than Slurm takes to see a dead node (~25 s), never reached
@@ -75,9 +75,7 @@ def test_srun_dprun_swaps_a_killed_node_for_its_spare_and_scancel_saves_the_stat
 
     cluster.scancel(job)
     srun.wait(timeout=120)
-    (saving,) = [e for e in read_events(events) if e["event"] == "saving_state"]
-    (finished,) = [e for e in read_events(events) if e["event"] == "job_finished"]
-    assert f"is saved in {saving['folder']}" in finished["message"], (finished, said())
+    saving = the_save(read_events(events), said())
     assert newest_saved(saved, 2)[1] == saving["step"] > swapped_at
 
     resumed = dprun(procs, tmp_path, "resumed", "--nnodes", "2", "--spares", "0", "--resume-from", saved,
@@ -145,7 +143,7 @@ def test_the_sbatch_template_saves_at_its_signal_and_a_second_submission_resumes
              120, "step 5")
     subprocess.run(["scancel", "--signal=TERM", first], env=env, check=True, timeout=30)
     wait_for(lambda: not cluster.jobs(), 120, "the first job to end")
-    (saving,) = [e for e in events(first) if e["event"] == "saving_state"]
+    saving = the_save(events(first))
     assert saving["folder"] == str(tmp_path / "deadpool-saved" / f"step-{saving['step']}")
     second = submit()
     wait_for(lambda: not cluster.jobs(), 240, "the second job to end")
