@@ -46,6 +46,17 @@ REAP_EVERY = 10.0
 SAME_STOP_S = 2.0
 
 
+def _remove_empty_run_dirs(run_dir: Path) -> None:
+    """Remove this agent's run dir, and the dprun-* folder above it (a standalone job's nodes' folders), where
+    nothing else is left in them: the last agent of a killed dprun leaves no folder behind."""
+    for folder in (run_dir, run_dir.parent):
+        if folder.name.startswith("dprun-") or folder == run_dir:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (another agent's, a user's file) or gone already
+                return
+
+
 class AgentError(RuntimeError):
     """A setup problem worth one clear line (bad run dir, unusable address)."""
 
@@ -203,6 +214,8 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
             shutil.rmtree(self.run_dir, ignore_errors=True)
         else:
             self.ipc_path.unlink(missing_ok=True)
+            if os.getppid() != self._launcher_pid:  # its dprun died first (kill -9): its run dir is left to us
+                _remove_empty_run_dirs(self.run_dir)
 
     # ------------------------------------------------------------------ the loop
 

@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import psutil
 import pytest
@@ -161,7 +162,8 @@ def test_nodes_that_lose_the_controller_write_their_copies_and_the_job_resumes_f
 def test_a_standalone_dprun_killed_by_sigkill_leaves_its_agents_to_save_the_state(procs, tmp_path, sha):
     """kill -9 of a standalone dprun (the controller, the store and every agent's parent): each agent gets its
     parent-death signal, writes the copies it holds and has its workers write theirs to --save-dir at once
-    (no heartbeat timeout waited for), and exits 3; the spare, holding nothing, exits too."""
+    (no heartbeat timeout waited for), and exits 3; the spare, holding nothing, exits too. The last one out
+    removes the run folder that dprun could not."""
     saved, events = tmp_path / "saved", tmp_path / "killed.events.jsonl"
     run = procs.dprun("--nnodes", "2", "--spares", "1", "--no-tui", "--save-dir", saved, "--events-file", events,
                       TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1",
@@ -170,9 +172,11 @@ def test_a_standalone_dprun_killed_by_sigkill_leaves_its_agents_to_save_the_stat
     agents = psutil.Process(run.pid).children()
     procs.adopt(agents)
     assert len(agents) == 3, agents
+    (run_dir,) = {Path(a.cmdline()[a.cmdline().index("--run-dir") + 1]).parent for a in agents}  # dprun-XXXX
     run.kill()
     _, err = run.communicate(timeout=90)  # the agents write to its stderr: it ends when they do
     assert not psutil.wait_procs(agents, timeout=10)[1], "an agent outlived its save"
+    assert not run_dir.exists(), "the last agent out removes the run folder"
     lost = [line for line in err.splitlines() if "controller lost: the dprun that ran it" in line]
     assert sorted(line.split("]")[0] for line in lost) == ["[dpagent node0", "[dpagent node1", "[dpagent node2"], err
     assert "rank 0 (own) step" in err and "rank 1 (own) step" in err, err[-3000:]
