@@ -71,8 +71,7 @@ class ReplicaLedger:
 
     def rollback(self, step: int) -> None:
         """All ranks go back to `step`: copies of later steps no longer bound anyone's live state."""
-        kept = [steps for by_rank in self.kept.values() for steps in by_rank.values()]
-        for steps in kept + [steps for by_holder in self.held.values() for steps in by_holder.values()]:
+        for steps in self._step_lists():
             steps[:] = [s for s in steps if s <= step]
         for rank in self.held:
             if self.newest_ever.get(rank, -1) > step:
@@ -82,11 +81,15 @@ class ReplicaLedger:
     def forget(self, step: int) -> None:
         """No copy of `step` is to be counted on any more (a save of it failed: its copies damaged, or moved
         past by workers that trained on): plans pass it by, for an older step or a newer one reported since."""
-        kept = [steps for by_rank in self.kept.values() for steps in by_rank.values()]
-        for steps in kept + [steps for by_holder in self.held.values() for steps in by_holder.values()]:
+        for steps in self._step_lists():
             if step in steps:
                 steps.remove(step)
         self.snapshot_steps[:] = [s for s in self.snapshot_steps if s != step] or [0]
+
+    def _step_lists(self) -> list[list[int]]:
+        """Every list of steps a holder holds of a rank, kept stores' too (to be edited in place)."""
+        kept = [steps for by_rank in self.kept.values() for steps in by_rank.values()]
+        return kept + [steps for by_holder in self.held.values() for steps in by_holder.values()]
 
     def newest_live(self, rank: int) -> int | None:
         steps = [s for held in self.held.get(rank, {}).values() for s in held]
