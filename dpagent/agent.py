@@ -49,12 +49,12 @@ SAME_STOP_S = 2.0
 def _remove_empty_run_dirs(run_dir: Path) -> None:
     """Remove this agent's run dir, and the dprun-* folder above it (a standalone job's nodes' folders), where
     nothing else is left in them: the last agent of a killed dprun leaves no folder behind."""
-    for folder in (run_dir, run_dir.parent):
-        if folder.name.startswith("dprun-") or folder == run_dir:
-            try:
-                folder.rmdir()
-            except OSError:  # not empty (another agent's, a user's file) or gone already
-                return
+    folders = [run_dir, run_dir.parent] if run_dir.parent.name.startswith("dprun-") else [run_dir]
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (another agent's, a user's file) or gone already
+            return
 
 
 class AgentError(RuntimeError):
@@ -190,8 +190,11 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         self._launcher_gone = True
 
     def _close(self) -> None:
+        launcher_died = self._launcher_gone or os.getppid() != self._launcher_pid  # (its signal may come first)
         for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
+            # a launcher killed whole sends its parent-death signal once per thread it ran: one may still come,
+            # and its default action would end this agent before it has closed
+            signal.signal(sig, signal.SIG_IGN if sig == LAUNCHER_GONE and launcher_died else handler)
         if self._wakeup is not None:
             signal.set_wakeup_fd(-1)
             for s in self._wakeup:
@@ -214,7 +217,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
             shutil.rmtree(self.run_dir, ignore_errors=True)
         else:
             self.ipc_path.unlink(missing_ok=True)
-            if os.getppid() != self._launcher_pid:  # its dprun died first (kill -9): its run dir is left to us
+            if launcher_died:  # its dprun died first (kill -9): the run dir it made is left to us
                 _remove_empty_run_dirs(self.run_dir)
 
     # ------------------------------------------------------------------ the loop

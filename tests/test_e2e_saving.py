@@ -176,7 +176,8 @@ def test_a_standalone_dprun_killed_by_sigkill_leaves_its_agents_to_save_the_stat
     run.kill()
     _, err = run.communicate(timeout=90)  # the agents write to its stderr: it ends when they do
     assert not psutil.wait_procs(agents, timeout=10)[1], "an agent outlived its save"
-    assert not run_dir.exists(), "the last agent out removes the run folder"
+    left = sorted(run_dir.rglob("*")) if run_dir.exists() else []
+    assert not run_dir.exists(), f"the last agent out removes the run folder (left: {left})\n{err[-3000:]}"
     lost = [line for line in err.splitlines() if "controller lost: the dprun that ran it" in line]
     assert sorted(line.split("]")[0] for line in lost) == ["[dpagent node0", "[dpagent node1", "[dpagent node2"], err
     assert "rank 0 (own) step" in err and "rank 1 (own) step" in err, err[-3000:]
