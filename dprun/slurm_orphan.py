@@ -19,6 +19,7 @@ POLL_S = 2.0
 SAVE_PATIENCE_S = 360.0  # an agent's save after the controller's loss ends within its save timeout (300 s)
 LEADER_PATIENCE_S = 60.0  # how long the other nodes give the first node left to act
 SLURMD_TIMEOUT_S = 300.0  # Slurm's default, where `scontrol show config` does not say
+PROBE_EVERY_S = 15.0  # how often a node left asks Slurm to run a command on the batch host it still lists
 
 
 @dataclass(frozen=True)
@@ -77,22 +78,24 @@ class Orphan:
 
 
 def next_move(job: JobRecord, orphan: Orphan, saved: set[str], waited: float, slurm_patience: float,
-              save_patience: float = SAVE_PATIENCE_S) -> str:
+              save_patience: float = SAVE_PATIENCE_S, batch_host_answered: bool = False) -> str:
     """What a node that lost its controller does about its job, `waited` seconds after it saved:
 
     * "done": the run is not this node's to act on any more (it ended, or another node requeued or cancelled it);
     * "act": the batch script's node is out of the job (dead: nothing is left to end the job), every node of
       the step still in the job has saved (or had `save_patience` to), and this node is the first of them (the
       others act only if it has not for a minute more: one requeue, not one per node);
-    * "leave": the batch script's node is still in the job and either `slurm_patience` passed or it is not
-      the node that hosted the controller: it is alive, so its batch script goes on once the step ends, and
-      the job is not ours to end;
+    * "leave": the batch script's node is still in the job and it answered a command (`batch_host_answered`),
+      or `slurm_patience` passed, or it is not the node that hosted the controller: it is alive (the
+      controller's dprun alone died), so its batch script goes on once the step ends, and the job is not ours
+      to end;
     * "wait": ask again in a moment.
     """
     if job.state != "RUNNING" or job.restarts != orphan.restarts:
         return "done"
     if job.batch_host in job.nodes:
-        return "leave" if waited >= slurm_patience or job.batch_host != orphan.step_nodes[0] else "wait"
+        alive = batch_host_answered or waited >= slurm_patience or job.batch_host != orphan.step_nodes[0]
+        return "leave" if alive else "wait"
     left = [n for n in orphan.step_nodes if n in job.nodes]
     if set(left) - saved and waited < save_patience:
         return "wait"
@@ -108,6 +111,18 @@ def run_slurm(args: list[str]) -> str:
 def read_job(job_id: str, run: Callable[[list[str]], str] = run_slurm) -> JobRecord:
     """The job's record as scontrol says it; OSError / SubprocessError / ValueError where that fails."""
     return JobRecord.parse(run(["scontrol", "show", "job", "--oneliner", job_id]))
+
+
+def batch_host_answers(job: JobRecord, job_id: str, run: Callable[[list[str]], str] = run_slurm) -> bool:
+    """Whether Slurm runs `true` on the job's batch host (a step beside this one, `srun --overlap`): proof that
+    the node lives, where Slurm's own view of a dead node comes ~2 x SlurmdTimeout late. A dead node's launch
+    fails or hangs (run's timeout); either way: False."""
+    try:
+        run(["srun", f"--jobid={job_id}", "--overlap", f"--nodelist={job.batch_host}", "--nodes=1", "--ntasks=1",
+             "--quiet", "true"])
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return True
 
 
 def slurm_patience(run: Callable[[list[str]], str] = run_slurm) -> float:
@@ -129,13 +144,18 @@ def settle(orphan: Orphan, mode: str, halted: threading.Event, run: Callable[[li
     try:
         patience = slurm_patience(run) if patience is None else patience
         start = clock()
+        probed = -PROBE_EVERY_S
         while not halted.is_set():
             try:
                 job = read_job(orphan.job_id, run)
             except (OSError, subprocess.SubprocessError, ValueError) as exc:
                 return (f"dprun: cannot ask Slurm about job {orphan.job_id} ({_why(exc)}). "
                         f"{controller_lost_notice(orphan.job_id)}")
-            move = next_move(job, orphan, orphan.saved_nodes(), clock() - start, patience)
+            waited, answered = clock() - start, False
+            kept = job.batch_host in job.nodes and job.batch_host == orphan.step_nodes[0]  # dead, or alive?
+            if kept and waited - probed >= PROBE_EVERY_S:
+                probed, answered = waited, batch_host_answers(job, orphan.job_id, run)
+            move = next_move(job, orphan, orphan.saved_nodes(), waited, patience, batch_host_answered=answered)
             if move == "done":
                 return ""
             if move == "leave":

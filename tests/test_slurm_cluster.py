@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from typing import Callable
 
 import psutil
@@ -180,3 +181,32 @@ def test_when_the_first_node_dies_the_nodes_left_save_and_requeue_the_job_which_
     assert finished["exit_code"] == 0, said()
     assert "requeued it (scontrol requeue" in said()
     assert_ends_like_an_unbroken_run(cluster, tmp_path, job)
+
+
+@pytest.mark.timeout(300)
+def test_when_the_controllers_dprun_alone_dies_the_nodes_left_save_and_leave_the_job_to_its_script(cluster, tmp_path):
+    """kill -9 of the first node's dprun alone: its node lives, and the batch script with it. Every agent saves
+    what it holds and exits 3; the nodes left find that Slurm still runs a command on the batch host, so they
+    leave the job to its script at once, neither cancelling nor requeueing it, instead of waiting twice
+    SlurmdTimeout + 2 minutes (130 s here) for Slurm to take a dead node out. The script's srun fails, and
+    the job ends with the state saved."""
+    submit = sbatch_template(cluster, tmp_path)
+    job = submit()
+    events = lambda: read_events(tmp_path / f"events-{job}.jsonl")  # noqa: E731
+    said = lambda: f"{outputs(tmp_path, job)}\n{cluster.log('slurmctld')}"  # noqa: E731
+    progress = lambda: max([e["step"] for e in events() if e["event"] == "progress"], default=0)  # noqa: E731
+    wait_for(lambda: progress() >= 5 or not cluster.jobs(), 120, "step 5")
+    assert cluster.jobs() == [job], said()
+    (controller,) = [p for p in cluster.node_processes("n1") if _is_dprun(p) and p.environ()["SLURM_NODEID"] == "0"]
+    reached = progress()
+    controller.kill()
+    killed = time.monotonic()
+    try:
+        wait_for(lambda: not cluster.jobs(), 100, "the job to end")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{said()}") from None
+    assert time.monotonic() - killed < 60, said()  # the heartbeat timeout (5 s), the saves and one probe
+    assert "the job cannot go on without its controller" in said()
+    assert "requeued it" not in said() and "cancelled it" not in said()
+    assert len([e for e in events() if e["event"] == "job_started"]) == 1, said()
+    assert newest_saved(tmp_path / "deadpool-saved", 2)[1] >= reached, said()

@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from dprun.slurm_orphan import LEADER_PATIENCE_S, SAVE_PATIENCE_S, JobRecord, Orphan, next_move, settle, slurm_patience
+from dprun.slurm_orphan import (LEADER_PATIENCE_S, PROBE_EVERY_S, SAVE_PATIENCE_S, JobRecord, Orphan, next_move, settle,
+                                slurm_patience)
 
 RECORD = ("JobId=5 JobName=train.sbatch UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901755 Nice=0 "
           "Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 "
@@ -49,6 +50,12 @@ STEP = Orphan("5", 0, ("n1", "n2", "n3"), "n2")
 ])
 def test_next_move(job, saved, waited, move):
     assert next_move(job, STEP, saved, waited, slurm_patience=600.0) == move
+
+
+def test_a_batch_host_that_runs_a_command_is_alive_and_left_to_its_script_at_once():
+    """The controller's dprun died but its node lives (Slurm still lists it): a command Slurm ran there proves it,
+    ~2 x SlurmdTimeout sooner than waiting for Slurm to take a dead node out."""
+    assert next_move(record(nodes="n[1-3]"), STEP, {"n2"}, 2.0, slurm_patience=600.0, batch_host_answered=True) == "leave"
 
 
 def test_only_the_first_node_left_acts_unless_it_does_not():
@@ -108,7 +115,7 @@ def settle_with(slurm: Slurm, save_dir, mode: str = "cancel", patience=None) -> 
 
 def test_the_job_is_cancelled_once_slurm_took_the_batch_host_out(monkeypatch, tmp_path):
     monkeypatch.setattr("dprun.slurm_orphan.POLL_S", 0.0)
-    slurm = Slurm(RECORD.replace("NodeList=n[2-3]", "NodeList=n[1-3]"), RECORD)
+    slurm = Slurm(RECORD.replace("NodeList=n[2-3]", "NodeList=n[1-3]"), RECORD, refuse=("srun",))  # dead, not seen
     said = settle_with(slurm, tmp_path)
     assert slurm.commands[-1] == "scancel 5" and sum(c.startswith("scontrol show job") for c in slurm.commands) == 2
     assert "lost its controller with node n1" in said and f"submit again with --resume-from {tmp_path}" in said
@@ -140,14 +147,25 @@ def test_a_node_that_has_not_saved_is_waited_for(monkeypatch, tmp_path):
     assert sum(c.startswith("scontrol show job") for c in slurm.commands) == SAVE_PATIENCE_S / 2
 
 
-def test_a_live_batch_host_is_left_to_end_the_job_and_slurms_timeout_sets_the_patience(monkeypatch, tmp_path):
-    monkeypatch.setattr("dprun.slurm_orphan.POLL_S", 0.0)
+def test_a_live_batch_host_that_answers_is_left_to_end_the_job_at_the_first_poll(tmp_path):
     alive = Slurm(RECORD.replace("NodeList=n[2-3]", "NodeList=n[1-3]"))
     assert "`scancel 5`, then submit again" in settle_with(alive, tmp_path)
-    assert slurm_patience(alive) == 2 * 5 + 120  # SlurmdTimeout = 5 sec
-    assert not any(c.startswith(("scancel", "scontrol requeue")) for c in alive.commands)
-    waits = sum(c.startswith("scontrol show job") for c in alive.commands)
+    assert alive.commands[-2:] == ["scontrol show job --oneliner 5",
+                                   "srun --jobid=5 --overlap --nodelist=n1 --nodes=1 --ntasks=1 --quiet true"]
+
+
+def test_a_batch_host_that_does_not_answer_is_waited_for_and_slurms_timeout_sets_the_patience(monkeypatch, tmp_path):
+    """Where no command runs on it (dead, though Slurm has not seen it yet; or a site without `srun --overlap`),
+    the node left asks again every PROBE_EVERY_S and leaves once Slurm would have taken a dead node out."""
+    monkeypatch.setattr("dprun.slurm_orphan.POLL_S", 0.0)
+    silent = Slurm(RECORD.replace("NodeList=n[2-3]", "NodeList=n[1-3]"), refuse=("srun",))
+    assert "`scancel 5`, then submit again" in settle_with(silent, tmp_path)
+    assert slurm_patience(silent) == 2 * 5 + 120  # SlurmdTimeout = 5 sec
+    assert not any(c.startswith(("scancel", "scontrol requeue")) for c in silent.commands)
+    waits = sum(c.startswith("scontrol show job") for c in silent.commands)
     assert 130 / 2 <= waits <= 130 / 2 + 2  # asked every poll until the patience ran out
+    probes = sum(c.startswith("srun") for c in silent.commands)
+    assert 130 / PROBE_EVERY_S <= probes <= 130 / PROBE_EVERY_S + 2
 
 
 def test_without_scontrol_it_says_so_and_what_to_do():
@@ -183,6 +201,7 @@ def simulate(seed: int) -> tuple[list[tuple[float, str]], dict[str, tuple[float,
     removed.update({n: died[n] + rng.uniform(5, 60) for n in nodes[1:]})
     saved = {n: rng.choice([rng.uniform(0, 30)] * 4 + [rng.uniform(0, 400), float("inf")]) for n in nodes[1:]}
     phase = {n: rng.uniform(0, POLL) for n in nodes[1:]}
+    probes_work = rng.random() < 0.5  # `srun --overlap` runs a command on a live batch host (not at every site)
     acts, last, restarts, t = [], {}, 0, 0.0
     while t < 3000 and len(last) < len(nodes) - 1:
         for node in nodes[1:]:
@@ -191,14 +210,17 @@ def simulate(seed: int) -> tuple[list[tuple[float, str]], dict[str, tuple[float,
             job = JobRecord("RUNNING" if restarts == 0 else "PENDING", tuple(n for n in nodes if t < removed[n]),
                             "n1", restarts)
             marks = {n for n in nodes[1:] if saved[n] <= t}
-            move = next_move(job, Orphan("5", 0, nodes, node), marks, t - saved[node], slurm_patience_s)
+            answered = probes_work and removed["n1"] == float("inf")  # a dead node never answers
+            move = next_move(job, Orphan("5", 0, nodes, node), marks, t - saved[node], slurm_patience_s,
+                             batch_host_answered=answered)
             if move == "act":
                 acts.append((t, node))
                 restarts += 1
             if move != "wait":
                 last[node] = (t, move)
         t += 0.5
-    return acts, last, dict(nodes=nodes, removed=removed, died=died, saved=saved, patience=slurm_patience_s)
+    return acts, last, dict(nodes=nodes, removed=removed, died=died, saved=saved, patience=slurm_patience_s,
+                            probes_work=probes_work)
 
 
 @pytest.mark.timeout(60)
@@ -207,7 +229,7 @@ def test_in_random_schedules_one_node_ends_an_orphaned_job_once_and_every_node_f
     Slurm keeping the batch host (alive) or not. The job is ended exactly once iff Slurm took the batch host
     out within the patience (twice SlurmdTimeout + 2 minutes) while some node of the step was left to act, never
     before every live node saved or had SAVE_PATIENCE_S; a node that keeps running ends its wait in bounded
-    time, with "leave" where Slurm keeps the batch host."""
+    time, with "leave" where Slurm keeps the batch host: at its first poll where a command ran there."""
     for seed in range(2000):
         acts, last, s = simulate(seed)
         live = [n for n in s["nodes"][1:] if s["died"][n] == float("inf") and s["saved"][n] < float("inf")]
@@ -219,6 +241,8 @@ def test_in_random_schedules_one_node_ends_an_orphaned_job_once_and_every_node_f
                                                            s["removed"]["n1"] + 10) + POLL + 1, why
         if s["removed"]["n1"] == float("inf"):
             assert not acts and all(last[n][1] == "leave" for n in live), why
+            if s["probes_work"]:  # it answered: every node leaves at its first poll, not after the patience
+                assert all(last[n][0] - s["saved"][n] <= POLL + 0.5 for n in live), why
             continue
         if live and s["removed"]["n1"] < s["patience"]:
             assert acts, why  # someone ended it
