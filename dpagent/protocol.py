@@ -137,6 +137,21 @@ def describe_exit(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
+OWN_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)  # a process's own fault
+
+
+def describe_end(exitcode: int, detail: str) -> str:
+    """How a worker ended and what it last said (WorkerExited.detail): after a colon where that may be why (its
+    own exit or crash); in parentheses where a signal came from outside (SIGKILL: the OOM killer, a kill -9),
+    which its last line cannot explain."""
+    how = describe_exit(exitcode)
+    if not detail or detail == how:
+        return how
+    if exitcode < 0 and -exitcode not in OWN_SIGNALS:
+        return f"{how} (its last line before: {detail})"
+    return f"{how}: {detail}"
+
+
 @_message
 class SnapshotStored:
     """A replica store (on node `node_id`) holds a complete snapshot of `rank` at `step`."""

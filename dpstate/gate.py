@@ -98,6 +98,11 @@ class SnapshotGate:
         self.stall_warned = True
         return share
 
+    def forget_waits(self) -> None:
+        """After a failed step and its recovery: what the gate waited meanwhile (acks that a dead or frozen peer
+        never sent, a recovery's gates) was the failure's, not the replication's, so no step is charged with it."""
+        self._waited_before = self.ack_wait_s
+
     def step_clock(self, policy) -> float:
         """The clock an auto policy measures this step's end by (SnapshotPolicy.after_step), after handing it the
         newest lag if known: where the gate defers, the time spent waiting for acks is left out (lag models it)."""

@@ -196,6 +196,7 @@ class Job:
                 if classify(exc, self._abort) is None and not self._abort.stopped:
                     raise
                 self._recover(exc, newer_than=self.generation)
+                self._snapshot_gate.forget_waits()
                 number = self._last_step + 1
             finally:
                 self._snapshot_gate.step = None

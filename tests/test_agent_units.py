@@ -16,7 +16,7 @@ from dpagent.channel import Channel, poll_ms
 from dpagent.events import EventPipe
 from dpagent.liveness import Liveness
 from dpagent.output import crash_exception, failure_detail
-from dpagent.protocol import PROTOCOL_VERSION, Codec, Ping, Pong, ProtocolError, Standby
+from dpagent.protocol import PROTOCOL_VERSION, Codec, Ping, Pong, ProtocolError, Standby, describe_end
 from dpagent.workers import WorkerGroup, describe_exit, is_loopback, worker_command, worker_env
 
 
@@ -57,6 +57,16 @@ def test_worker_command_and_exit_description():
     assert worker_command("./run.sh", ["a"], None) == ["./run.sh", "a"]
     assert describe_exit(-9) == "killed by SIGKILL"
     assert describe_exit(3) == "exit code 3"
+
+
+def test_a_workers_last_line_is_given_as_its_cause_only_where_it_ended_itself():
+    """A SIGKILL comes from outside (the OOM killer, a kill -9): whatever the worker printed last is no cause."""
+    said = "dpstate: snapshot interval every 3 step(s)"
+    assert describe_end(-9, said) == f"killed by SIGKILL (its last line before: {said})"
+    assert describe_end(-15, said) == f"killed by SIGTERM (its last line before: {said})"
+    assert describe_end(1, "ValueError: bad batch") == "exit code 1: ValueError: bad batch"
+    assert describe_end(-6, "terminate called") == "killed by SIGABRT: terminate called"  # its own abort
+    assert describe_end(-9, "") == describe_end(-9, "killed by SIGKILL") == "killed by SIGKILL"
 
 
 def test_liveness_beats_and_loss():
