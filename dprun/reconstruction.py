@@ -155,7 +155,8 @@ class Reconstruction:
             holders = sorted({self.table.nodes[n].node_id for n in rec.failed})
             bad = f"; copies found bad: {'; '.join(rec.bad_copies[-6:])}" if rec.bad_copies else ""
             self._finish(1, f"state lost: ranks {plan.lost} have no usable copy left (failed nodes {holders}{bad}); "
-                            "rerun with more replicas or restore from disk")
+                            f"rerun with --replicas {self.spec.replicas + 1} (each node's snapshots on more peers "
+                            "survive more nodes lost at once) or from a checkpoint on disk")
             return
         self.unrestored |= {r for i in failed_slots for r in self.ranks_of(i)}
         for i in failed_slots:

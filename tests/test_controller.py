@@ -258,6 +258,7 @@ def test_state_lost_when_a_node_and_its_replica_holder_die_together():
     assert h.finish is None and h.c.flush is not None, "before ending, every live node is probed once more"
     h.pong_all()
     assert h.finish and h.finish.exit_code == 1 and "state lost" in h.finish.message
+    assert "rerun with --replicas 2" in h.finish.message  # the flag that would have kept it, by name
 
 
 def test_a_copy_reported_after_the_probe_round_still_saves_the_job():
