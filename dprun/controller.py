@@ -13,7 +13,7 @@ from typing import Any
 from dpagent import protocol as p
 
 from .controller_io import (  # noqa: F401  (re-exported: the controller's inputs and actions)
-    Finish, Flush, JobSpec, NodeGone, Publish, Received, Recovery, Send, Shutdown, Tick,
+    Finish, Flush, JobSpec, NodeGone, Paused, Publish, Received, Recovery, Send, Shutdown, Tick,
 )
 from .faults import FaultPlan
 from .ledger import INIT, ReplicaLedger
@@ -74,6 +74,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.files: FileWork | None = None  # snapshot files being written (the job ends) or read (it resumes)
         self.saved = False  # the state was saved (or there was none to save): the job ends as it is
         self.now = now  # the time of the input being handled
+        self.paused: tuple[float, float] | None = None  # (when, seconds) the controller last stopped running
         self._out: list = []
 
     # -- entry point -----------------------------------------------------------------------------
@@ -91,6 +92,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             self._node_failed(event.node_id, event.cause, now)
         elif isinstance(event, Tick):
             self._tick(now)
+        elif isinstance(event, Paused):
+            self._paused(event.seconds, now)
         elif isinstance(event, Shutdown):
             self._finish(event.exit_code, event.reason)
         else:
@@ -112,6 +115,13 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.dropped[why] = self.dropped.get(why, 0) + 1
 
     def _finish(self, code: int, message: str) -> None:
+        if code != 0 and self.paused is not None and self.now - self.paused[0] <= 2 * self.spec.heartbeat_timeout:
+            cause = (f"dprun itself did not run for {self.paused[1]:.1f} s (stopped with SIGSTOP or Ctrl-Z, its "
+                     f"machine paused, or starved of CPU), long enough for its nodes (--heartbeat-timeout "
+                     f"{self.spec.heartbeat_timeout:g} s) to take the controller for lost and leave")
+            if self.spec.save_dir:
+                cause += f", each writing the copies it held to {self.spec.save_dir}"
+            message = message if message.startswith(cause) else f"{cause}; then: {message}"
         message = self._save_first(code, message)
         if message is None:
             return  # it ends once the nodes wrote its state (dprun.files)

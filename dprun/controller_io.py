@@ -66,6 +66,14 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class Paused:
+    """The shell's loop did not run for `seconds` (dprun stopped by SIGSTOP or Ctrl-Z, its VM paused, starved of
+    CPU): the silence its nodes seem to have kept meanwhile was the controller's own."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """The launcher was told to stop (a signal, a user's Ctrl-C): stop every node and end the job."""
 

@@ -37,6 +37,27 @@ class Deadlines:
         self._ping_due(now)
         self._fire_faults(now)
 
+    def _paused(self, seconds: float, now: float) -> None:
+        """The controller itself did not run for `seconds`: no node is blamed for that silence, nor a rank for
+        not stepping; every deadline moves on by as much. Near --heartbeat-timeout its nodes take the controller
+        for lost (they leave, saving what they hold with --save-dir): a job that then ends says why."""
+        for node in self.table.nodes.values():
+            node.last_heard = min(now, node.last_heard + seconds)
+        self.last_progress_at = min(now, self.last_progress_at + seconds)
+        for work in (self.flush, self.files):
+            if work is not None:
+                work.deadline += seconds
+        rec = self.pending
+        if rec is not None and rec.waiting_since is not None:
+            rec.waiting_since = min(now, rec.waiting_since + seconds)
+        if rec is not None and rec.restoring_until is not None:
+            rec.restoring_until += seconds
+        # a node's silence clock started at its last Ping, up to a heartbeat interval before the pause
+        nodes_left = seconds >= self.spec.heartbeat_timeout - self.spec.heartbeat_interval
+        if nodes_left:
+            self.paused = (now, seconds)
+        self._publish("controller_paused", seconds=round(seconds, 2), nodes_left=nodes_left)
+
     def _ping_due(self, now: float) -> None:
         """Every heartbeat interval, a Ping to every live node (its Pong proves it alive; its agent, which
         leaves when the controller falls silent, hears from it)."""

@@ -15,6 +15,11 @@ from typing import Callable, TextIO
 HISTORY_KEEP = 10_000
 
 
+def worker_label(e: dict) -> str:
+    """Who a worker_exited event is about: "rank 3", or "a spare's worker" (a spare has no rank yet)."""
+    return "a spare's worker" if e.get("rank", "?") is None else f"rank {e.get('rank', '?')}"
+
+
 def describe(event: dict) -> str:
     """One readable line for an event."""
     kind = event["event"]
@@ -61,7 +66,7 @@ def describe(event: dict) -> str:
         return (f"generation {e['generation']}: the restarted workers reached torch's rendezvous "
                 f"{e['seconds']:.2f}s after the failure (process start, imports, the script's own setup)")
     if kind == "worker_exited":
-        return f"rank {e.get('rank', '?')} (node {e['node']}, local rank {e['local_rank']}) {e['cause']}"
+        return f"{worker_label(e)} (node {e['node']}, local rank {e['local_rank']}) {e['cause']}"
     if kind == "job_finished":
         return f"job finished with exit code {e['exit_code']}: {e['message']}"
     rest = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time"))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from dpagent import protocol as p
 from dpagent.snapshot_files import step_folder
 
-from .controller_io import NodeGone, Received, Shutdown, Tick
+from .controller_io import NodeGone, Paused, Received, Shutdown, Tick
 from .ledger import INIT
 from .nodes import FAILED
 
@@ -163,6 +163,8 @@ class Files:
             work.errors.append(event.reason)
             work.hurried = True
             self._files_done()
+        elif isinstance(event, Paused):
+            self._paused(event.seconds, now)
         elif isinstance(event, Tick):
             if now >= work.deadline:
                 work.hurried = True

@@ -23,6 +23,7 @@ from pathlib import Path
 from dpagent import protocol as p
 from dpagent.process import LAUNCHER_STOP
 from dpagent.shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER
+from dpagent.snapshot_files import newest_saved
 
 from .controller import JobSpec, NodeGone
 from .events import EventSink
@@ -178,6 +179,8 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
         model = server.latest_model or view.model(time.time())
         for line in final_summary(model, finish.exit_code, finish.message):
             print(line, file=sys.stderr if finish.exit_code else sys.stdout)
+        if finish.exit_code and opts.save_dir and " is saved in " not in finish.message:
+            print(_saved_by_nodes(opts.save_dir, opts.nnodes * opts.nproc_per_node), file=sys.stderr)
         if capture is not None:
             print(f"dprun: the workers' and agents' output is in {capture.path}", file=sys.stderr)
         return finish.exit_code
@@ -188,6 +191,16 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
         sink.close()
         if capture is not None:
             capture.close()
+
+
+def _saved_by_nodes(save_dir: str, world_size: int) -> str:
+    """A failed job's save did not come through the controller (nodes that lost it write on their own): what
+    the save dir holds now, to go on from."""
+    try:
+        folder, step = newest_saved(save_dir, world_size)
+    except (ValueError, OSError):
+        return f"dprun: {save_dir} holds no step with a file of every rank"
+    return f"dprun: {folder} holds every rank's file of step {step}: go on with --resume-from {save_dir}"
 
 
 def _dashboard(opts: JobOptions, server: ControllerServer, capture: OutputTail | None):

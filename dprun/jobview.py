@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
-from .events import describe
+from .events import describe, worker_label
 
 THROUGHPUT_WINDOW_S = 20.0
 LOG_KEEP = 200  # log lines kept in memory
@@ -311,7 +311,7 @@ def brief(e: dict) -> str:
             return (f"generation {e['generation']}: restarted workers back in torch's rendezvous "
                     f"{e['seconds']:.2f}s after the failure")
         if kind == "worker_exited":
-            return f"rank {e.get('rank', '?')} on {e['node']} (pid {e.get('pid')}): {e['cause']}"
+            return f"{worker_label(e)} on {e['node']} (pid {e.get('pid')}): {e['cause']}"
         if kind == "job_finished":
             return f"job finished, exit code {e['exit_code']}: {e['message']}"
         return describe(e)

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .dashboard import duration
+from .events import worker_label
 from .jobview import JobView, recovery_cost
 
 TAIL_SHOWN = 12
@@ -119,7 +120,7 @@ def failure_lines(model: dict, t0: float | None = None) -> list[str]:
     for f in failures:
         at = f"+{f['time'] - t0:.1f}s" if t0 is not None else time.strftime("%H:%M:%S", time.localtime(f["time"]))
         if "exitcode" in f:
-            lines.append(f"  {at} rank {f.get('rank', '?')} on {f['node']} (local rank {f.get('local_rank')}, "
+            lines.append(f"  {at} {worker_label(f)} on {f['node']} (local rank {f.get('local_rank')}, "
                          f"pid {f.get('pid')}): {f.get('cause')}")
             if f.get("log"):
                 lines.append(f"      log: {f['log']}")

@@ -186,3 +186,11 @@ def test_final_summary_names_the_failed_rank_with_its_stderr():
     assert "rank 3 on node1 (local rank 1, pid 4242): exit code 1: ValueError: boom" in text
     assert "| ValueError: boom" in text and "/logs/j/node1/attempt_0/1/stderr.log" in text
     assert len(incidents(model)) == 1 and incidents(model)[0]["recovery"] is None
+
+
+def test_a_spare_s_worker_that_ends_is_named_as_such_not_as_rank_none():
+    view = fold(hot_swap_events()[:4])
+    view.on_event({"event": "worker_exited", "time": T0 + 5, "node": "node2", "local_rank": 0, "rank": None,
+                   "pid": 4243, "exitcode": -9, "cause": "killed by SIGKILL"})
+    text = "\n".join(final_summary(view.model(T0 + 6), 1, "stopped"))
+    assert "a spare's worker on node2 (local rank 0, pid 4243): killed by SIGKILL" in text and "None" not in text

@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -184,6 +185,41 @@ def test_a_standalone_dprun_killed_by_sigkill_leaves_its_agents_to_save_the_stat
     assert f"[dpagent node2] controller lost: this node held no snapshot to write to {saved}" in err, err[-3000:]
     _assert_a_step_complete(saved)
     _resumed(procs, tmp_path, str(saved), sha)
+
+
+def test_a_dprun_stopped_past_the_heartbeat_timeout_ends_saying_so_and_its_nodes_saved(procs, tmp_path, sha):
+    """SIGSTOP to a standalone dprun (as Ctrl-Z would) for longer than --heartbeat-timeout: its agents take the
+    controller for lost, write what they hold to --save-dir and exit 3. Continued, dprun ends with exit 1
+    saying that it was the one that did not run (not "no spare left" alone), and where the state is; the
+    resumed job ends where one that never stopped does."""
+    saved, events = tmp_path / "saved", tmp_path / "stopped.events.jsonl"
+    run = procs.dprun("--nnodes", "2", "--spares", "1", "--no-tui", "--heartbeat-timeout", "2", "--save-dir", saved,
+                      "--events-file", events, TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1",
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90, "step 8")
+    agents = psutil.Process(run.pid).children()
+    procs.adopt(agents)
+    run.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:  # each agent ends (a zombie: its parent is stopped) once it has saved; dprun stays stopped past the timeout
+        wait_for(lambda: all(_ended(a) for a in agents) and time.monotonic() - stopped > 2.5, 60,
+                 "the agents to give the controller up")
+    finally:
+        run.send_signal(signal.SIGCONT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 1, err[-3000:]
+    assert "dprun: job failed: dprun itself did not run for" in err and "to take the controller for lost" in err, \
+        err[-3000:]
+    assert f"go on with --resume-from {saved}" in err.splitlines()[-1], err[-3000:]
+    _assert_a_step_complete(saved)
+    _resumed(procs, tmp_path, str(saved), sha)
+
+
+def _ended(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _assert_a_step_complete(saved) -> None:
