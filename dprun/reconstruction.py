@@ -154,9 +154,13 @@ class Reconstruction:
         if plan.lost:
             holders = sorted({self.table.nodes[n].node_id for n in rec.failed})
             bad = f"; copies found bad: {'; '.join(rec.bad_copies[-6:])}" if rec.bad_copies else ""
+            more = (f"rerun with --replicas {self.spec.replicas + 1} (each node's snapshots on more peers survive "
+                    "more nodes lost at once) or from a checkpoint on disk"
+                    if self.spec.replicas < self.spec.nnodes - 1 else
+                    "every node that held a copy failed at once (--replicas cannot exceed --nnodes - 1): go on "
+                    "from a checkpoint on disk")
             self._finish(1, f"state lost: ranks {plan.lost} have no usable copy left (failed nodes {holders}{bad}); "
-                            f"rerun with --replicas {self.spec.replicas + 1} (each node's snapshots on more peers "
-                            "survive more nodes lost at once) or from a checkpoint on disk")
+                            f"{more}")
             return
         self.unrestored |= {r for i in failed_slots for r in self.ranks_of(i)}
         for i in failed_slots:

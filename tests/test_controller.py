@@ -261,6 +261,20 @@ def test_state_lost_when_a_node_and_its_replica_holder_die_together():
     assert "rerun with --replicas 2" in h.finish.message  # the flag that would have kept it, by name
 
 
+def test_state_lost_in_a_two_node_job_does_not_advise_more_replicas_than_can_be():
+    h = formed(spec(spares=2))  # 2 nodes: each one's only possible holder is the other
+    h.register("t", spare=True)
+    h.msg("b", p.SnapshotStored("b", 0, 4, 0))  # rank 0's copy lives on b, rank 1's on a
+    h.msg("a", p.SnapshotStored("a", 1, 4, 0))
+    h.msg("b", p.Progress("b", 0, 1, 5))
+    h.feed(NodeGone("a", "killed"))
+    h.feed(NodeGone("b", "killed"))
+    h.pong_all()
+    h.pong_all()
+    assert h.finish and "state lost" in h.finish.message and "--replicas 2" not in h.finish.message
+    assert "every node that held a copy failed at once" in h.finish.message
+
+
 def test_a_copy_reported_after_the_probe_round_still_saves_the_job():
     """Nodes a and b die together, each the holder of the other's rank; c holds second copies, but its reports
     of them left c just after it answered the probe. The first plan finds ranks 0 and 1 with no copy; before
