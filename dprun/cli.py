@@ -254,6 +254,9 @@ def run(
         os.environ["DP_SNAPSHOT_CHECK"] = snapshot_check
     if replicas < 1:
         _fail(f"--replicas must be at least 1, got {replicas}")
+    if nnodes > 1 and replicas > nnodes - 1:  # (a single node's snapshots go to its spares)
+        _fail(f"--replicas {replicas} needs {replicas + 1} nodes or more: each node's snapshots go to the next "
+              f"--replicas training nodes of the ring; use --replicas {nnodes - 1} or a larger --nnodes")
     if on_spare_exhausted not in ("fail", "wait"):
         _fail(f"--on-spare-exhausted must be 'fail' or 'wait', got {on_spare_exhausted!r}")
     if on_controller_lost not in ("cancel", "requeue"):

@@ -68,6 +68,7 @@ def test_every_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path):
         "inject spec": (["--inject", "kill-node", script], "bad --inject"),
         "zero nodes": (["--nnodes", "0", script], "--nnodes must be at least 1"),
         "elastic nodes": (["--nnodes", "1:4", script], "elastic node counts are not supported"),
+        "replicas": (["--nnodes", "2", "--replicas", "2", script], "--replicas 2 needs 3 nodes or more"),
         "nproc": (["--nproc-per-node", "many", script], "--nproc-per-node must be"),
         "redirects": (["-r", "7", script], "bad --redirects '7'"),
         "ranks filter": (["--local-ranks-filter", "a,b", script], "bad --local-ranks-filter"),
