@@ -278,6 +278,8 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         return poll_ms(min(due), now)
 
     def _tick(self, now: float) -> None:
+        if self.liveness is not None:
+            self.liveness.turned(now)
         if self._signalled and not self._exiting():
             self._stop_signalled(now)
         elif self._signals and self.shutdown is not None and self.shutdown.phase == "save":

@@ -5,6 +5,8 @@ Pure: the caller passes the clock. We beat every `interval`; the peer is lost af
 
 from __future__ import annotations
 
+PAUSED_AFTER_S = 1.0  # a loop turn this much later than a heartbeat interval: this process itself did not run
+
 
 class Liveness:
     def __init__(self, interval: float, timeout: float, now: float):
@@ -14,6 +16,15 @@ class Liveness:
         self.timeout = timeout
         self.last_heard = now
         self.next_beat = now  # the first beat goes out at once
+        self._turned = now
+
+    def turned(self, now: float) -> None:
+        """A turn of the owner's loop, which turns at least every `interval`: one that comes much later means
+        this process did not run (SIGSTOP, its host paused, starved of CPU), and that silence was not the
+        peer's: it is not counted against it."""
+        gap, self._turned = now - self._turned, now
+        if gap > self.interval + PAUSED_AFTER_S:
+            self.last_heard = min(now, self.last_heard + gap - self.interval)
 
     def heard(self, now: float) -> None:
         """Anything valid arrived from the peer."""

@@ -100,8 +100,10 @@ class SnapshotGate:
 
     def forget_waits(self) -> None:
         """After a failed step and its recovery: what the gate waited meanwhile (acks that a dead or frozen peer
-        never sent, a recovery's gates) was the failure's, not the replication's, so no step is charged with it."""
+        never sent, a recovery's gates) was the failure's, not the replication's, so no step is charged with it;
+        the steps counted start anew."""
         self._waited_before = self.ack_wait_s
+        self._recent = []
 
     def step_clock(self, policy) -> float:
         """The clock an auto policy measures this step's end by (SnapshotPolicy.after_step), after handing it the

@@ -83,6 +83,23 @@ def test_liveness_beats_and_loss():
         Liveness(0, 1, 0)
 
 
+def test_a_pause_of_the_agent_itself_is_not_counted_as_the_controllers_silence():
+    """Its loop turns at least every interval; a turn 8 s late means the agent did not run (SIGSTOP, a paused
+    VM): the controller, paused with it or not, is given its timeout again from the pause's end."""
+    live = Liveness(interval=0.5, timeout=3.0, now=100.0)
+    live.heard(100.0)
+    for t in (100.5, 101.0):
+        live.turned(t)
+    live.turned(109.0)  # 8 s without a turn
+    assert not live.lost(109.0) and live.silent_for(109.0) == pytest.approx(1.5)  # 1.0 before, 0.5 an interval
+    live.turned(109.5)
+    assert live.lost(110.6)  # silent since: lost at the timeout as usual
+    steady = Liveness(interval=0.5, timeout=3.0, now=100.0)
+    for t in (100.5, 101.0, 101.5, 102.0, 102.5, 103.0):  # turning on time: nothing credited
+        steady.turned(t)
+    assert steady.lost(103.0)
+
+
 def test_channel_drops_and_counts_bad_messages():
     ctx = zmq.Context()
     try:

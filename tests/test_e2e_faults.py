@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 
+import psutil
 import pytest
 import zmq
 
@@ -57,8 +59,10 @@ def test_frozen_node_is_failed_at_the_heartbeat_deadline_and_survivors_are_relea
     assert failed["node"] == "node1" and "heartbeat" in failed["cause"]
     (done,) = run.named("recovery_complete")
     assert 1.5 < done["phases"]["detect_s"] < 4.5, done  # the 2 s heartbeat deadline, not a Gloo timeout
-    # the gate's 2 s wait for the frozen node's ack was the failure's: no stall warning charges it to a step
-    assert "waited for snapshots' replication" not in run.stderr, run.stderr[-3000:]
+    # the gate's 2 s wait for the frozen node's ack was the failure's: no stall warning charges it to a step (it
+    # read 2116 %; a short stall on this busy host after the recovery may still be said, at its own few percent)
+    shares = [int(share) for share in re.findall(r"snapshots' replication (\d+)% of the time", run.stderr)]
+    assert all(share < 50 for share in shares), run.stderr[-3000:]
 
 
 def test_frozen_node_that_wakes_after_the_swap_is_fenced(procs, tmp_path, sha2):
@@ -69,6 +73,31 @@ def test_frozen_node_that_wakes_after_the_swap_is_fenced(procs, tmp_path, sha2):
     # it cannot disturb the new generation: its agent leaves (told it is fenced, or finding the controller
     # silent for longer than the heartbeat timeout), taking its workers with it
     assert re.search(r"\[dpagent node1\] exit [13]\b", run.stderr), run.stderr[-3000:]
+
+
+def test_a_whole_job_paused_past_the_heartbeat_timeout_goes_on_when_continued(procs, tmp_path, sha2):
+    """Every process of the job stopped at once for 3x the heartbeat timeout (as a paused VM or a laptop's
+    Ctrl-Z of the whole job would) and continued: neither the controller nor an agent takes the other's
+    silence for a failure, since each can tell that it did not run itself. The job trains on, unbroken."""
+    summary, events = tmp_path / "paused.summary.json", tmp_path / "paused.events.jsonl"
+    run = procs.dprun("--nnodes", "2", "--spares", "1", "--no-tui", *FAST, "--events-file", events, TRAIN,
+                      "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1", "--summary", summary,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90, "step 8")
+    job = [psutil.Process(run.pid), *psutil.Process(run.pid).children(recursive=True)]
+    for process in job:
+        process.suspend()
+    try:
+        time.sleep(6.0)  # the fault itself: how long the job stays stopped (3x the 2 s heartbeat timeout)
+    finally:
+        for process in reversed(job):
+            process.resume()
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err[-3000:]
+    assert not [e for e in read_events(events) if e["event"] == "node_failed"], err[-3000:]
+    (paused,) = [e for e in read_events(events) if e["event"] == "controller_paused"]
+    assert paused["seconds"] > 5.0
+    assert json.loads(summary.read_text())["params_sha256"] == sha2
 
 
 def test_hung_worker_is_found_by_the_hang_timeout(procs, tmp_path, sha2):
