@@ -5,7 +5,7 @@ Pure: the caller passes the clock. We beat every `interval`; the peer is lost af
 
 from __future__ import annotations
 
-PAUSED_AFTER_S = 1.0  # a loop turn this much later than a heartbeat interval: this process itself did not run
+PAUSED_AFTER_S = 1.0  # a loop turn this much later than due: its process did not run (agent and controller)
 
 
 class Liveness:

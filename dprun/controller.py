@@ -29,9 +29,6 @@ from .standby import SpareSizing
 ANY_GENERATION = (p.Heartbeat, p.WorkerExited, p.RankFinished)
 PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
 
-describe_end = p.describe_end
-
-
 # ----------------------------------------------------------------------------- the state machine
 
 
@@ -321,7 +318,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             return
         if node.role == SPARE and msg.exitcode == 0:
             return
-        cause = f"worker {msg.local_rank} (pid {msg.pid}) {describe_end(msg.exitcode, msg.detail)}"
+        cause = f"worker {msg.local_rank} (pid {msg.pid}) {p.describe_end(msg.exitcode, msg.detail)}"
         # a crash as it exited on a Python exception counts as the exit 1 of that exception (p.WorkerExited.raised)
         code, last_line = (1, msg.raised) if msg.raised else (msg.exitcode, msg.detail)
         same = None

@@ -16,13 +16,13 @@ import zmq
 
 from dpagent import protocol as p
 from dpagent.channel import poll_ms
+from dpagent.liveness import PAUSED_AFTER_S
 
 from .controller import Controller, Finish, JobSpec, Paused, Publish, Received, Send, Shutdown, Tick
 from .events import EventSink
 from .jobview import JobView, controller_state
 
 TICK_S = 0.05
-PAUSED_AFTER_S = 1.0  # a loop turn this late means dprun itself did not run (controller_io.Paused)
 VIEW_EVERY_S = 0.5  # the dashboard's model is rebuilt at most this often (less often when that gets costly)
 
 
@@ -89,7 +89,8 @@ class ControllerServer:
         while True:
             ready = dict(poller.poll(poll_ms(next_tick, time.monotonic())))
             inputs = []
-            if (gap := time.monotonic() - turned) > PAUSED_AFTER_S:  # this loop runs every TICK_S or sooner
+            # this loop turns every TICK_S or sooner: a turn much later means dprun itself did not run
+            if (gap := time.monotonic() - turned) > PAUSED_AFTER_S:
                 inputs.append(Paused(gap - TICK_S))
             turned = time.monotonic()
             if self.router in ready:
