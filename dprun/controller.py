@@ -70,6 +70,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.repeats = RepeatedFailures()  # workers' errors by signature: one that follows a rank is the script's
         self.files: FileWork | None = None  # snapshot files being written (the job ends) or read (it resumes)
         self.saved = False  # the state was saved (or there was none to save): the job ends as it is
+        self.saved_in = ""  # the step folder that save wrote, once every rank's file is there
         self.now = now  # the time of the input being handled
         self.paused: tuple[float, float] | None = None  # (when, seconds) the controller last stopped running
         self._out: list = []
@@ -126,7 +127,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             self._send(node.node_id, p.Stop(reason=message, exit_code=code))
         self._release_kept(message, code)
         self._publish("job_finished", exit_code=code, message=message)
-        self._out.append(Finish(code, message))
+        self._out.append(Finish(code, message, self.saved_in))
         self.finished = True
 
     def ranks_of(self, node_rank: int) -> range:

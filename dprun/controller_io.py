@@ -96,6 +96,7 @@ class Publish:
 class Finish:
     exit_code: int
     message: str
+    saved_in: str = ""  # the step folder the job's state was saved in as it ended (--save-dir), if it was
 
 
 # ----------------------------------------------------------------------------- recovery bookkeeping

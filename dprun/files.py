@@ -241,6 +241,7 @@ class Files:
         missing = sorted(set(range(self.spec.world_size)) - set(work.done))
         why = "; ".join(work.errors + passed) or f"ranks {missing} missing"
         if work.saving and complete:
+            self.saved_in = work.folder
             self._finish(work.code, f"{work.message}; the state of step {work.step} is saved in {work.folder} "
                                     f"(go on from it: dprun ... --resume-from {work.folder})")
         elif work.saving:

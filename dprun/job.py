@@ -179,7 +179,7 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
         model = server.latest_model or view.model(time.time())
         for line in final_summary(model, finish.exit_code, finish.message):
             print(line, file=sys.stderr if finish.exit_code else sys.stdout)
-        if finish.exit_code and opts.save_dir and " is saved in " not in finish.message:
+        if finish.exit_code and opts.save_dir and not finish.saved_in:
             print(_saved_by_nodes(opts.save_dir, opts.nnodes * opts.nproc_per_node), file=sys.stderr)
         if capture is not None:
             print(f"dprun: the workers' and agents' output is in {capture.path}", file=sys.stderr)

@@ -40,6 +40,7 @@ def test_a_job_out_of_spares_has_its_newest_step_written_before_it_ends():
     assert h.finish and h.finish.exit_code == 1
     assert "no spare left" in h.finish.message and "the state of step 4 is saved in /saved/step-4" in h.finish.message
     assert "--resume-from /saved/step-4" in h.finish.message and h.sent_to("a", p.Stop)
+    assert h.finish.saved_in == "/saved/step-4"  # what dprun's shell reads, not the message
 
 
 def test_a_node_that_does_not_write_in_time_ends_the_job_saying_so():
@@ -112,6 +113,7 @@ def test_a_worker_lost_while_it_writes_its_own_copy_fails_the_save_saying_so():
     h.msg("a", p.WorkerExited("a", 0, 0, 10, -9))  # it was to write rank 0, whose holder died
     assert h.finish and "saving the state of step 4 in /saved/step-4 failed: a: its worker 0 killed by SIGKILL" \
         in h.finish.message
+    assert h.finish.saved_in == ""
 
 
 def _sigterm_at_step_4(h: Harness) -> None:
