@@ -117,6 +117,14 @@ class Processes:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
+def gone(pid: int) -> bool:
+    """Whether a process has ended: exited, or a zombie its (perhaps stopped) parent has not reaped."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _our_descendants() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
 

@@ -20,6 +20,7 @@ import psutil
 import pytest
 import zmq
 
+from conftest import gone
 from dpagent.checksum import checksum_chunks
 from dpagent.protocol import (
     Codec, Heartbeat, Inject, Ping, Pong, Progress, PutSnapshot, Reconfigure, Register, SnapshotAck,
@@ -150,13 +151,6 @@ def start_agent(procs, controller, run_dir, tmp_path, monkeypatch):
         return run
 
     return start
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def wait_gone(pids, timeout=5.0) -> bool:

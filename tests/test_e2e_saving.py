@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import Processes, free_port
+from conftest import Processes, free_port, gone
 from dprun.slurm import controller_lost_notice
 from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, the_save, wait_for
 
@@ -202,7 +202,7 @@ def test_a_dprun_stopped_past_the_heartbeat_timeout_ends_saying_so_and_its_nodes
     run.send_signal(signal.SIGSTOP)
     stopped = time.monotonic()
     try:  # each agent ends (a zombie: its parent is stopped) once it has saved; dprun stays stopped past the timeout
-        wait_for(lambda: all(_ended(a) for a in agents) and time.monotonic() - stopped > 2.5, 60,
+        wait_for(lambda: all(gone(a.pid) for a in agents) and time.monotonic() - stopped > 2.5, 60,
                  "the agents to give the controller up")
     finally:
         run.send_signal(signal.SIGCONT)
@@ -213,13 +213,6 @@ def test_a_dprun_stopped_past_the_heartbeat_timeout_ends_saying_so_and_its_nodes
     assert f"go on with --resume-from {saved}" in err.splitlines()[-1], err[-3000:]
     _assert_a_step_complete(saved)
     _resumed(procs, tmp_path, str(saved), sha)
-
-
-def _ended(process: psutil.Process) -> bool:
-    try:
-        return process.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def _assert_a_step_complete(saved) -> None:
