@@ -275,6 +275,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
 
     def _on_PeerError(self, node: Node, msg: p.PeerError, now: float) -> None:
         self._publish("peer_error", node=node.node_id, rank=msg.rank, detail=msg.detail[:200])
+        # (before its WorkerReady: the rank left this generation unrestored, and takes no copy to the next)
+        self.restores_answered.add(msg.rank)
         # (one from a replaced generation was dropped as stale: that rank is on its way to the new one)
         if self.spec.restart_mode:  # a crashed worker: its agent reports the exit unless a dead peer explains it
             if self.flush is None:

@@ -46,6 +46,9 @@ def describe(event: dict) -> str:
         return f"rank {e['rank']} on {e['node']} reports a peer error; probing every node"
     if kind == "spare_promoted":
         return f"spare {e['spare']} promoted to node rank {e['node_rank']} (generation {e['generation']})"
+    if kind == "waiting_for_restore":
+        return (f"ranks {e['ranks']} have no copy left on a replica; waiting up to {e['timeout_s']:g}s for "
+                f"{', '.join(e['nodes'])} to say whether they restored them before the failure")
     if kind == "reconfigure":
         return (f"generation {e['generation']}: every rank restores step {e['restore_step']} "
                 f"(decided in {e['decide_s'] * 1000:.0f} ms)")

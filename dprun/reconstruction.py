@@ -142,12 +142,16 @@ class Reconstruction:
             self.pending = rec
             self._start_flush(now)
             return
-        if plan.lost and self._still_restoring(plan.lost):
-            # a rank handed to a live node that has neither restored it nor failed to: its copy may be in flight
-            # (fetched from a store lost since). Its WorkerReady, its copy stored again or its RestoreFailed
-            # decides again; spec.restore_wait bounds the wait (dpstate's fetch gives up sooner)
+        if plan.lost and self._all_still_restoring(plan.lost):
+            # each rank lost was handed to a live node that has neither restored it nor failed to: its copy may
+            # be in flight (fetched from a store lost since). Its WorkerReady, its copy stored again, its
+            # RestoreFailed or its PeerError decides again; spec.restore_wait bounds the wait. (One lost rank
+            # that no live node restores ends the job at once: nothing can bring that one back.)
             if rec.restoring_until is None:
                 rec.restoring_until = now + self.spec.restore_wait
+                self._publish("waiting_for_restore", ranks=plan.lost,
+                              nodes=sorted({self.node_of_rank(rank) for rank in plan.lost}),
+                              timeout_s=self.spec.restore_wait)
             if now < rec.restoring_until:
                 self.pending = rec
                 return
@@ -207,9 +211,9 @@ class Reconstruction:
                 self.ledger.discard(rank, step, holder)
         self.late_copies = []
 
-    def _still_restoring(self, ranks: list[int]) -> bool:
-        """Is any of `ranks` one that a live node was handed and has neither restored nor failed to yet?"""
-        return any(rank in self.unrestored and rank not in self.restores_answered
+    def _all_still_restoring(self, ranks: list[int]) -> bool:
+        """Is every one of `ranks` one that a live node was handed and has neither restored nor failed to yet?"""
+        return all(rank in self.unrestored and rank not in self.restores_answered
                    and self.table.nodes[self.node_of_rank(rank)].role == ACTIVE for rank in ranks)
 
     def _failed_after_exits(self, rec: Recovery, step: int) -> None:

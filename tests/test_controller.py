@@ -598,8 +598,9 @@ def test_headroom_covers_a_slightly_larger_snapshot_in_whole_mib(nbytes):
 def test_state_that_looks_lost_while_a_live_node_restores_it_waits_for_that_restore():
     """Node c dies; spare s1 restores rank 2 from a, the only replica. Then a dies before s1 says it restored:
     rank 2's copy is in s1's hands. The plan waits for s1 (its WorkerReady) instead of ending as state lost, and
-    says state lost if s1 only fails to restore (simulator seed 332327)."""
-    for outcome in ("restored", "failed"):
+    says state lost if s1 only fails to restore (simulator seed 332327) or reports an error before restoring (its
+    group for generation 1, with a in it, can no longer form: it takes no copy to the next)."""
+    for outcome in ("restored", "failed", "peer error"):
         h = Harness(spec(nnodes=3, spares=2))
         for node, rank in (("a", 0), ("b", 1), ("c", 2)):
             h.register(node, rank=rank)
@@ -614,6 +615,8 @@ def test_state_that_looks_lost_while_a_live_node_restores_it_waits_for_that_rest
         h.pong_all()
         h.pong_all()  # the probe before "state lost"
         assert h.finish is None and h.c.generation == 1, "rank 2 may be restored already: wait for s1"
+        (waiting,) = h.named("waiting_for_restore")
+        assert waiting["ranks"] == [2] and waiting["nodes"] == ["s1"]
         if outcome == "restored":
             h.msg("s1", p.WorkerReady("s1", 1, 2, 0.01, 0.02, "replica"))
             h.pong_all()
@@ -621,7 +624,29 @@ def test_state_that_looks_lost_while_a_live_node_restores_it_waits_for_that_rest
             (rc,) = h.sent_to("s1", p.Reconfigure)[-1:]
             assert rc.restore_step == 4 and rc.restore_from == {"2": ""}, "its own restored copy"
         else:
-            h.msg("s1", p.RestoreFailed("s1", 1, 2, 4, "tcp://a:1", "connection lost"))
+            if outcome == "failed":
+                h.msg("s1", p.RestoreFailed("s1", 1, 2, 4, "tcp://a:1", "connection lost"))
+            else:
+                h.msg("s1", p.PeerError("s1", 1, 2, "DistStoreError: wait timeout after 10000ms"))
             h.pong_all()
             h.pong_all()
             assert h.finish and "state lost" in h.finish.message and "ranks [2]" in h.finish.message
+            assert h.now < h.c.spec.restore_wait, "decided when s1 answered, not at the wait's end"
+
+
+def test_state_lost_for_a_rank_no_live_node_restores_ends_the_job_without_waiting_for_the_others():
+    """2 nodes, 2 spares: b dies and s1 is handed rank 1 (its copy on a); a then dies before s1 says it
+    restored. Rank 1 may be in s1's hands, but rank 0's only copy died with b and no live node restores it, so
+    the job cannot go on whatever s1 says: it ends at once (it once waited restore_wait, 120 s, in silence)."""
+    h = formed(spec(spares=2))
+    h.register("t", spare=True)
+    h.msg("b", p.SnapshotStored("b", 0, 4, 0))
+    h.msg("a", p.SnapshotStored("a", 1, 4, 0))
+    h.feed(NodeGone("b", "killed"))
+    h.pong_all()
+    assert h.c.generation == 1 and h.c.layout == ["a", "s"] and h.c.unrestored == {1}
+    h.feed(NodeGone("a", "killed"))
+    h.pong_all()
+    h.pong_all()  # the probe before "state lost"
+    assert h.finish and "state lost: ranks [0, 1]" in h.finish.message
+    assert not h.named("waiting_for_restore") and h.now < 1.0

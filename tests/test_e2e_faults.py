@@ -147,6 +147,19 @@ def test_a_node_and_its_only_replica_holder_dying_together_stop_naming_the_lost_
     assert not run.named("recovery_complete"), "never resumes from inconsistent state"
 
 
+def test_a_second_failure_that_takes_a_ranks_last_copy_during_a_recovery_stops_the_job_at_once(procs, tmp_path):
+    """Node 1 dies and a spare is handed rank 1, whose only copy is on node 0; node 0 dies as the recovery
+    begins, taking rank 1's copy and its own rank 0 (whose copy was on node 1). Rank 0 is gone whatever the
+    spare says of rank 1: the job stops at once, naming both (it once waited 120 s in silence for the spare)."""
+    run = dprun(procs, tmp_path, "lastcopy", "--nnodes", "2", "--spares", "2",
+                "--inject", "kill-node:1@step=8", "--inject", "kill-node:0@during-recovery", steps=STEPS, timeout=60)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "state lost: ranks [0, 1]" in run.stderr
+    last_failure = max(e["time"] for e in run.named("node_failed"))
+    (finished,) = run.named("job_finished")
+    assert finished["time"] - last_failure < 10, run.stderr[-3000:]
+
+
 def test_a_corrupt_replica_is_detected_and_another_copy_used(procs, tmp_path, sha3):
     # Snapshots every 10 steps; node 1 dies around step 14, far from the next snapshot (20), so rank 1's
     # newest snapshot (10) was acked, hence reported, by both its holders (node 2 and node 0) before any rank
