@@ -187,6 +187,10 @@ def saved_step(folder: str | os.PathLike, world_size: int) -> int:
     if not path.is_dir():
         raise ValueError(f"{folder} is not a folder of saved snapshots (give the step-S folder a stopped job "
                          "named)")
+    saved_ranks = sum(1 for p in path.glob("rank-*.dpsnap") if p.stem[5:].isdigit())
+    if saved_ranks > world_size and all(rank_file(path, r).exists() for r in range(saved_ranks)):
+        raise ValueError(f"{folder} holds a job of {saved_ranks} ranks and this one has {world_size} "
+                         "(--nnodes x --nproc-per-node): resume it with as many ranks as it was saved with")
     steps = set()
     for rank in range(world_size):
         try:

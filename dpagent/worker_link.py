@@ -107,9 +107,10 @@ class WorkerLink:
         tail = output.tail(lines=1000) if failed else ""
         raised = crash_exception(tail, done.exitcode)
         last = failure_detail(tail, raised) if failed else ""
+        asked = self.shutdown is not None and done.exitcode == self.shutdown.code and not raised
+        why = " (as the job stops)" if asked else f" ({last})" if last else ""  # not its last line: it obeyed
         log.log(logging.INFO if done.exitcode == 0 or self.shutdown else logging.WARNING,
-                "worker %d (pid %d) exited: %s%s", done.local_rank, done.pid, describe_exit(done.exitcode),
-                f" ({last})" if last else "")
+                "worker %d (pid %d) exited: %s%s", done.local_rank, done.pid, describe_exit(done.exitcode), why)
         exited = WorkerExited(self.cfg.node_id, self.generation, done.local_rank, done.pid, done.exitcode,
                               last or describe_exit(done.exitcode),
                               stderr_tail=output.tail() if failed else "",

@@ -158,6 +158,9 @@ def test_a_second_failure_that_takes_a_ranks_last_copy_during_a_recovery_stops_t
     last_failure = max(e["time"] for e in run.named("node_failed"))
     (finished,) = run.named("job_finished")
     assert finished["time"] - last_failure < 10, run.stderr[-3000:]
+    # the spares' workers obeyed the Stop: their agents say so, not the last line they printed before it
+    assert re.search(r"\[dpagent node[23]\] worker 0 \(pid \d+\) exited: exit code 1 \(as the job stops\)",
+                     run.stderr), run.stderr[-3000:]
 
 
 def test_a_corrupt_replica_is_detected_and_another_copy_used(procs, tmp_path, sha3):
