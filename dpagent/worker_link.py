@@ -7,6 +7,7 @@ A part of the Agent (it inherits this), kept apart so each file reads in one sit
 from __future__ import annotations
 
 import logging
+import signal
 import time
 
 from .channel import Incoming
@@ -20,6 +21,10 @@ from .workers import WorkerDone, describe_exit, worker_env
 
 log = logging.getLogger("dpagent")
 FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, SnapshotFiles)  # to the controller
+
+
+# the signals the agent's shutdown has sent its workers by each phase (dpagent.shutdown)
+AGENT_SIGNALS = {"stop": (), "save": (), "term": (-signal.SIGTERM,), "kill": (-signal.SIGTERM, -signal.SIGKILL)}
 
 
 class WorkerLink:
@@ -107,8 +112,12 @@ class WorkerLink:
         tail = output.tail(lines=1000) if failed else ""
         raised = crash_exception(tail, done.exitcode)
         last = failure_detail(tail, raised) if failed else ""
-        asked = self.shutdown is not None and done.exitcode == self.shutdown.code and not raised
-        why = " (as the job stops)" if asked else f" ({last})" if last else ""  # not its last line: it obeyed
+        why = f" ({last})" if last else ""
+        if self.shutdown is not None and not raised:  # not its last line where it obeyed, or its agent ended it
+            if done.exitcode == self.shutdown.code:
+                why = " (as the job stops)"
+            elif done.exitcode in AGENT_SIGNALS[self.shutdown.phase]:
+                why = " (by its agent, as it stops)"
         log.log(logging.INFO if done.exitcode == 0 or self.shutdown else logging.WARNING,
                 "worker %d (pid %d) exited: %s%s", done.local_rank, done.pid, describe_exit(done.exitcode), why)
         exited = WorkerExited(self.cfg.node_id, self.generation, done.local_rank, done.pid, done.exitcode,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -183,6 +184,9 @@ def test_a_standalone_dprun_killed_by_sigkill_leaves_its_agents_to_save_the_stat
     assert sorted(line.split("]")[0] for line in lost) == ["[dpagent node0", "[dpagent node1", "[dpagent node2"], err
     assert "rank 0 (own) step" in err and "rank 1 (own) step" in err, err[-3000:]
     assert f"[dpagent node2] controller lost: this node held no snapshot to write to {saved}" in err, err[-3000:]
+    # the agents killed their workers after the save: said as such, not with a worker's last line before it
+    ends = re.findall(r"\[dpagent node\d\] worker 0 \(pid \d+\) exited: killed by SIGKILL(.*)", err)
+    assert ends and set(ends) == {" (by its agent, as it stops)"}, err[-3000:]
     _assert_a_step_complete(saved)
     _resumed(procs, tmp_path, str(saved), sha)
 
