@@ -42,6 +42,21 @@ def describe(event: dict) -> str:
         return f"node {e['node']}{where} failed: {e['cause']}"
     if kind == "spare_lost":
         return f"spare {e['node']} lost; {e['spares_left']} spare(s) left"
+    if kind == "waiting_for_spare":
+        return (f"no spare left for {e['failed']}: waiting up to {e['timeout_s']:g}s for {e['needed']} node(s) to "
+                "join as a spare (dprun with this job's --rdzv-endpoint and token, without --node-rank)")
+    if kind == "restore_failed":
+        return (f"rank {e['rank']} on {e['node']} could not restore step {e['step']} from "
+                f"{e['source'] or 'its own copy'} ({e['reason']}); planning without that copy")
+    if kind == "controller_paused":
+        left = ("; its nodes may have taken it for lost (silent past --heartbeat-timeout)" if e.get("nodes_left")
+                else "; no node is blamed for that silence")
+        return f"dprun itself did not run for {e['seconds']:g}s (stopped, or starved of CPU){left}"
+    if kind == "fault_skipped":
+        return f"injected fault {e['spec']} skipped: {e['reason']}"
+    if kind == "message_dropped":
+        return (f"dropped a message from {e['sender']!r} ({e['reason']}); {e['dropped_total']} dropped so far: "
+                "is something else talking to this port, or a node with another job's token?")
     if kind == "peer_error":
         return f"rank {e['rank']} on {e['node']} reports a peer error; probing every node"
     if kind == "spare_promoted":

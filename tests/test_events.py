@@ -1,0 +1,37 @@
+"""The console's line for each event: every kind the controller and its shell publish is said in words."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import dprun
+from dprun.events import describe
+
+PUBLISHED = re.compile(r'_publish\("([a-z_]+)"|\{"event": "([a-z_]+)"')
+
+
+def test_every_event_kind_published_has_a_line_in_words_not_the_generic_key_value_one():
+    sources = [path.read_text() for path in Path(dprun.__file__).parent.rglob("*.py")]
+    kinds = {a or b for text in sources for a, b in PUBLISHED.findall(text)}
+    assert {"node_failed", "waiting_for_spare", "message_dropped"} <= kinds, kinds  # the pattern finds both forms
+    said = Path(dprun.__file__).with_name("events.py").read_text()
+    assert sorted(kind for kind in kinds if f'kind == "{kind}"' not in said) == []
+
+
+def test_the_lines_of_waits_drops_and_pauses_say_what_to_do_or_why():
+    lines = {kind: describe({"event": kind, "time": 0, **fields}) for kind, fields in {
+        "waiting_for_spare": dict(needed=1, failed="node1 (node rank 1: no heartbeat for 2.0 s)", timeout_s=1800.0),
+        "waiting_for_restore": dict(ranks=[2], nodes=["node3"], timeout_s=120.0),
+        "restore_failed": dict(node="node3", rank=2, step=10, source="", reason="checksum mismatch"),
+        "controller_paused": dict(seconds=12.5, nodes_left=True),
+        "message_dropped": dict(sender="x", reason="bad signature", dropped_total=3),
+        "fault_skipped": dict(spec="kill-node:7@step=3", reason="no such node"),
+    }.items()}
+    assert "waiting up to 1800s for 1 node(s) to join as a spare" in lines["waiting_for_spare"]
+    assert "--rdzv-endpoint" in lines["waiting_for_spare"]
+    assert "waiting up to 120s for node3" in lines["waiting_for_restore"]
+    assert "from its own copy (checksum mismatch)" in lines["restore_failed"]
+    assert "did not run for 12.5s" in lines["controller_paused"] and "taken it for lost" in lines["controller_paused"]
+    assert "another job's token" in lines["message_dropped"]
+    assert lines["fault_skipped"] == "injected fault kill-node:7@step=3 skipped: no such node"
