@@ -326,6 +326,9 @@ def run(
                   "address, the same on every node" if derived else f"--rdzv-endpoint: cannot resolve {host!r}")
         if nnodes == 1 and node_rank < 0 and not token and is_local(host):
             standalone = True  # torchrun's single-node `--master-port P` / `--rdzv-endpoint localhost:P`
+    if node_rank > 0 and (standalone or not rdzv_endpoint):
+        _fail(f"--node-rank {node_rank} is one node of a multi-node job: give every node --rdzv-endpoint HOST:PORT "
+              "of the node with --node-rank 0 (without it, dprun runs every node on this machine)")
     opts = JobOptions(
         nnodes=nnodes, spares=spares, nproc_per_node=nproc_per_node, script=[script, *(script_args or [])],
         events_file=str(events_file) if events_file else None, faults=fault_specs,

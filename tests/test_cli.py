@@ -78,6 +78,8 @@ def test_every_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path):
         "snapshot check": (["--snapshot-check", "0", script], "--snapshot-check must be a positive number"),
         "endpoint": (["--rdzv-endpoint", "nohostport", "--token-file", token, script], "expected HOST:PORT"),
         "no program": (["--no-python", "no-such-program-xyz"], "no such command: no-such-program-xyz"),
+        "node rank, no endpoint": (["--nnodes", "2", "--node-rank", "1", script],
+                                   "--node-rank 1 is one node of a multi-node job: give every node --rdzv-endpoint"),
         "port in use": (["--rdzv-endpoint", f"127.0.0.1:{port}", "--node-rank", "0", "--token-file", token, script],
                         f"cannot listen on 127.0.0.1:{port}"),
         "status port in use": (["--status-port", port, script], f"cannot listen on 127.0.0.1:{port}"),
