@@ -283,6 +283,9 @@ def run(
         except OSError as exc:
             _fail(f"--save-dir {save_dir}: {exc.strerror}")
     for spec in fault_specs:
+        if restart_mode and spec.trigger == "step":
+            _fail(f"--inject {spec}: this script does not use dpstate, so dprun does not see its steps; trigger it "
+                  f"at a time instead ({spec.kind}:{spec.node_rank}@t=SECONDS)")
         if spec.on_spare:
             if spec.node_rank >= spares:
                 _fail(f"--inject {spec}: spare {spec.node_rank} does not exist with --spares {spares}")

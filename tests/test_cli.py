@@ -66,6 +66,8 @@ def test_every_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path):
         "missing script": (["missing.py"], "no such script: missing.py"),
         "bad inject": (["--inject", "explode:1@step=3", script], "unknown kind 'explode'"),
         "inject spec": (["--inject", "kill-node", script], "bad --inject"),
+        "step fault, plain script": (["--inject", "kill-worker:0@step=5", script],
+                                     "does not use dpstate, so dprun does not see its steps; trigger it at a time"),
         "zero nodes": (["--nnodes", "0", script], "--nnodes must be at least 1"),
         "elastic nodes": (["--nnodes", "1:4", script], "elastic node counts are not supported"),
         "replicas": (["--nnodes", "2", "--replicas", "2", script], "--replicas 2 needs 3 nodes or more"),
