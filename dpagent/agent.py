@@ -26,14 +26,14 @@ from .events import EventPipe
 from .liveness import Liveness
 from .process import LAUNCHER_GONE, LAUNCHER_STOP, descendants, reap_orphans, set_child_subreaper, signal_procs
 from .protocol import (
-    NO_RANK, Codec, Heartbeat, Inject, LoadSnapshots, Ping, Pong, Reconfigure, Register, SaveSnapshots, Standby, Stop,
-    Welcome,
+    NO_RANK, REFUSALS, Codec, Heartbeat, Inject, LoadSnapshots, Ping, Pong, Reconfigure, Register, SaveSnapshots,
+    Standby, Stop, Welcome,
 )
 from .output import OutputSpec
 from .replica_server import ReplicaServer
 from .replica_store import ReplicaStore
 from .restart import RestartMode
-from .shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, Shutdown, ShutdownSequence
+from .shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, EXIT_REFUSED, Shutdown, ShutdownSequence
 from .worker_link import WorkerLink
 from .workers import WorkerGroup
 
@@ -295,6 +295,10 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
                 elif self.liveness.beat_due(now):
                     self._to_controller(Heartbeat(self.cfg.node_id, self.generation, self._worker_statuses(now)))
                     self.liveness.beat_sent(now)
+            elif self.control.refused:
+                log.error("%s refused this node: %s; exiting %d", self.cfg.controller,
+                          REFUSALS[self.control.refused], EXIT_REFUSED)
+                self._begin_shutdown(EXIT_REFUSED, "refused", "kill")
             elif now - self.started >= self.cfg.register_timeout:
                 log.error("no Welcome from %s within %.0fs; exiting %d",
                           self.cfg.controller, self.cfg.register_timeout, EXIT_NO_CONTROLLER)

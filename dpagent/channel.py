@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from .protocol import Codec, ProtocolError
+from .protocol import Codec, ProtocolError, Refused
 
 log = logging.getLogger("dpagent")
 
@@ -56,6 +56,7 @@ class Channel:
         self.on_drop = on_drop
         self.dropped = 0
         self.send_dropped = 0
+        self.refused = ""  # the code of the last refusal heard (its peer cannot authenticate us; protocol.Refused)
 
     # ------------------------------------------------------------------ receive
 
@@ -100,6 +101,10 @@ class Channel:
                 frames = frames[1:]
         try:
             msg, payload = self.codec.decode(frames)
+        except Refused as exc:
+            self.refused = exc.code
+            self._drop(str(exc))
+            return None
         except ProtocolError as exc:
             self._drop(str(exc))
             return None

@@ -64,6 +64,36 @@ CHUNK_BYTES = 4 << 20  # snapshot data frames; a whole number of dpagent.checksu
 class ProtocolError(ValueError):
     """A message that must be dropped: malformed, unauthenticated, oversized or of another version."""
 
+    refusal = ""  # "token" or "version": the sender is of another job or DeadPool version (it is told: refusal())
+
+
+class Refused(ProtocolError):
+    """The controller refused this node, whose messages it could not authenticate. A refusal cannot be signed
+    with a key the node does not share, so it is not authenticated either: a node heeds it only before its Welcome."""
+
+    def __init__(self, code: str):
+        super().__init__(f"refused by the controller: {REFUSALS[code]}")
+        self.code = code
+
+
+REFUSAL = b"DP\x00"  # a refusal's first frame ("version 0", which no protocol version is), then its code
+REFUSALS = {
+    "token": "its messages fail authentication with the job's token (give every node the same DP_JOB_TOKEN or "
+             "--token-file)",
+    "version": f"it speaks another protocol version than {PROTOCOL_VERSION} (run the same DeadPool on every node)",
+}
+
+
+def refusal(code: str) -> list[bytes]:
+    """The frames that tell a peer why its messages are dropped (a ProtocolError's refusal)."""
+    return [REFUSAL, code.encode()]
+
+
+def _refused(why: str, code: str) -> ProtocolError:
+    error = ProtocolError(why)
+    error.refusal = code
+    return error
+
 
 _REGISTRY: dict[str, type] = {}
 
@@ -571,18 +601,23 @@ class Codec:
         return [MAGIC, kind, body, self._mac(kind, body), *payload]
 
     def decode(self, frames: Sequence[Any]) -> tuple[Any, list]:
-        """Returns (message, payload frames); raises ProtocolError for anything to drop."""
+        """Returns (message, payload frames); raises ProtocolError for anything to drop (Refused for a refusal)."""
+        if len(frames) == 2 and bytes(_buffer(frames[0])) == REFUSAL:
+            code = bytes(_buffer(frames[1])).decode(errors="replace")
+            if code in REFUSALS:
+                raise Refused(code)
+            raise ProtocolError(f"a refusal of unknown kind {code[:40]!r}")
         if len(frames) < 4:
             raise ProtocolError(f"expected at least 4 frames, got {len(frames)}")
         magic, kind, body, mac = (bytes(_buffer(f)) for f in frames[:4])
         if magic[:2] != MAGIC[:2]:
             raise ProtocolError("not a DeadPool message")
         if magic != MAGIC:
-            raise ProtocolError(f"protocol version {magic[2:]!r} is not {PROTOCOL_VERSION}")
+            raise _refused(f"protocol version {magic[2:]!r} is not {PROTOCOL_VERSION}", "version")
         if len(body) > MAX_BODY_BYTES:
             raise ProtocolError(f"body of {len(body)} bytes is over {MAX_BODY_BYTES}")
         if not hmac.compare_digest(mac, self._mac(kind, body)):
-            raise ProtocolError("bad MAC: wrong job token or a tampered message")
+            raise _refused("bad MAC: wrong job token or a tampered message", "token")
         cls = _REGISTRY.get(kind.decode(errors="replace"))
         if cls is None:
             raise ProtocolError(f"unknown message type {kind[:40]!r}")
@@ -623,6 +658,10 @@ __all__ = [name for name in _REGISTRY] + [
     "chunk_views",
     "block_views",
     "ProtocolError",
+    "REFUSAL",
+    "REFUSALS",
+    "Refused",
+    "refusal",
     "message_types",
     "payload_bytes",
 ]

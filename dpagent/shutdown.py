@@ -18,7 +18,8 @@ from .protocol import Stop
 log = logging.getLogger("dpagent")
 
 EXIT_CONTROLLER_LOST = 3  # the controller fell silent (or its dprun died) after welcoming this node
-EXIT_NO_CONTROLLER = 4  # no Welcome within --register-timeout: none answered (not started, wrong token)
+EXIT_NO_CONTROLLER = 4  # no Welcome within --register-timeout: none answered (not started, unreachable)
+EXIT_REFUSED = 5  # the controller refused this node before its Welcome: another job's token or DeadPool version
 
 
 @dataclass

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dpagent import protocol as p
 from dpagent.process import LAUNCHER_STOP
-from dpagent.shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER
+from dpagent.shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, EXIT_REFUSED
 from dpagent.snapshot_files import newest_saved
 
 from .controller import JobSpec, NodeGone
@@ -293,6 +293,10 @@ def _run_member(agent: AgentCommand, token: str, opts: JobOptions) -> int:
     agents.kill_all()
     if code != 0:
         print(f"dprun: this node's agent ended: {p.describe_exit(code)}", file=sys.stderr)
+    if code == EXIT_REFUSED:
+        print(f"dprun: the controller at {agent.controller} refused this node: give every node the job's token "
+              "(DP_JOB_TOKEN or --token-file) and the same DeadPool version (the agent's line above says which "
+              "differs)", file=sys.stderr)
     if code == EXIT_NO_CONTROLLER:
         head = "the step's first node" if opts.slurm else "the node with --node-rank 0"
         print(f"dprun: no controller answered at {agent.controller} within {opts.rdzv_timeout:g} s: check that "

@@ -5,6 +5,7 @@ Everything it decides comes from dprun.controller.Controller; this only moves by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pickle
 import threading
@@ -129,6 +130,9 @@ class ControllerServer:
             try:
                 msg, _ = self.codec.decode(frames[1:])
             except p.ProtocolError as exc:
+                if exc.refusal:  # another job's node, or another version's: tell it why it will get no answer
+                    with contextlib.suppress(zmq.ZMQError):
+                        self.router.send_multipart([frames[0], *p.refusal(exc.refusal)], zmq.NOBLOCK)
                 self.dropped += 1
                 if self.dropped <= 10 or self.dropped % 100 == 0:
                     self.sink.emit({"event": "message_dropped", "sender": sender[:64], "reason": str(exc)[:200],

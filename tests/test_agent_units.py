@@ -4,6 +4,7 @@ what a failed worker's stderr is summed up as."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -16,7 +17,9 @@ from dpagent.channel import Channel, poll_ms
 from dpagent.events import EventPipe
 from dpagent.liveness import Liveness
 from dpagent.output import crash_exception, failure_detail
-from dpagent.protocol import PROTOCOL_VERSION, Codec, Ping, Pong, ProtocolError, Standby, describe_end
+from dpagent.protocol import (
+    PROTOCOL_VERSION, REFUSAL, REFUSALS, Codec, Ping, Pong, ProtocolError, Refused, Standby, describe_end, refusal,
+)
 from dpagent.workers import WorkerGroup, describe_exit, is_loopback, worker_command, worker_env
 
 
@@ -118,6 +121,7 @@ def test_channel_drops_and_counts_bad_messages():
         assert got.msg == Ping(2) and got.sender == b"peer"
         assert server.dropped == 3 and len(drops) == 3
         assert "MAC" in drops[0] and "version" in drops[2]
+        assert client.refused == ""
         server.reply(got, Pong("n", 2))
         assert client.recv(timeout=2.0).msg == Pong("n", 2)
         with pytest.raises(ValueError):
@@ -132,6 +136,40 @@ def test_a_standby_whose_sizes_are_not_whole_numbers_is_refused(sizes):
     assert codec.decode(codec.encode(Standby([0, 5 << 30])))[0] == Standby([0, 5 << 30])
     with pytest.raises(ProtocolError, match="Standby.snapshot_bytes"):
         codec.decode(codec.encode(Standby(sizes)))
+
+
+def test_a_peer_that_fails_authentication_is_told_why_by_a_refusal_only_a_known_code_makes():
+    """The controller answers a message it cannot authenticate with an unsigned refusal naming why (another
+    job's token, another protocol version); the agent's channel remembers its code (the agent heeds it only
+    before its Welcome). A refusal of an unknown kind, or the frames of any other peer, sets nothing."""
+    codec = Codec("good")
+    for frames, code in ((Codec("evil").encode(Ping(1)), "token"),
+                         ([b"DP" + bytes([PROTOCOL_VERSION + 1]), b"Ping", b"{}", b"x" * 32], "version")):
+        with pytest.raises(ProtocolError) as caught:
+            codec.decode(frames)
+        assert caught.value.refusal == code and not isinstance(caught.value, Refused)
+        with pytest.raises(Refused, match=re.escape(REFUSALS[code])) as told:
+            Codec("evil").decode(refusal(caught.value.refusal))  # any token reads it: it is not signed
+        assert told.value.code == code
+    with pytest.raises(ProtocolError, match="unknown kind") as unknown:
+        codec.decode([REFUSAL, b"you smell"])
+    assert not isinstance(unknown.value, Refused)
+    with pytest.raises(ProtocolError) as malformed:
+        codec.decode([b"garbage"])
+    assert malformed.value.refusal == "", "nobody is told anything for noise"
+    ctx = zmq.Context()
+    try:
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        router.bind("inproc://refusal")
+        dealer.setsockopt(zmq.IDENTITY, b"peer")
+        dealer.connect("inproc://refusal")
+        client = Channel(dealer, Codec("evil"), "client")
+        router.send_multipart([b"peer", *refusal("unknown")])
+        router.send_multipart([b"peer", *refusal("token")])
+        assert client.recv(timeout=0.5) is None
+        assert client.refused == "token" and client.dropped == 2
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_poll_timeouts_round_up_so_that_a_loop_waiting_for_a_deadline_does_not_spin():

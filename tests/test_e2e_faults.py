@@ -253,21 +253,28 @@ def test_bad_messages_to_a_running_job_are_dropped_and_it_finishes_unharmed(proc
 
 
 @pytest.mark.timeout(60)
-def test_a_node_that_no_controller_answers_exits_4_and_says_what_to_check(procs, tmp_path):
-    """A joining node whose token is not the head's (the controller drops its messages: bad MAC), and one whose
-    endpoint has nobody listening, get no Welcome: each ends after --rdzv-timeout with exit 4 and a line naming
-    the endpoint, not 3 (which says a controller was lost, and under Slurm sets off the job's settling)."""
+def test_a_node_with_another_token_is_refused_at_once_and_one_nobody_answers_exits_4(procs, tmp_path):
+    """A joining node whose token is not the head's: the controller cannot authenticate it, drops its messages
+    and tells it so (an unauthenticated refusal, heeded before a Welcome only); it exits 5 at once, saying to
+    give every node the job's token. One whose endpoint has nobody listening gets no Welcome: it ends after
+    --rdzv-timeout with exit 4 and a line naming the endpoint, not 3 (which says a controller was lost, and
+    under Slurm sets off the job's settling)."""
     endpoint, events, head, _ = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "0")
     wrong = tmp_path / "wrong-token"
     wrong.write_text("not-the-jobs-secret")
     nobody = f"127.0.0.1:{free_port()}"
     script = [TRAIN, "--steps", "5", *TRAIN_ARGS]
-    members = [procs.dprun("--rdzv-endpoint", where, "--node-rank", "1", "--token-file", wrong, "--nnodes", "2",
-                           "--rdzv-timeout", "3", *script, cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-               for where in (endpoint, nobody)]
-    for member, where in zip(members, (endpoint, nobody)):
-        _, err = member.communicate(timeout=40)
-        assert member.returncode == 4, err[-2000:]
-        assert f"dprun: no controller answered at tcp://{where} within 3 s" in err, err[-2000:]
+    members = {where: procs.dprun("--rdzv-endpoint", where, "--node-rank", "1", "--token-file", wrong,
+                                  "--nnodes", "2", "--rdzv-timeout", timeout, *script, cwd=tmp_path,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for where, timeout in ((endpoint, "40"), (nobody, "3"))}
+    started = time.monotonic()
+    _, err = members[endpoint].communicate(timeout=40)
+    assert members[endpoint].returncode == 5, err[-2000:]
+    assert time.monotonic() - started < 20, "refused at its first message, not at --rdzv-timeout (40 s)"
+    assert "refused this node: its messages fail authentication with the job's token" in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(f"dprun: the controller at tcp://{endpoint} refused this node"), err
+    _, err = members[nobody].communicate(timeout=40)
+    assert members[nobody].returncode == 4, err[-2000:]
+    assert f"dprun: no controller answered at tcp://{nobody} within 3 s" in err, err[-2000:]
     assert head.poll() is None  # the head still waits for a node with the right token
