@@ -71,7 +71,7 @@ def _setup_logging(node_id: str, verbose: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     launcher = os.environ.get("DP_PDEATHSIG")
-    if launcher == "controller":  # the launcher runs the controller: its death is the controller's (a save)
+    if launcher in ("controller", "member"):  # its death: the controller's (a save), or this node leaves the job
         set_pdeathsig(LAUNCHER_GONE)
     elif launcher == "1":
         set_pdeathsig()  # die with the launcher
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_grace=opts.stop_grace,
         term_grace=opts.term_grace,
         register_timeout=opts.register_timeout,
-        launcher_hosts_controller=launcher == "controller",
+        launcher=launcher if launcher in ("controller", "member") else "",
         output=output,
         max_restarts=opts.max_restarts,
     )

@@ -78,7 +78,9 @@ class AgentConfig:
     register_timeout: float = 300.0  # no Welcome by then: exit 4
     output: OutputSpec = field(default_factory=OutputSpec)  # log files, console filter (torchrun's -r/-t)
     max_restarts: int = 3  # restart mode: for TORCHELASTIC_MAX_RESTARTS
-    launcher_hosts_controller: bool = False  # its death (LAUNCHER_GONE) is the controller's: save at once
+    # what the death of the dprun that ran it (LAUNCHER_GONE) means: "controller", the controller's (save at
+    # once); "member", this node leaves the job (Leaving; its workers killed); "": none is signalled
+    launcher: str = ""
     env: dict = field(default_factory=lambda: dict(os.environ))
 
 
@@ -105,7 +107,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         self._job_stopping = False  # the controller asked for the job's save: its Stop follows
         self._writing_own: set[int] = set()  # local ranks asked to write their own copies in that save
         self._launcher_pid = os.getppid()
-        self._launcher_gone = False  # its parent-death signal came: the controller died with the launcher
+        self._launcher_gone = False  # its parent-death signal came (cfg.launcher says what that means)
         self._old_handlers: dict = {}
         self._wakeup = None
         self._owns_run_dir = False
@@ -172,7 +174,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         self._old_handlers[LAUNCHER_STOP] = signal.signal(LAUNCHER_STOP, self._on_launcher_stop)
-        if self.cfg.launcher_hosts_controller:
+        if self.cfg.launcher:
             self._old_handlers[LAUNCHER_GONE] = signal.signal(LAUNCHER_GONE, self._on_launcher_gone)
 
     def _on_signal(self, signum, _frame) -> None:
@@ -285,7 +287,9 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         elif self._signals and self.shutdown is not None and self.shutdown.phase == "save":
             self._signal_while_saving(now)
         if not self._exiting():  # (a node whose store stays heartbeats while its workers stop)
-            if self._launcher_gone:
+            if self._launcher_gone and self.cfg.launcher == "member":
+                self._leave(f"the dprun that ran it (pid {self._launcher_pid}) died")
+            elif self._launcher_gone:
                 self._lose_controller(f"the dprun that ran it (pid {self._launcher_pid}) died")
             elif self.liveness is not None:
                 if self.liveness.lost(now):

@@ -12,7 +12,7 @@ raising `ProtocolError`; callers drop and count such messages and carry on.
 
 Who sends what (the reconstruction protocol of docs/DESIGN.md):
 
-agent -> controller : Register, Heartbeat, Pong, WorkerExited, and relayed from workers:
+agent -> controller : Register, Heartbeat, Pong, WorkerExited, Leaving, and relayed from workers:
                       Progress, WorkerReady, PeerError, RestoreFailed, RankFinished; from its replica
                       store: SnapshotStored
 controller -> agent : Welcome, Reconfigure, Stop, Ping, Inject, Standby (to spares), SaveSnapshots (a job
@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 from .checksum import CHECKSUM_BLOCK
 
-PROTOCOL_VERSION = 13  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
+PROTOCOL_VERSION = 14  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
 #                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...);
 #                      8: check plans (data parallel blocks sampled: dpagent.checksum.CheckPlan);
 #                      9: SnapshotStored.nbytes and Standby (spares reserve snapshot memory while idle);
@@ -55,6 +55,7 @@ PROTOCOL_VERSION = 13  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.sn
 #                      12: Welcome.save_dir, SaveSnapshots of every step held (NO_RANK), SnapshotFiles.steps:
 #                          an agent that loses its controller writes its copies to the job's --save-dir
 #                      13: WorkerExited.raised (a worker that crashed while it exited on a Python exception)
+#                      14: Leaving (an agent that stops on its own says so), refusals (protocol.refusal)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -180,6 +181,15 @@ def describe_end(exitcode: int, detail: str) -> str:
     if exitcode < 0 and -exitcode not in OWN_SIGNALS:
         return f"{how} (its last line before: {detail})"
     return f"{how}: {detail}"
+
+
+@_message
+class Leaving:
+    """The agent stops on its own, not told to by a Stop: the dprun that ran it died, or it was signalled alone.
+    The controller fails the node at once instead of at its heartbeat timeout."""
+
+    node_id: str
+    reason: str
 
 
 @_message

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from .lost_save import LostSave, save_store
-from .protocol import Stop
+from .protocol import Leaving, Stop
 
 log = logging.getLogger("dpagent")
 
@@ -35,7 +35,7 @@ class Shutdown:
 
 class ShutdownSequence:
     """Needs the agent's cfg, workers, shutdown, retired, exit_code, replica, welcome, liveness, restart_mode,
-    _signals, _signalled, _stop_wait, _job_stopping, _to_workers and _own_ranks."""
+    _signals, _signalled, _stop_wait, _job_stopping, _to_workers, _to_controller and _own_ranks."""
 
     def _stop_signalled(self, now: float) -> None:
         """A signal to stop. When Slurm ends a step (its time limit, scancel) every process gets SIGTERM, the
@@ -60,6 +60,14 @@ class ShutdownSequence:
                   f"saving this node's snapshots to {self.welcome.save_dir}, then " if saving else "",
                   EXIT_CONTROLLER_LOST)
         self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", "save" if saving else "kill")
+
+    def _leave(self, why: str) -> None:
+        """This node leaves the job on its own (the dprun that ran it died): the controller, told so, fails it at
+        once (a spare takes over from the replicas, as for any lost node); its workers are killed, and it exits 1."""
+        log.error("%s: leaving the job (its workers killed), exiting 1", why)
+        if self.welcome is not None:
+            self._to_controller(Leaving(self.cfg.node_id, why))
+        self._begin_shutdown(1, "left the job", "kill")
 
     def _exiting(self) -> bool:
         """Stopping to exit: not running, nor only stopping its workers to keep its store (Stop.keep_store)."""

@@ -273,6 +273,9 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             if self.spec.restart_mode and len(rec.ready) == self.spec.world_size:
                 self._recovery_complete(rec, now)  # restarted scripts report no steps to us
 
+    def _on_Leaving(self, node: Node, msg: p.Leaving, now: float) -> None:
+        self._node_failed(node.node_id, f"its agent left the job: {msg.reason[:200]}", now)
+
     def _on_PeerError(self, node: Node, msg: p.PeerError, now: float) -> None:
         self._publish("peer_error", node=node.node_id, rank=msg.rank, detail=msg.detail[:200])
         # (before its WorkerReady: the rank left this generation unrestored, and takes no copy to the next)

@@ -96,8 +96,9 @@ class LocalAgents:
                  hosts_controller: bool = False):
         self.env = env
         # this process runs the controller: should it die (kill -9), its agents save what they hold, as they do
-        # when they lose a controller elsewhere, instead of dying with it
-        self.parent_death = "controller" if hosts_controller else "1"
+        # when they lose a controller elsewhere, instead of dying with it; a member's agent leaves the job, saying
+        # so to the controller (which fails its node at once) and removing its run folder
+        self.parent_death = "controller" if hosts_controller else "member"
         self.on_exit = on_exit
         self.capture = capture  # the dashboard owns the terminal: agents' and workers' output goes here
         self.procs: dict[str, subprocess.Popen] = {}

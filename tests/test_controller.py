@@ -173,6 +173,19 @@ def test_no_spare_left_stops_the_job_naming_the_node():
     assert h.sent_to("a", p.Stop)
 
 
+def test_a_node_that_says_it_leaves_is_failed_at_once_and_replaced():
+    h = formed()
+    h.msg("b", p.SnapshotStored("b", 0, 3, 0))
+    h.msg("a", p.SnapshotStored("a", 1, 3, 0))
+    h.msg("b", p.Leaving("b", "the dprun that ran it (pid 7) died"))
+    (failed,) = h.named("node_failed")
+    assert failed["node"] == "b" and failed["cause"] == "its agent left the job: the dprun that ran it (pid 7) died"
+    h.pong_all()
+    assert h.c.generation == 1 and h.c.layout == ["a", "s"]
+    h.msg("b", p.Leaving("b", "again"))  # fenced already: nothing more
+    assert len(h.named("node_failed")) == 1
+
+
 def test_missed_heartbeats_fail_a_frozen_node():
     h = formed()
     for _ in range(12):  # a keeps talking, b is frozen

@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -216,6 +217,32 @@ def test_out_of_spares_waits_for_a_node_to_join_the_running_job(procs, tmp_path,
     out, err = head.communicate(timeout=120)
     assert head.returncode == 0, err[-3000:]
     assert json.loads((tmp_path / "summary.json").read_text())["params_sha256"] == sha2
+
+
+def test_a_member_whose_dprun_is_killed_leaves_the_job_at_once_and_a_spare_takes_over(procs, tmp_path, sha2):
+    """kill -9 of a member node's dprun alone: its agent (the parent-death signal) tells the controller it leaves,
+    kills its workers and removes its run folder; the controller fails the node at once, not at the heartbeat
+    timeout, and the spare takes over."""
+    endpoint, events, head, start = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "1",
+                                                "--heartbeat-timeout", "20")
+    member = start("--node-rank", "1")
+    start()  # the spare
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 5 for e in read_events(events)), timeout=90,
+             what="training to pass step 5")
+    (agent,) = psutil.Process(member.pid).children()
+    procs.adopt([agent])
+    run_dir = Path(agent.cmdline()[agent.cmdline().index("--run-dir") + 1])
+    assert run_dir.is_dir()
+    member.kill()
+    out, err = head.communicate(timeout=120)
+    assert head.returncode == 0, err[-3000:]
+    (failed,) = [e for e in read_events(events) if e["event"] == "node_failed"]
+    assert failed["node_rank"] == 1 and "its agent left the job: the dprun that ran it" in failed["cause"], failed
+    (done,) = [e for e in read_events(events) if e["event"] == "recovery_complete"]
+    assert done["phases"]["detect_s"] < 5, done  # told, not found silent at the 20 s heartbeat timeout
+    assert json.loads((tmp_path / "summary.json").read_text())["params_sha256"] == sha2
+    assert not psutil.wait_procs([agent], timeout=10)[1], "the agent outlived its dprun"
+    assert not run_dir.exists(), "the agent removes the run folder its dead dprun made"
 
 
 def test_bad_messages_to_a_running_job_are_dropped_and_it_finishes_unharmed(procs, tmp_path, sha2):
