@@ -21,6 +21,9 @@ EXIT_CONTROLLER_LOST = 3  # the controller fell silent (or its dprun died) after
 EXIT_NO_CONTROLLER = 4  # no Welcome within --register-timeout: none answered (not started, unreachable)
 EXIT_REFUSED = 5  # the controller refused this node before its Welcome: another job's token or DeadPool version
 
+# how a worker ends that the shutdown's own signals killed, by the phase it is in (as a negative exit code)
+SENT_BY_PHASE = {"stop": (), "save": (), "term": (-signal.SIGTERM,), "kill": (-signal.SIGTERM, -signal.SIGKILL)}
+
 
 @dataclass
 class Shutdown:

@@ -7,7 +7,6 @@ A part of the Agent (it inherits this), kept apart so each file reads in one sit
 from __future__ import annotations
 
 import logging
-import signal
 import time
 
 from .channel import Incoming
@@ -17,14 +16,11 @@ from .protocol import (
     WorkerStatus,
 )
 from .replica_server import FilesDone, RelabelChecked
+from .shutdown import SENT_BY_PHASE
 from .workers import WorkerDone, describe_exit, worker_env
 
 log = logging.getLogger("dpagent")
 FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, SnapshotFiles)  # to the controller
-
-
-# the signals the agent's shutdown has sent its workers by each phase (dpagent.shutdown)
-AGENT_SIGNALS = {"stop": (), "save": (), "term": (-signal.SIGTERM,), "kill": (-signal.SIGTERM, -signal.SIGKILL)}
 
 
 class WorkerLink:
@@ -116,7 +112,7 @@ class WorkerLink:
         if self.shutdown is not None and not raised:  # not its last line where it obeyed, or its agent ended it
             if done.exitcode == self.shutdown.code:
                 why = " (as the job stops)"
-            elif done.exitcode in AGENT_SIGNALS[self.shutdown.phase]:
+            elif done.exitcode in SENT_BY_PHASE[self.shutdown.phase]:
                 why = " (by its agent, as it stops)"
         log.log(logging.INFO if done.exitcode == 0 or self.shutdown else logging.WARNING,
                 "worker %d (pid %d) exited: %s%s", done.local_rank, done.pid, describe_exit(done.exitcode), why)
