@@ -19,7 +19,7 @@ from .faults import FaultPlan
 from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .injection import FaultInjection
-from .deadlines import Deadlines
+from .deadlines import FORMING_NOTE_EVERY_S, Deadlines
 from .files import FileWork, Files
 from .reconstruction import Reconstruction
 from .repeats import RepeatedFailures
@@ -42,6 +42,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.sizing = SpareSizing(spec.nproc_per_node)  # what spares reserve memory for (Standby)
         self.faults = FaultPlan(list(spec.faults))
         self.started_at = now
+        self.forming_note_at = now + FORMING_NOTE_EVERY_S  # while nodes are missing, say so this often
         self.training_since: float | None = None
         self.generation = -1  # -1 while the first generation forms
         self.layout: list[str] = []  # node rank -> node id

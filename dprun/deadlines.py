@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dpagent import protocol as p
 
-from .nodes import ACTIVE, FAILED
+from .nodes import ACTIVE, FAILED, SPARE
 
+FORMING_NOTE_EVERY_S = 15.0  # nodes still missing after this long, and as often again: "waiting_for_nodes"
 
 class Deadlines:
     """The timer half of dprun.controller.Controller (its state lives there): `_tick` runs on every Tick."""
@@ -24,6 +25,11 @@ class Deadlines:
                                     f"registered within {self.spec.rdzv_timeout:g} s; start the missing nodes "
                                     "or lower --nnodes")
                     return
+            elif now >= self.forming_note_at:  # the first generation waits: say for whom, until when
+                self.forming_note_at = now + FORMING_NOTE_EVERY_S
+                self._publish("waiting_for_nodes", active=self.table.count(ACTIVE), nnodes=self.spec.nnodes,
+                              spares=self.table.count(SPARE), spares_wanted=self.spec.spares,
+                              timeout_s=round(self.spec.rdzv_timeout - (now - self.started_at)))
         for node in self.table.nodes.values():
             silent = now - node.last_heard
             if silent > self.spec.heartbeat_timeout and (node.role != FAILED or node.keeps_store):

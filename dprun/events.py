@@ -42,6 +42,10 @@ def describe(event: dict) -> str:
         return f"node {e['node']}{where} failed: {e['cause']}"
     if kind == "spare_lost":
         return f"spare {e['node']} lost; {e['spares_left']} spare(s) left"
+    if kind == "waiting_for_nodes":
+        then = ("the job fails" if e["active"] < e["nnodes"] else "it starts without the missing spares")
+        return (f"waiting for nodes to register: {e['active']} of {e['nnodes']} active, {e['spares']} of "
+                f"{e['spares_wanted']} spare(s); in {e['timeout_s']:g}s {then} (--rdzv-timeout)")
     if kind == "waiting_for_spare":
         return (f"no spare left for {e['failed']}: waiting up to {e['timeout_s']:g}s for {e['needed']} node(s) to "
                 "join as a spare (dprun with this job's --rdzv-endpoint and token, without --node-rank)")

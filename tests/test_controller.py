@@ -100,6 +100,26 @@ def test_forms_without_spares_at_rendezvous_timeout_and_fails_without_actives():
     assert "only 1 of 2 nodes" in lonely.finish.message
 
 
+def test_while_nodes_are_missing_the_controller_says_whom_it_waits_for_and_until_when():
+    h = Harness(spec(rdzv_timeout=60.0))
+    h.register("a", rank=0)
+    while h.now < 14.5:
+        h.alive({"a": {}})
+    assert not h.named("waiting_for_nodes"), "not at once: nodes start over a few seconds"
+    h.alive({"a": {}})
+    (first,) = h.named("waiting_for_nodes")
+    assert first == {"event": "waiting_for_nodes", "active": 1, "nnodes": 2, "spares": 0, "spares_wanted": 1,
+                     "timeout_s": 45}
+    h.register("b", rank=1)
+    while h.now < 30:
+        h.alive({"a": {}, "b": {}})
+    assert h.named("waiting_for_nodes")[-1]["active"] == 2 and h.c.generation == -1, "the spare is still awaited"
+    h.register("s", spare=True)
+    while h.now < 60:
+        h.alive({"a": {}, "b": {}, "s": {}})
+    assert h.c.generation == 0 and len(h.named("waiting_for_nodes")) == 2, "formed: no more notes"
+
+
 def test_node_failure_promotes_spare_into_same_node_rank_and_restores_newest_common_step():
     h = formed()
     for step in range(0, 6):
