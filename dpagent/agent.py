@@ -41,6 +41,7 @@ log = logging.getLogger("dpagent")
 
 IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux
 REAP_EVERY = 10.0
+WELCOME_NOTE_EVERY_S = 30.0  # a node still not welcomed says so this often (a quarter of a shorter timeout)
 # a stop signal from outside within this long after the one its launcher passed on is the same request: Slurm,
 # ending a step, signals the launcher and the agent alike, in either order (a second request stops the node now)
 SAME_STOP_S = 2.0
@@ -233,6 +234,8 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         try:
             self.started = time.monotonic()
             self._next_reap = self.started + REAP_EVERY
+            self._welcome_note_every = min(WELCOME_NOTE_EVERY_S, self.cfg.register_timeout / 4)
+            self._welcome_note_at = self.started + self._welcome_note_every
             log.info(
                 "registering with %s (nproc %d%s); replica store %s; workers %s",
                 self.cfg.controller, self.cfg.nproc, ", spare" if self.cfg.spare else "",
@@ -276,7 +279,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
             due.append(self._stop_wait)
         if not self._exiting():  # heartbeats due, or the Welcome still awaited
             due.append(self.liveness.next_deadline() if self.liveness is not None
-                       else self.started + self.cfg.register_timeout)
+                       else min(self._welcome_note_at, self.started + self.cfg.register_timeout))
         return poll_ms(min(due), now)
 
     def _tick(self, now: float) -> None:
@@ -307,6 +310,11 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
                 log.error("no Welcome from %s within %.0fs; exiting %d",
                           self.cfg.controller, self.cfg.register_timeout, EXIT_NO_CONTROLLER)
                 self._begin_shutdown(EXIT_NO_CONTROLLER, "no welcome", "kill")
+            elif now >= self._welcome_note_at:
+                self._welcome_note_at = now + self._welcome_note_every
+                log.warning("no Welcome from %s yet after %.3gs (is the dprun that runs the controller up there, "
+                            "with this job's token?); giving up in %.3gs", self.cfg.controller, now - self.started,
+                            self.cfg.register_timeout - (now - self.started))
         if self._held and self.shutdown is None:
             self._release_held(now)
         if self.shutdown is not None:

@@ -304,4 +304,5 @@ def test_a_node_with_another_token_is_refused_at_once_and_one_nobody_answers_exi
     _, err = members[nobody].communicate(timeout=40)
     assert members[nobody].returncode == 4, err[-2000:]
     assert f"dprun: no controller answered at tcp://{nobody} within 3 s" in err, err[-2000:]
+    assert re.search(f"no Welcome from tcp://{nobody} yet after [0-9.]+s .*giving up in", err), "said as it waited"
     assert head.poll() is None  # the head still waits for a node with the right token
