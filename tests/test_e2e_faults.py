@@ -189,18 +189,22 @@ def test_a_corrupt_only_copy_stops_the_job_instead_of_loading_it(procs, tmp_path
     assert run.named("restore_failed") and "state lost" in run.stderr
 
 
-def _multi_node(procs, tmp_path, *extra: str):
+def _multi_node(procs, tmp_path, *extra: str, step_sleep: float = 0.1):
     token = tmp_path / "token"
     token.write_text("fault-tests-secret")
     endpoint = f"127.0.0.1:{free_port()}"
     events = tmp_path / "events.jsonl"
     common = ["--rdzv-endpoint", endpoint, "--token-file", token, *extra]
-    # these tests act on the running job from outside: 0.1 s steps keep it running until they do
-    script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1", "--summary", tmp_path / "summary.json"]
+    # these tests act on the running job from outside: 0.1 s steps (or longer) keep it running until they do
+    script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", step_sleep, "--summary", tmp_path / "summary.json"]
     quiet = dict(cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     start = lambda *args: procs.dprun(*common, *args, *script, **quiet)  # noqa: E731
     head = procs.dprun(*common, "--node-rank", "0", "--events-file", events, *script, cwd=tmp_path,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the other nodes start once the controller listens: until then their agents' replica stores, binding any
+    # free port, and their connection attempts could take the endpoint's (free_port() only found it free)
+    wait_for(lambda: head.poll() is not None or read_events(events), timeout=60, what="the controller to listen")
+    assert head.poll() is None, head.communicate()[1][-2000:]
     return endpoint, events, head, start
 
 
@@ -246,7 +250,8 @@ def test_a_member_whose_dprun_is_killed_leaves_the_job_at_once_and_a_spare_takes
 
 
 def test_bad_messages_to_a_running_job_are_dropped_and_it_finishes_unharmed(procs, tmp_path, sha2):
-    endpoint, events, head, start = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "0")
+    # 0.3 s steps: the job runs on for 9 s after its first step, well past the bad messages' arrival
+    endpoint, events, head, start = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "0", step_sleep=0.3)
     start("--node-rank", "1")
     wait_for(lambda: any(e["event"] == "progress" for e in read_events(events)), timeout=90, what="training")
     ctx = zmq.Context()
@@ -272,7 +277,9 @@ def test_bad_messages_to_a_running_job_are_dropped_and_it_finishes_unharmed(proc
         intruder.close()
         ctx.term()
     dropped = lambda: [e for e in read_events(events) if e["event"] == "message_dropped"]  # noqa: E731
-    wait_for(lambda: len(dropped()) >= 10, timeout=30, what="every bad message to be dropped and counted")
+    ended = lambda: any(e["event"] == "job_finished" for e in read_events(events))  # noqa: E731
+    wait_for(lambda: len(dropped()) >= 10 or ended(), timeout=30, what="every bad message to be dropped and counted")
+    assert len(dropped()) >= 10, [(e["event"], e.get("step"), e.get("reason")) for e in read_events(events)]
     out, err = head.communicate(timeout=120)
     assert head.returncode == 0, err[-3000:]
     assert {e["sender"] for e in dropped()} == {"node-intruder"}
