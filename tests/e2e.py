@@ -35,6 +35,14 @@ def read_events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def controller_up(head, events: Path, timeout: float = 60) -> None:
+    """Wait until a head dprun's controller listens (its first event: its own node joined) before starting the
+    other nodes: their agents' replica stores, binding any free port, and their connection attempts could
+    otherwise take the endpoint's port, which free_port() only found free."""
+    wait_for(lambda: head.poll() is not None or read_events(events), timeout=timeout, what="the controller to listen")
+    assert head.poll() is None, f"the head dprun exited ({head.returncode}) before its controller listened"
+
+
 def dprun(procs, tmp: Path, name: str, *options: str, steps: int = 40, timeout: float = 150, env=None,
           train_args: tuple = ()) -> Run:
     """Runs `dprun OPTIONS train_gpt.py ... TRAIN_ARGS train_args` to its end (killed at `timeout`)."""

@@ -17,7 +17,7 @@ import zmq
 
 from conftest import Processes, free_port
 from dpagent import protocol as p
-from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
+from e2e import TRAIN, TRAIN_ARGS, controller_up, dprun, read_events, wait_for
 
 pytestmark = pytest.mark.slow
 STEPS = 30
@@ -201,10 +201,7 @@ def _multi_node(procs, tmp_path, *extra: str, step_sleep: float = 0.1):
     start = lambda *args: procs.dprun(*common, *args, *script, **quiet)  # noqa: E731
     head = procs.dprun(*common, "--node-rank", "0", "--events-file", events, *script, cwd=tmp_path,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # the other nodes start once the controller listens: until then their agents' replica stores, binding any
-    # free port, and their connection attempts could take the endpoint's (free_port() only found it free)
-    wait_for(lambda: head.poll() is not None or read_events(events), timeout=60, what="the controller to listen")
-    assert head.poll() is None, head.communicate()[1][-2000:]
+    controller_up(head, events)
     return endpoint, events, head, start
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import free_port, rss_shmem
 from dpstate.warmheap import heap_rss
-from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
+from e2e import TRAIN, TRAIN_ARGS, controller_up, dprun, read_events, wait_for
 
 pytestmark = pytest.mark.slow
 STEPS = 40
@@ -91,6 +91,7 @@ def test_multi_node_mode_survives_a_killed_dprun(procs, tmp_path, reference):
     script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1", "--summary", summary]  # running at the kill
     head = procs.dprun(*common, "--node-rank", "0", "--events-file", events, *script, cwd=tmp_path,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    controller_up(head, events)
     victim = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     spare = procs.dprun(*common, "--node-rank", "2", *script, cwd=tmp_path,

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import Processes, free_port, gone
 from dprun.slurm import controller_lost_notice
-from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, the_save, wait_for
+from e2e import TRAIN, TRAIN_ARGS, controller_up, dprun, read_events, the_save, wait_for
 
 pytestmark = pytest.mark.slow
 STEPS = 30
@@ -148,6 +148,7 @@ def test_nodes_that_lose_the_controller_write_their_copies_and_the_job_resumes_f
     script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1"]
     head = procs.dprun(*common, "--node-rank", "0", "--save-dir", saved, "--events-file", events, *script,
                        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    controller_up(head, events)
     other = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path, stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE, text=True, env={"SLURM_JOB_ID": "77"})  # a Slurm job, no srun step
     wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90, "step 8")
@@ -236,6 +237,7 @@ def test_a_member_signalled_by_its_dprun_then_by_slurm_counts_one_stop_and_serve
     script = [TRAIN, "--steps", 3000, *TRAIN_ARGS, "--step-sleep", "0.1"]
     head = procs.dprun(*common, "--node-rank", "0", "--save-dir", saved, "--events-file", events, *script,
                        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    controller_up(head, events)
     with open(tmp_path / "member.err", "w") as err_file:
         member = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path, stdout=subprocess.DEVNULL,
                              stderr=err_file)
@@ -278,6 +280,7 @@ def test_sigterm_to_every_process_of_a_multinode_job_saves_its_state(procs, tmp_
     script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1"]
     head = procs.dprun(*common, "--node-rank", "0", "--save-dir", saved, "--events-file", events, *script,
                        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    controller_up(head, events)
     other = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path, stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE, text=True)
     wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90, "step 8")
