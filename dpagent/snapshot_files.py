@@ -37,14 +37,18 @@ def write_snapshot(folder: str | os.PathLike, rank: int, step: int, checksum: in
     header = {"format": FORMAT, "rank": rank, "step": step, "checksum": checksum,
               "nbytes": meta.nbytes + sum(v.nbytes for v in views), "meta_bytes": meta.nbytes}
     partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.partial")  # two writers (a retry) do not mix
-    with open(partial, "wb") as f:
-        f.write(json.dumps(header).encode() + b"\n")
-        f.write(meta)
-        for view in views:
-            f.write(view)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as f:
+            f.write(json.dumps(header).encode() + b"\n")
+            f.write(meta)
+            for view in views:
+                f.write(view)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:  # (a full disk): what was written goes, so that it neither stays nor fills the disk
+        partial.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -66,6 +66,8 @@ class Files:
         if plan.lost or plan.step <= 0:
             plan = self.ledger.plan(self.spec.world_size, failed, self._survivor_floors())
         if plan.lost or plan.step <= 0 or INIT in plan.sources.values():
+            if before is not None:  # (what failed is said above, for each step tried)
+                return f"{message}; no other step of which every rank has a copy is left to try"
             return f"{message}; no step of which every rank has a copy was left to save"
         folder = str(step_folder(self.spec.save_dir, plan.step))
         deadline = before.deadline if before else self.now + self.spec.files_timeout  # for every step tried

@@ -53,7 +53,7 @@ def test_a_node_that_does_not_write_in_time_ends_the_job_saying_so():
     h.msg("a", p.SnapshotFiles("a", 2, {"1": "", "0": "rank 0: No space left on device"}))
     assert h.finish and "saving the state of step 4 in /saved/step-4 failed: a: rank 0: No space" in h.finish.message
     assert "saving the state of step 2 in /saved/step-2 failed" in h.finish.message
-    assert h.finish.message.endswith("no step of which every rank has a copy was left to save")
+    assert h.finish.message.endswith("no other step of which every rank has a copy is left to try")
     h2 = _two_nodes(save_dir="/saved", files_timeout=30.0)
     _trained_to_step_4_then_b_died(h2)
     h2.feed(Tick(), dt=31.0)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -95,6 +97,27 @@ def test_a_damaged_or_cut_file_is_refused_saying_so(tmp_path):
         read_snapshot(path, generation=0)
     results = store_loaded(ReplicaStore(), read_files(folder, 7, [0]), "n0", lambda _: None)
     assert "not a DeadPool snapshot file" in results["0"]
+
+
+def test_a_file_the_disk_cannot_take_is_not_left_half_written(tmp_path):
+    """A full disk (here a file size limit, RLIMIT_FSIZE, which fails a write as a full disk does, without
+    root): the write fails with its OS error and takes its partial file with it, which would otherwise stay
+    in the --save-dir and keep the disk full for the older step tried next."""
+    script = (
+        "import errno, resource, signal, sys\n"
+        "from dpagent.snapshot_files import write_snapshot\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))\n"
+        "try:\n"
+        "    write_snapshot(sys.argv[1], 3, 7, 0, b'{}', [bytes(256 * 1024)])\n"
+        "except OSError as exc:\n"
+        "    sys.exit(0 if exc.errno == errno.EFBIG else 2)\n"
+        "sys.exit(1)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "step-7")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert list((tmp_path / "step-7").iterdir()) == [], "neither the file nor its partial"
 
 
 def test_saved_step_names_the_step_of_a_whole_folder_and_what_is_wrong_with_any_other(tmp_path):
