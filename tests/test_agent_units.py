@@ -3,6 +3,7 @@ what a failed worker's stderr is summed up as."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -103,13 +104,22 @@ def test_a_pause_of_the_agent_itself_is_not_counted_as_the_controllers_silence()
     assert steady.lost(103.0)
 
 
-def test_channel_drops_and_counts_bad_messages():
+@contextlib.contextmanager
+def _router_and_peer():
+    """A ROUTER and a DEALER with identity b"peer" connected to it (inproc)."""
     ctx = zmq.Context()
     try:
         router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
         router.bind("inproc://ch")
         dealer.setsockopt(zmq.IDENTITY, b"peer")
         dealer.connect("inproc://ch")
+        yield router, dealer
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_channel_drops_and_counts_bad_messages():
+    with _router_and_peer() as (router, dealer):
         drops = []
         server = Channel(router, Codec("good"), "server", on_drop=lambda ch, why: drops.append(why))
         client = Channel(dealer, Codec("good"), "client")
@@ -126,8 +136,6 @@ def test_channel_drops_and_counts_bad_messages():
         assert client.recv(timeout=2.0).msg == Pong("n", 2)
         with pytest.raises(ValueError):
             server.send(Pong("n", 3))  # a ROUTER needs to know whom to send to
-    finally:
-        ctx.destroy(linger=0)
 
 
 @pytest.mark.parametrize("sizes", [["1"], [1.5], [True], "12", [[1]], [1, None]])
@@ -157,19 +165,12 @@ def test_a_peer_that_fails_authentication_is_told_why_by_a_refusal_only_a_known_
     with pytest.raises(ProtocolError) as malformed:
         codec.decode([b"garbage"])
     assert malformed.value.refusal == "", "nobody is told anything for noise"
-    ctx = zmq.Context()
-    try:
-        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-        router.bind("inproc://refusal")
-        dealer.setsockopt(zmq.IDENTITY, b"peer")
-        dealer.connect("inproc://refusal")
+    with _router_and_peer() as (router, dealer):
         client = Channel(dealer, Codec("evil"), "client")
         router.send_multipart([b"peer", *refusal("unknown")])
         router.send_multipart([b"peer", *refusal("token")])
         assert client.recv(timeout=0.5) is None
         assert client.refused == "token" and client.dropped == 2
-    finally:
-        ctx.destroy(linger=0)
 
 
 def test_poll_timeouts_round_up_so_that_a_loop_waiting_for_a_deadline_does_not_spin():
