@@ -227,7 +227,7 @@ def test_a_member_whose_dprun_is_killed_leaves_the_job_at_once_and_a_spare_takes
     endpoint, events, head, start = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "1",
                                                 "--heartbeat-timeout", "20")
     member = start("--node-rank", "1")
-    start()  # the spare
+    start("--node-rank", "2")  # the spare (a node rank past --nnodes; one without may register first)
     wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 5 for e in read_events(events)), timeout=90,
              what="training to pass step 5")
     (agent,) = psutil.Process(member.pid).children()
