@@ -55,7 +55,6 @@ class Files:
         if code == 0 or not self.spec.save_dir or self.saved or self.generation < 0 or self.spec.restart_mode:
             return message
         self.saved = True
-        self.ledger.take_back_kept()
         gone, dead = (before.gone, before.dead_workers) if before else (set(), set())
         failed = {r for i, n in enumerate(self.layout) if self.table.nodes[n].role == FAILED or n in gone
                   for r in self.ranks_of(i)} | self.unrestored | dead
@@ -110,11 +109,12 @@ class Files:
     def _keeps_store(self, node) -> bool:
         """A node fenced for its worker's exit (its agent alive): with --save-dir its store stays, its workers
         stopped, until the recovery that replaced it completes or the job ends, so that a job that ends over
-        it (the script's error on every rank, no spare left) can still save the copies it holds."""
+        it (the script's error on every rank, no spare left) can still save the copies it holds; meanwhile
+        they serve that recovery's restores too (a worker lost on each node at once: each store kept the
+        other's only copy)."""
         if not self.spec.save_dir or self.spec.restart_mode or self.generation < 0:
             return False
         node.keeps_store = True
-        self.ledger.holder_kept(node.node_id)
         return True
 
     def _kept_heard(self, node, msg, now: float) -> bool:

@@ -26,8 +26,6 @@ class ReplicaLedger:
         self.held: dict[int, dict[str, list[int]]] = {}  # rank -> holder -> newest steps, ascending
         self.newest_ever: dict[int, int] = {}  # rank -> newest step ever replicated (bounded by its live state)
         self.snapshot_steps: list[int] = [0]  # steps any rank was snapshotted at, ascending (the interval's grid)
-        # holder -> its `held` entries, set aside: a node fenced for its worker's exit whose store stays for a save
-        self.kept: dict[str, dict[int, list[int]]] = {}
 
     def stored(self, rank: int, step: int, holder: str) -> None:
         steps = self.held.setdefault(rank, {}).setdefault(holder, [])
@@ -52,22 +50,8 @@ class ReplicaLedger:
         return self.snapshot_steps[i - 1] if i else 0
 
     def holder_lost(self, holder: str) -> None:
-        self.kept.pop(holder, None)
         for by_holder in self.held.values():
             by_holder.pop(holder, None)
-
-    def holder_kept(self, holder: str) -> None:
-        """The holder is fenced but its store stays until the job ends: its copies no longer count for a
-        recovery (`held`), but can still be saved (`take_back_kept`)."""
-        steps = {rank: by_holder.pop(holder) for rank, by_holder in self.held.items() if holder in by_holder}
-        self.kept[holder] = steps
-
-    def take_back_kept(self) -> None:
-        """A job about to end: the copies in kept stores count again, for a save."""
-        for holder, by_rank in self.kept.items():
-            for rank, steps in by_rank.items():
-                self.held.setdefault(rank, {})[holder] = steps
-        self.kept = {}
 
     def rollback(self, step: int) -> None:
         """All ranks go back to `step`: copies of later steps no longer bound anyone's live state."""
@@ -87,9 +71,8 @@ class ReplicaLedger:
         self.snapshot_steps[:] = [s for s in self.snapshot_steps if s != step] or [0]
 
     def _step_lists(self) -> list[list[int]]:
-        """Every list of steps a holder holds of a rank, kept stores' too (to be edited in place)."""
-        kept = [steps for by_rank in self.kept.values() for steps in by_rank.values()]
-        return kept + [steps for by_holder in self.held.values() for steps in by_holder.values()]
+        """Every list of steps a holder holds of a rank (to be edited in place)."""
+        return [steps for by_holder in self.held.values() for steps in by_holder.values()]
 
     def newest_live(self, rank: int) -> int | None:
         steps = [s for held in self.held.get(rank, {}).values() for s in held]

@@ -255,10 +255,10 @@ def test_a_kept_node_that_falls_silent_loses_its_copies():
         h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
     h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, "ValueError"))
     h.pong_all()
-    assert h.c.ledger.kept == {"b": {0: [4]}}
+    assert h.c.ledger.holders_of(0, 4) == ["b"], "a kept store's copies count (for a restore, for a save)"
     h.alive({"a": {}}, dt=3.0)
     h.alive({"a": {}}, dt=3.0)  # b silent for 6 s (timeout 5)
-    assert h.c.ledger.kept == {} and not h.c.table.get("b").keeps_store
+    assert h.c.ledger.holders_of(0, 4) == [] and not h.c.table.get("b").keeps_store
 
 
 def test_a_save_whose_copies_turn_out_damaged_goes_down_to_an_older_step_every_rank_has():
@@ -306,3 +306,23 @@ def test_a_save_whose_copies_the_workers_trained_past_saves_the_newer_step_inste
                                              "4 in /saved/step-4 failed: the workers trained on past it (ranks [0, "
                                              "1]); the state of step 8 is saved in /saved/step-8 (go on from it: "
                                              "dprun ... --resume-from /saved/step-8)"), h.finish
+
+
+def test_the_stores_fenced_nodes_keep_serve_the_recovery_when_they_hold_the_only_copies():
+    """a's and b's workers die one after the other, each node holding the other's only copy: with --save-dir
+    their stores stay, and the plan restores from them rather than say "state lost"."""
+    h = formed(spec(spares=2, save_dir="/saved"))
+    h.register("t", spare=True)
+    for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
+        h.msg(node, p.Progress(node, 0, rank, 4, snapshot=True))
+        h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, -9))
+    h.pong_all()
+    assert h.c.generation == 1 and h.c.layout[1] in ("s", "t")
+    h.msg("a", p.WorkerExited("a", 1, 0, 12, -9))  # before the spare said it restored rank 1
+    h.pong_all()
+    h.pong_all()
+    assert h.finish is None and h.c.generation == 2 and set(h.c.layout) == {"s", "t"}
+    plans = {m.node_rank: m for node in ("s", "t") for m in h.sent_to(node, p.Reconfigure) if m.generation == 2}
+    assert plans[0].restore_from == {"0": "tcp://b:1"} and plans[1].restore_from == {"1": "tcp://a:1"}
+    assert [m.keep_store for m in h.sent_to("a", p.Stop)] == [True], "kept until this recovery completes"
