@@ -70,10 +70,11 @@ def _setup_logging(node_id: str, verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    launcher = os.environ.get("DP_PDEATHSIG")
-    if launcher in ("controller", "member"):  # its death: the controller's (a save), or this node leaves the job
+    pdeathsig = os.environ.get("DP_PDEATHSIG")
+    launcher = pdeathsig if pdeathsig in ("controller", "member") else ""
+    if launcher:  # its death: the controller's (a save), or this node leaves the job
         set_pdeathsig(LAUNCHER_GONE)
-    elif launcher == "1":
+    elif pdeathsig == "1":
         set_pdeathsig()  # die with the launcher
     opts_argv, command = _split(list(sys.argv[1:] if argv is None else argv))
     parser = _parser()
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_grace=opts.stop_grace,
         term_grace=opts.term_grace,
         register_timeout=opts.register_timeout,
-        launcher=launcher if launcher in ("controller", "member") else "",
+        launcher=launcher,
         output=output,
         max_restarts=opts.max_restarts,
     )

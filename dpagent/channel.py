@@ -101,11 +101,9 @@ class Channel:
                 frames = frames[1:]
         try:
             msg, payload = self.codec.decode(frames)
-        except Refused as exc:
-            self.refused = exc.code
-            self._drop(str(exc))
-            return None
         except ProtocolError as exc:
+            if isinstance(exc, Refused):
+                self.refused = exc.code
             self._drop(str(exc))
             return None
         return Incoming(msg, payload, envelope)

@@ -63,9 +63,12 @@ CHUNK_BYTES = 4 << 20  # snapshot data frames; a whole number of dpagent.checksu
 
 
 class ProtocolError(ValueError):
-    """A message that must be dropped: malformed, unauthenticated, oversized or of another version."""
+    """A message that must be dropped: malformed, unauthenticated, oversized or of another version.
+    `refusal`: "token" or "version" where the sender is of another job or DeadPool version (it is told: refusal())."""
 
-    refusal = ""  # "token" or "version": the sender is of another job or DeadPool version (it is told: refusal())
+    def __init__(self, why: str, refusal: str = ""):
+        super().__init__(why)
+        self.refusal = refusal
 
 
 class Refused(ProtocolError):
@@ -88,12 +91,6 @@ REFUSALS = {
 def refusal(code: str) -> list[bytes]:
     """The frames that tell a peer why its messages are dropped (a ProtocolError's refusal)."""
     return [REFUSAL, code.encode()]
-
-
-def _refused(why: str, code: str) -> ProtocolError:
-    error = ProtocolError(why)
-    error.refusal = code
-    return error
 
 
 _REGISTRY: dict[str, type] = {}
@@ -185,7 +182,7 @@ def describe_end(exitcode: int, detail: str) -> str:
 
 @_message
 class Leaving:
-    """The agent stops on its own, not told to by a Stop: the dprun that ran it died, or it was signalled alone.
+    """The agent stops on its own, not told to by a Stop: the dprun that ran it died (a member node's).
     The controller fails the node at once instead of at its heartbeat timeout."""
 
     node_id: str
@@ -623,11 +620,11 @@ class Codec:
         if magic[:2] != MAGIC[:2]:
             raise ProtocolError("not a DeadPool message")
         if magic != MAGIC:
-            raise _refused(f"protocol version {magic[2:]!r} is not {PROTOCOL_VERSION}", "version")
+            raise ProtocolError(f"protocol version {magic[2:]!r} is not {PROTOCOL_VERSION}", refusal="version")
         if len(body) > MAX_BODY_BYTES:
             raise ProtocolError(f"body of {len(body)} bytes is over {MAX_BODY_BYTES}")
         if not hmac.compare_digest(mac, self._mac(kind, body)):
-            raise _refused("bad MAC: wrong job token or a tampered message", "token")
+            raise ProtocolError("bad MAC: wrong job token or a tampered message", refusal="token")
         cls = _REGISTRY.get(kind.decode(errors="replace"))
         if cls is None:
             raise ProtocolError(f"unknown message type {kind[:40]!r}")

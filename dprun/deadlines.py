@@ -12,6 +12,7 @@ from .nodes import ACTIVE, FAILED, SPARE
 
 FORMING_NOTE_EVERY_S = 15.0  # nodes still missing after this long, and as often again: "waiting_for_nodes"
 
+
 class Deadlines:
     """The timer half of dprun.controller.Controller (its state lives there): `_tick` runs on every Tick."""
 
