@@ -135,4 +135,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # no interpreter finalization: see examples/plain_ddp.py's end
