@@ -222,9 +222,10 @@ class Reconstruction:
         failed = ", ".join(f"{n} ({self.table.nodes[n].cause})" for n in rec.failed) or rec.why
         early = sorted(rank for i, n in enumerate(self.layout) for local in self.table.nodes[n].exited_ok
                        if (rank := self.ranks_of(i)[local]) not in self.finished_ranks)
-        if early:
+        if early:  # what the others then met (a peer error, most often) is its consequence: not quoted
+            then = f" ({', '.join(map(str, rec.failed))} then failed)" if rec.failed else ""
             self._finish(1, f"rank {', '.join(map(str, early))} exited (exit code 0) after step {step} without "
-                            f"finishing job.steps(), and the others cannot train on without it: {failed}; if the "
+                            f"finishing job.steps(), and the others cannot train on without it{then}; if the "
                             "script stops early (a break out of the loop), it must do so on every rank")
             return
         step = max(self.finished_ranks.values(), default=step)

@@ -140,6 +140,18 @@ def test_a_rank_that_exits_0_without_finishing_is_named_when_the_others_fail_wit
     assert h.finish and h.finish.exit_code == 1
     assert "rank 1 exited (exit code 0) after step 5 without finishing job.steps()" in h.finish.message
     assert "must do so on every rank" in h.finish.message and "training completed" not in h.finish.message
+    assert "Connection closed" not in h.finish.message  # the peer error is its consequence: not quoted
+
+
+def test_the_nodes_that_fail_after_a_rank_exited_0_early_are_named_as_its_consequence():
+    h = formed()
+    _step(h, {"a": 0, "b": 1}, 5, 0)
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, 0))
+    h.msg("a", p.WorkerExited("a", 0, 0, 10, 1, "[rank0]: RuntimeError: Connection closed by peer"))
+    _recover(h)
+    assert h.finish and h.finish.exit_code == 1
+    assert "cannot train on without it (a then failed); if the script" in h.finish.message
+    assert "Connection closed" not in h.finish.message
 
 
 def test_a_rank_that_finished_in_a_generation_since_replaced_still_counts_as_finished():
