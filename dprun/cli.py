@@ -97,7 +97,8 @@ def run(
     hang_timeout: float = typer.Option(
         600.0, "--hang-timeout",
         help="No training step anywhere for this long: the rank that is not waiting on its peers is failed "
-             "(a hung worker); 0 turns it off."),
+             "(a hung worker); once training finished, a worker that has not exited this long after ends the "
+             "job (exit 1); 0 turns it off."),
     replicas: int = typer.Option(1, "--replicas", help="Peer nodes holding each node's snapshots (ring)."),
     snapshot_interval: Optional[str] = typer.Option(
         None, "--snapshot-interval",

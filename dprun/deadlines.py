@@ -1,5 +1,5 @@
 """Deadlines: what the controller does as time passes: forming times out, heartbeats and probes go unanswered,
-no spare comes for a waiting recovery, no rank steps for --hang-timeout.
+no spare comes for a waiting recovery, no rank steps for --hang-timeout, a finished worker does not exit.
 
 A part of the Controller state machine (it inherits this), kept apart so each file reads in one sitting.
 """
@@ -11,6 +11,7 @@ from dpagent import protocol as p
 from .nodes import ACTIVE, FAILED, SPARE
 
 FORMING_NOTE_EVERY_S = 15.0  # nodes still missing after this long, and as often again: "waiting_for_nodes"
+EXIT_NOTE_EVERY_S = 30.0  # workers not exited this long after training finished, and as often: "waiting_for_exit"
 
 
 class Deadlines:
@@ -85,9 +86,29 @@ class Deadlines:
                 self._finish(1, f"no node joined as a spare within {self.spec.spare_wait_timeout:g} s after "
                                 f"{', '.join(rec.failed)} failed; start nodes with --rdzv-endpoint to rejoin")
             return
-        if (self.spec.hang_timeout > 0 and self.stepped and rec is None and self.flush is None
+        if self.all_finished_at is not None:
+            if rec is None and self.flush is None:
+                self._waiting_for_exit(now)
+        elif (self.spec.hang_timeout > 0 and self.stepped and rec is None and self.flush is None
                 and not self.spec.restart_mode and now - self.last_progress_at > self.spec.hang_timeout):
             self._hung(now)
+
+    def _waiting_for_exit(self, now: float) -> None:
+        """Every rank finished job.steps(), and some workers have not exited yet (what a script does after its
+        loop, a final save, say): said every EXIT_NOTE_EVERY_S; past --hang-timeout the job ends with exit 1."""
+        running = [(node_rank * self.spec.nproc_per_node + local, node_id)
+                   for node_rank, node_id in enumerate(self.layout) for local in range(self.spec.nproc_per_node)
+                   if local not in self.table.nodes[node_id].exited_ok]
+        waited = now - self.all_finished_at
+        names = ", ".join(f"rank {rank} on {node_id}" for rank, node_id in running)
+        if self.spec.hang_timeout > 0 and waited > self.spec.hang_timeout:
+            self._finish(1, f"training completed (step {max(self.finished_ranks.values())}), but {names} did not "
+                            f"exit within {self.spec.hang_timeout:g} s of it (--hang-timeout); stopped: what the "
+                            "script does after job.steps() (a final save?) may not have completed")
+        elif now >= self.exit_note_at:
+            self.exit_note_at = now + EXIT_NOTE_EVERY_S
+            self._publish("waiting_for_exit", ranks=[rank for rank, _ in running], workers=names,
+                          waited_s=round(waited), timeout_s=self.spec.hang_timeout)
 
     def _hung(self, now: float) -> None:
         """No rank stepped for hang_timeout: blame the ranks that are not waiting on their peers."""

@@ -1,8 +1,9 @@
 """A training script's own failures, in real dprun jobs: an error that follows its rank onto the spare that
 replaced the node ends the job saying it is the script's, with spares left unspent, and is named even when the
 process crashes as it exits on it; a one-off error is recovered from; a rank that leaves the loop early is
-named as such, not as a finished run; a bug that strikes every rank at once still leaves the state of the step
-before it, with --save-dir, to go on from once fixed."""
+named as such, not as a finished run, and one that never exits after it ends the job at --hang-timeout; a bug
+that strikes every rank at once still leaves the state of the step before it, with --save-dir, to go on from
+once fixed."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from e2e import read_events
 pytestmark = pytest.mark.slow
 
 SCRIPT = """
-import atexit, os, sys, torch, dpstate
+import atexit, os, sys, time, torch, dpstate
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 8)
 opt = dpstate.AdamW(model.parameters(), lr=1e-3)
@@ -28,7 +29,8 @@ if mode == "crash" and job.rank == 1:  # what libstdc++ does when a native threa
     atexit.register(lambda: (print("terminate called without an active exception", file=sys.stderr), os.abort()))
 for step in job.steps(12):
     with step:
-        if step.number == 5 and (job.rank == 1 or mode == "every") and mode not in ("fixed", "converged") and (
+        if step.number == 5 and (job.rank == 1 or mode == "every") and (
+                mode not in ("fixed", "converged", "linger")) and (
                 mode in ("always", "every", "crash") or job.generation == 0):
             raise ValueError("bad batch at step 5")
         loss = ddp(torch.randn(4, 8)).square().mean()
@@ -40,6 +42,8 @@ for step in job.steps(12):
         break  # a rank that stops early on its own: its peers cannot go on
     if mode == "converged" and step.number == 5:
         break  # every rank stops early: a clean end at step 5
+if mode == "linger" and job.rank == 1:
+    time.sleep(600)  # its work after the loop never ends (a teardown that hangs)
 """
 
 
@@ -104,6 +108,15 @@ def test_every_rank_leaving_the_loop_early_ends_cleanly_at_the_step_it_left_afte
     (finished,) = _named(events, "job_finished")
     assert finished["exit_code"] == 0 and not _named(events, "node_failed")
     assert re.search(r"dprun: done in \S+, step 5\b", run.stdout), run.stdout[-1500:]  # not one short
+
+
+def test_a_worker_that_never_exits_after_training_ends_the_job_at_hang_timeout_blaming_no_node(procs, tmp_path):
+    run, events = _run(procs, tmp_path, "linger", "--spares", "1", "--hang-timeout", "4")
+    assert run.returncode == 1, run.stderr[-3000:]
+    (finished,) = _named(events, "job_finished")
+    assert re.match(r"training completed \(step 12\), but rank 1 on \S+ did not exit within 4 s", finished["message"])
+    assert not _named(events, "node_failed"), "no node failed: rank 0 exited 0, rank 1 finished its steps"
+    assert "killed by SIGKILL (by its agent, as it stops)" in run.stdout + run.stderr
 
 
 def test_a_bug_on_every_rank_saves_the_step_before_it_and_the_fixed_script_goes_on_from_there(procs, tmp_path):
