@@ -320,6 +320,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
     def _on_WorkerExited(self, node: Node, msg: p.WorkerExited, now: float) -> None:
         if node.role == ACTIVE and msg.exitcode == 0:  # finished (its final barrier passed, in any generation)
             node.exited_ok.add(msg.local_rank)
+            if self.spec.restart_mode and self.all_finished_at is None:  # no RankFinished: a first exit 0 says it
+                self.all_finished_at, self.exit_note_at = now, now + EXIT_NOTE_EVERY_S
             rec = self.recovery or self.pending
             if rec is not None and rec.failed:  # the job ended under a recovery that now can never complete
                 self._failed_after_exits(rec, max(rec.peak_step, self.max_step))

@@ -94,21 +94,24 @@ class Deadlines:
             self._hung(now)
 
     def _waiting_for_exit(self, now: float) -> None:
-        """Every rank finished job.steps(), and some workers have not exited yet (what a script does after its
-        loop, a final save, say): said every EXIT_NOTE_EVERY_S; past --hang-timeout the job ends with exit 1."""
+        """Every rank finished job.steps() (in restart mode: a worker exited 0), and some workers have not exited
+        yet (what a script does after its loop, a final save, say): said every EXIT_NOTE_EVERY_S; past
+        --hang-timeout the job ends with exit 1 (not in restart mode, where dprun waits as torchrun does)."""
         running = [(node_rank * self.spec.nproc_per_node + local, node_id)
                    for node_rank, node_id in enumerate(self.layout) for local in range(self.spec.nproc_per_node)
                    if local not in self.table.nodes[node_id].exited_ok]
         waited = now - self.all_finished_at
         names = ", ".join(f"rank {rank} on {node_id}" for rank, node_id in running)
-        if self.spec.hang_timeout > 0 and waited > self.spec.hang_timeout:
+        timeout = 0.0 if self.spec.restart_mode else self.spec.hang_timeout
+        if timeout > 0 and waited > timeout:
             self._finish(1, f"training completed (step {max(self.finished_ranks.values())}), but {names} did not "
                             f"exit within {self.spec.hang_timeout:g} s of it (--hang-timeout); stopped: what the "
                             "script does after job.steps() (a final save?) may not have completed")
         elif now >= self.exit_note_at:
             self.exit_note_at = now + EXIT_NOTE_EVERY_S
             self._publish("waiting_for_exit", ranks=[rank for rank, _ in running], workers=names,
-                          waited_s=round(waited), timeout_s=self.spec.hang_timeout)
+                          since="a worker exited 0" if self.spec.restart_mode else "training finished",
+                          waited_s=round(waited), timeout_s=timeout)
 
     def _hung(self, now: float) -> None:
         """No rank stepped for hang_timeout: blame the ranks that are not waiting on their peers."""

@@ -507,8 +507,21 @@ def test_a_finished_job_waits_for_its_workers_without_end_when_hang_timeout_is_o
     while h.now < 700.0:
         h.alive({"a": {}, "b": {}, "s": {}}, dt=5.0)
     assert h.finish is None and len(h.named("waiting_for_exit")) >= 20
+    assert h.named("waiting_for_exit")[0]["since"] == "training finished"
     assert h.named("waiting_for_exit")[0]["workers"] == "rank 0 on a, rank 1 on b"
     h.msg("a", p.WorkerExited("a", 0, 0, 10, 0))
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, 0))
+    assert h.finish and h.finish.exit_code == 0
+
+
+def test_in_restart_mode_a_worker_that_exited_0_first_starts_the_notes_and_dprun_waits_as_torchrun():
+    h = formed(spec(hang_timeout=100.0, restart_mode=True))
+    h.msg("a", p.WorkerExited("a", 0, 0, 10, 0))  # a plain script: no steps, no RankFinished
+    while h.now < 400.0:
+        h.alive({"a": {}, "b": {}, "s": {}}, dt=5.0)
+    notes = h.named("waiting_for_exit")
+    assert h.finish is None and len(notes) >= 10 and not h.named("node_failed")
+    assert notes[0]["since"] == "a worker exited 0" and notes[0]["workers"] == "rank 1 on b"
     h.msg("b", p.WorkerExited("b", 0, 0, 11, 0))
     assert h.finish and h.finish.exit_code == 0
 
