@@ -278,11 +278,18 @@ def run(
                 resume_from = chosen
         except ValueError as exc:
             _fail(f"--resume-from: {exc}")
-    if save_dir is not None:
+    for flag, folder in (("--save-dir", save_dir), ("--log-dir", log_dir)):
+        if folder is not None:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                _fail(f"{flag} {folder}: {exc.strerror}")
+    if events_file is not None:
         try:
-            save_dir.mkdir(parents=True, exist_ok=True)
+            with open(events_file, "a"):  # the events are appended to it
+                pass
         except OSError as exc:
-            _fail(f"--save-dir {save_dir}: {exc.strerror}")
+            _fail(f"--events-file {events_file}: {exc.strerror}")
     for spec in fault_specs:
         if restart_mode and spec.trigger == "step":
             _fail(f"--inject {spec}: this script does not use dpstate, so dprun does not see its steps; trigger it "
