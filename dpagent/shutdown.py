@@ -58,11 +58,14 @@ class ShutdownSequence:
 
     def _lose_controller(self, why: str) -> None:
         """The controller is gone: save what this node holds to the job's --save-dir (if it has one), then exit 3."""
+        signals_before = self._signals  # one that comes once the save is told of counts against it (CI: one
+        # that came while the store was written before the shutdown began was taken as before it, and not heeded)
         saving = self.welcome is not None and bool(self.welcome.save_dir) and not self.restart_mode
         log.error("controller lost: %s; %skilling workers, exiting %d", why,
                   f"saving this node's snapshots to {self.welcome.save_dir}, then " if saving else "",
                   EXIT_CONTROLLER_LOST)
-        self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", "save" if saving else "kill")
+        self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", "save" if saving else "kill",
+                             signals_before=signals_before)
 
     def _leave(self, why: str) -> None:
         """This node leaves the job on its own (the dprun that ran it died): the controller, told so, fails it at
@@ -76,7 +79,9 @@ class ShutdownSequence:
         """Stopping to exit: not running, nor only stopping its workers to keep its store (Stop.keep_store)."""
         return self.shutdown is not None and not self.shutdown.keep_store
 
-    def _begin_shutdown(self, code: int, reason: str, phase: str, stop: Stop | None = None) -> None:
+    def _begin_shutdown(self, code: int, reason: str, phase: str, stop: Stop | None = None,
+                        signals_before: int | None = None) -> None:
+        signals_before = self._signals if signals_before is None else signals_before
         keep_store = stop is not None and stop.keep_store
         if self.shutdown is not None:
             if self.shutdown.keep_store and not keep_store:  # the end while its workers still stop: exit then
@@ -100,7 +105,7 @@ class ShutdownSequence:
         else:
             self.workers.signal_all(signal.SIGKILL)
             deadline = now + 2.0
-        self.shutdown = Shutdown(code, reason, phase, deadline, keep_store, save, self._signals)
+        self.shutdown = Shutdown(code, reason, phase, deadline, keep_store, save, signals_before)
         self._advance_shutdown(now)
 
     def _signal_while_saving(self, now: float) -> None:
