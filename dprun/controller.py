@@ -19,7 +19,7 @@ from .faults import FaultPlan
 from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .injection import FaultInjection
-from .deadlines import EXIT_NOTE_EVERY_S, FORMING_NOTE_EVERY_S, Deadlines
+from .deadlines import FORMING_NOTE_EVERY_S, Deadlines
 from .files import FileWork, Files
 from .reconstruction import Reconstruction
 from .repeats import RepeatedFailures
@@ -69,7 +69,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.restarts = 0
         self.finished_ranks: dict[int, int] = {}  # rank -> its last step, once past job.steps()' final barrier
         self.all_finished_at: float | None = None  # when the last rank passed it: then the job waits for exits
-        self.exit_note_at = float("inf")  # when to say next which workers the finished job still waits for
+        self.exit_notes = 0  # how often it said which workers the finished job still waits for
         self.repeats = RepeatedFailures()  # workers' errors by signature: one that follows a rank is the script's
         self.files: FileWork | None = None  # snapshot files being written (the job ends) or read (it resumes)
         self.saved = False  # the state was saved (or there was none to save): the job ends as it is
@@ -315,13 +315,13 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         # job.steps() from one that exited 0 early, should the others fail without it
         self.finished_ranks[msg.rank] = msg.step
         if self.all_finished_at is None and len(self.finished_ranks) == self.spec.world_size:
-            self.all_finished_at, self.exit_note_at = now, now + EXIT_NOTE_EVERY_S
+            self.all_finished_at = now
 
     def _on_WorkerExited(self, node: Node, msg: p.WorkerExited, now: float) -> None:
         if node.role == ACTIVE and msg.exitcode == 0:  # finished (its final barrier passed, in any generation)
             node.exited_ok.add(msg.local_rank)
             if self.spec.restart_mode and self.all_finished_at is None:  # no RankFinished: a first exit 0 says it
-                self.all_finished_at, self.exit_note_at = now, now + EXIT_NOTE_EVERY_S
+                self.all_finished_at = now
             rec = self.recovery or self.pending
             if rec is not None and rec.failed:  # the job ended under a recovery that now can never complete
                 self._failed_after_exits(rec, max(rec.peak_step, self.max_step))

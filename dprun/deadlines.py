@@ -107,8 +107,8 @@ class Deadlines:
             self._finish(1, f"training completed (step {max(self.finished_ranks.values())}), but {names} did not "
                             f"exit within {self.spec.hang_timeout:g} s of it (--hang-timeout); stopped: what the "
                             "script does after job.steps() (a final save?) may not have completed")
-        elif now >= self.exit_note_at:
-            self.exit_note_at = now + EXIT_NOTE_EVERY_S
+        elif waited >= (self.exit_notes + 1) * EXIT_NOTE_EVERY_S:
+            self.exit_notes += 1
             self._publish("waiting_for_exit", ranks=[rank for rank, _ in running], workers=names,
                           since="a worker exited 0" if self.spec.restart_mode else "training finished",
                           waited_s=round(waited), timeout_s=timeout)

@@ -219,7 +219,6 @@ class Reconstruction:
     def _failed_after_exits(self, rec: Recovery, step: int) -> None:
         """End the job: `rec`'s failures came after some ranks had exited 0. After job.steps()' final barrier
         (RankFinished) training is complete; a rank that exited 0 without it left its peers mid-training."""
-        failed = ", ".join(f"{n} ({self.table.nodes[n].cause})" for n in rec.failed) or rec.why
         early = sorted(rank for i, n in enumerate(self.layout) for local in self.table.nodes[n].exited_ok
                        if (rank := self.ranks_of(i)[local]) not in self.finished_ranks)
         if early:  # what the others then met (a peer error, most often) is its consequence: not quoted
@@ -228,6 +227,7 @@ class Reconstruction:
                             f"finishing job.steps(), and the others cannot train on without it{then}; if the "
                             "script stops early (a break out of the loop), it must do so on every rank")
             return
+        failed = ", ".join(f"{n} ({self.table.nodes[n].cause})" for n in rec.failed) or rec.why
         step = max(self.finished_ranks.values(), default=step)
         self._finish(1, f"training completed (step {step}), but {failed} failed after other ranks had finished "
                         "and exited; the final state is complete on the surviving ranks")

@@ -105,15 +105,12 @@ class ControllerServer:
                 # inputs are handed on every TICK_S or sooner: a longer gap since the last means dprun itself
                 # did not run, told before this input (a stop that fell mid-turn included: a Tick handed its
                 # time unannounced failed a node for the silence; seen once in CI)
-                if now - ran > PAUSED_AFTER_S:
-                    if (finish := self._apply(controller.handle(Paused(now - ran - TICK_S), now))) is not None:
+                told = [Paused(now - ran - TICK_S), event] if now - ran > PAUSED_AFTER_S else [event]
+                ran = now  # (not read after handle: a stop inside it is then seen at the next input)
+                for one in told:
+                    if (finish := self._apply(controller.handle(one, now))) is not None:
                         self._refresh_view(controller)
                         return finish
-                ran = now  # (not read after handle: a stop inside it is then seen at the next input)
-                finish = self._apply(controller.handle(event, now))
-                if finish is not None:
-                    self._refresh_view(controller)
-                    return finish
             if self.view is not None and time.monotonic() >= self._next_view:
                 self._refresh_view(controller)
 
