@@ -52,6 +52,8 @@ class Deadlines:
         for node in self.table.nodes.values():
             node.last_heard = min(now, node.last_heard + seconds)
         self.last_progress_at = min(now, self.last_progress_at + seconds)
+        if self.all_finished_at is not None:  # nor a worker for not exiting after training finished
+            self.all_finished_at = min(now, self.all_finished_at + seconds)
         for work in (self.flush, self.files):
             if work is not None:
                 work.deadline += seconds

@@ -50,3 +50,21 @@ def test_without_a_pause_silent_nodes_are_failed_at_the_heartbeat_timeout():
     h = formed()
     h.feed(Tick(), dt=12.0)  # the same 12 s, turns of the loop and all: the nodes were silent
     assert {e["node"] for e in h.named("node_failed")} >= {"a", "b"}
+
+
+def test_a_pause_after_training_finished_does_not_count_against_a_worker_still_exiting():
+    h = formed(spec(hang_timeout=20.0))
+    h.msg("a", p.Progress("a", 0, 0, 40))
+    for node, rank in (("a", 0), ("b", 1)):
+        h.msg(node, p.RankFinished(node, 0, rank, 40))
+    h.msg("a", p.WorkerExited("a", 0, 0, 10, 0))
+    statuses = {"a": {}, "b": {"0": {"rank": 1, "step": 40, "activity": "idle", "age": 0.2}}, "s": {}}
+    while h.now < 10.0:
+        h.alive(statuses)
+    h.feed(Paused(25.0), dt=25.0)  # past --hang-timeout, all of it the controller's own
+    h.alive(statuses)
+    assert h.finish is None, "rank 1 blamed for the controller's own pause"
+    while h.finish is None and h.now < 60.0:
+        h.alive(statuses)
+    assert h.finish and h.finish.exit_code == 1 and "rank 1 on b did not exit within 20 s" in h.finish.message
+    assert h.now >= 45.0, "its own 20 s, the pause not counted"
