@@ -120,8 +120,9 @@ class Register:
 
 @_message
 class Heartbeat:
-    """`workers`: str(local_rank) -> {"rank", "step", "activity", "age"} from each worker's latest
-    WorkerStatus (age in seconds; a stopped or wedged worker's age grows): the controller's hang evidence."""
+    """`workers`: str(local_rank) -> {"rank", "step", "activity", "age", "room", "pid"} from each worker's
+    latest WorkerStatus (age in seconds; a stopped or wedged worker's age grows; pid on the node's host): the
+    controller's hang evidence."""
 
     node_id: str
     generation: int

@@ -48,8 +48,12 @@ class WorkerLink:
     def _worker_statuses(self, now: float) -> dict:
         """Each worker's latest status and its age: a stopped or wedged worker's age keeps growing."""
         return {str(local): {"rank": st.rank, "step": st.step, "activity": st.activity, "age": round(now - t, 3),
-                             "room": st.room}
+                             "room": st.room, "pid": self._pid(local)}
                 for local, (st, t) in self._statuses.items()}
+
+    def _pid(self, local_rank: int) -> int | None:
+        worker = self.workers.get(local_rank)
+        return None if worker is None else worker.pid
 
     def _own_ranks(self) -> list[int]:
         """The global ranks of this node's workers in the current generation ([] before one, or on a spare)."""

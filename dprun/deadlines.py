@@ -103,7 +103,7 @@ class Deadlines:
                    for node_rank, node_id in enumerate(self.layout) for local in range(self.spec.nproc_per_node)
                    if local not in self.table.nodes[node_id].exited_ok]
         waited = now - self.all_finished_at
-        names = ", ".join(f"rank {rank} on {node_id}" for rank, node_id in running)
+        names = ", ".join(f"rank {rank} on {node_id}{self._pid_of(node_id, rank)}" for rank, node_id in running)
         timeout = 0.0 if self.spec.restart_mode else self.spec.hang_timeout
         if timeout > 0 and waited > timeout:
             self._finish(1, f"training completed (step {max(self.finished_ranks.values())}), but {names} did not "
@@ -114,6 +114,11 @@ class Deadlines:
             self._publish("waiting_for_exit", ranks=[rank for rank, _ in running], workers=names,
                           since="a worker exited 0" if self.spec.restart_mode else "training finished",
                           waited_s=round(waited), timeout_s=timeout)
+
+    def _pid_of(self, node_id: str, rank: int) -> str:
+        """" (pid N)" for a rank's worker as its node's last heartbeat told it, or "" where it did not."""
+        pid = self.table.nodes[node_id].workers.get(str(rank % self.spec.nproc_per_node), {}).get("pid")
+        return f" (pid {pid})" if pid else ""
 
     def _hung(self, now: float) -> None:
         """No rank stepped for hang_timeout: blame the ranks that are not waiting on their peers."""

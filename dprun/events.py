@@ -69,7 +69,7 @@ def describe(event: dict) -> str:
         then = (f"the job ends in {max(e['timeout_s'] - e['waited_s'], 0):g}s (--hang-timeout)" if e["timeout_s"]
                 else "dprun waits for it, as torchrun does")
         return (f"{e['since']} {e['waited_s']:g}s ago; still running: {e['workers']} (work after the training "
-                f"loop, or stuck: py-spy dump --pid shows where); {then}")
+                f"loop, or stuck: py-spy dump --pid PID on its node shows where); {then}")
     if kind == "waiting_for_restore":
         return (f"ranks {e['ranks']} have no copy left on a replica; waiting up to {e['timeout_s']:g}s for "
                 f"{', '.join(e['nodes'])} to say whether they restored them before the failure")

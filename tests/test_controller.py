@@ -484,19 +484,20 @@ def test_a_worker_that_does_not_exit_after_training_is_named_then_ends_the_job_a
     for node, rank in (("a", 0), ("b", 1)):
         h.msg(node, p.RankFinished(node, 0, rank, 40))
     h.msg("a", p.WorkerExited("a", 0, 0, 10, 0))
-    statuses = {"a": {}, "b": {"0": {"rank": 1, "step": 40, "activity": "idle", "age": 0.2}}, "s": {}}
+    statuses = {"a": {}, "b": {"0": {"rank": 1, "step": 40, "activity": "idle", "age": 0.2, "pid": 4242}}, "s": {}}
     while h.now < 29.0:
         h.alive(statuses)
     assert not h.named("waiting_for_exit"), "not at once: a script may do a little after its loop"
     while h.now < 95.0:
         h.alive(statuses)
     notes = h.named("waiting_for_exit")
-    assert len(notes) == 3 and notes[0]["workers"] == "rank 1 on b" and notes[0]["ranks"] == [1]
+    assert len(notes) == 3 and notes[0]["workers"] == "rank 1 on b (pid 4242)" and notes[0]["ranks"] == [1]
     assert not h.named("node_failed") and h.finish is None, "no step since is no hang: node a exited 0"
     while h.finish is None and h.now < 110.0:
         h.alive(statuses)
     assert h.finish and h.finish.exit_code == 1 and not h.named("node_failed")
-    assert h.finish.message.startswith("training completed (step 40), but rank 1 on b did not exit within 100 s")
+    assert h.finish.message.startswith(
+        "training completed (step 40), but rank 1 on b (pid 4242) did not exit within 100 s")
 
 
 def test_a_finished_job_waits_for_its_workers_without_end_when_hang_timeout_is_off():

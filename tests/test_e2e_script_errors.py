@@ -114,9 +114,12 @@ def test_a_worker_that_never_exits_after_training_ends_the_job_at_hang_timeout_b
     run, events = _run(procs, tmp_path, "linger", "--spares", "1", "--hang-timeout", "4")
     assert run.returncode == 1, run.stderr[-3000:]
     (finished,) = _named(events, "job_finished")
-    assert re.match(r"training completed \(step 12\), but rank 1 on \S+ did not exit within 4 s", finished["message"])
+    named = re.match(r"training completed \(step 12\), but rank 1 on \S+ \(pid (\d+)\) did not exit within 4 s",
+                     finished["message"])
+    assert named, finished["message"]
     assert not _named(events, "node_failed"), "no node failed: rank 0 exited 0, rank 1 finished its steps"
     assert "killed by SIGKILL (by its agent, as it stops)" in run.stdout + run.stderr
+    assert f"worker 0 started (pid {named[1]})" in run.stdout + run.stderr, "the pid of the worker that lingered"
 
 
 def test_a_bug_on_every_rank_saves_the_step_before_it_and_the_fixed_script_goes_on_from_there(procs, tmp_path):
