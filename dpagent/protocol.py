@@ -183,8 +183,9 @@ def describe_end(exitcode: int, detail: str) -> str:
 
 @_message
 class Leaving:
-    """The agent stops on its own, not told to by a Stop: the dprun that ran it died (a member node's).
-    The controller fails the node at once instead of at its heartbeat timeout."""
+    """The agent stops on its own, not told to by a Stop: the dprun that ran it died (a member node's), or it got
+    a stop signal the job did not share. The controller fails the node at once, for that reason (not at its
+    heartbeat timeout, nor for its workers' exit codes); a fenced node whose store stayed loses it."""
 
     node_id: str
     reason: str

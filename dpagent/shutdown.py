@@ -47,14 +47,20 @@ class ShutdownSequence:
         save, its Stop), and stops this node alone if it does not. A second signal stops it at once."""
         name = signal.Signals(self._signalled).name
         if self._signals > 1 or self.liveness is None:
-            self._begin_shutdown(128 + self._signalled, f"received {name}", "stop")
+            self._stop_alone(f"received {name}")
         elif self._stop_wait is None:
             self._stop_wait = now + self.liveness.timeout
             log.warning("received %s: waiting up to %.1fs for the controller to stop the job (a save first, with "
                         "--save-dir), else this node stops; a second signal stops it now", name, self.liveness.timeout)
         elif now >= self._stop_wait and not self._job_stopping:
-            self._begin_shutdown(128 + self._signalled, f"received {name}; the controller did not stop the job",
-                                 "stop")
+            self._stop_alone(f"received {name}; the controller did not stop the job")
+
+    def _stop_alone(self, reason: str) -> None:
+        """This node stops on a signal of its own, the job not stopping with it: the controller, told so (Leaving),
+        fails it at once for that reason (a spare takes over), not for its workers' exit codes."""
+        if self.welcome is not None and not self._job_stopping:
+            self._to_controller(Leaving(self.cfg.node_id, reason))
+        self._begin_shutdown(128 + self._signalled, reason, "stop")
 
     def _lose_controller(self, why: str) -> None:
         """The controller is gone: save what this node holds to the job's --save-dir (if it has one), then exit 3."""

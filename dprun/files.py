@@ -125,6 +125,9 @@ class Files:
         if isinstance(msg, p.SnapshotFiles):  # (one that comes after the save is dropped there)
             self._on_SnapshotFiles(node, msg, now)
             return True
+        if isinstance(msg, p.Leaving):  # its agent stops after all (a signal of its own): its store goes with it
+            self._kept_gone(node.node_id, f"its agent left the job: {msg.reason[:200]}")
+            return True
         return False
 
     def _kept_gone(self, node_id: str, cause: str) -> None:

@@ -23,7 +23,7 @@ import zmq
 from conftest import gone
 from dpagent.checksum import checksum_chunks
 from dpagent.protocol import (
-    Codec, Heartbeat, Inject, Ping, Pong, Progress, PutSnapshot, Reconfigure, Register, SnapshotAck,
+    Codec, Heartbeat, Inject, Leaving, Ping, Pong, Progress, PutSnapshot, Reconfigure, Register, SnapshotAck,
     SaveSnapshots, SnapshotChunk, SnapshotData, SnapshotFiles, SnapshotStored, Standby, Stop, FetchSnapshot, Welcome,
     WorkerExited, chunk_views,
 )
@@ -562,12 +562,15 @@ def test_a_sigterm_the_controller_does_not_follow_stops_the_node_after_the_heart
         time.sleep(0.2)
     assert agent.wait() == 128 + signal.SIGTERM
     assert "received SIGTERM; the controller did not stop the job" in agent.stderr()
+    leaving = agent.ctl.recv(Leaving, skip=(Heartbeat, Pong, Progress))  # (its workers' exits come after)
+    assert leaving.reason == "received SIGTERM; the controller did not stop the job"
     assert wait_gone(pids)
 
 
 def test_a_second_sigterm_stops_the_node_at_once(start_agent):
     agent, pids = _trained_then_sigterm(start_agent, timeout=30.0)
     agent.proc.send_signal(signal.SIGTERM)
+    assert agent.ctl.recv(Leaving).reason == "received SIGTERM"  # the controller fails it for that, at once
     exits = agent.ctl.recv_all(WorkerExited, 2)
     assert {e.exitcode for e in exits} == {0}
     assert agent.wait() == 128 + signal.SIGTERM

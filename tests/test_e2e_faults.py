@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -254,6 +255,28 @@ def test_a_member_whose_dprun_is_killed_leaves_the_job_at_once_and_a_spare_takes
     assert json.loads((tmp_path / "summary.json").read_text())["params_sha256"] == sha2
     assert not psutil.wait_procs([agent], timeout=10)[1], "the agent outlived its dprun"
     assert not run_dir.exists(), "the agent removes the run folder its dead dprun made"
+
+
+def test_a_member_whose_agent_alone_gets_sigterm_leaves_saying_so_and_a_spare_takes_over(procs, tmp_path, sha2):
+    """SIGTERM to one node's agent, not to the job (its host shutting down, a stray kill): it waits the heartbeat
+    timeout for the job to stop, then tells the controller it leaves and why (Leaving), and stops its workers;
+    the node is failed for that reason, not for its workers' exit codes (143 is no error of the script's)."""
+    endpoint, events, head, start = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "1", *FAST,
+                                                step_sleep=0.2)
+    member = start("--node-rank", "1")
+    start("--node-rank", "2")
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 5 for e in read_events(events)), timeout=90,
+             what="training to pass step 5")
+    (agent,) = psutil.Process(member.pid).children()
+    procs.adopt([agent])
+    agent.send_signal(signal.SIGTERM)
+    out, err = head.communicate(timeout=120)
+    assert head.returncode == 0, err[-3000:]
+    assert member.wait(timeout=30) == 128 + signal.SIGTERM
+    (failed,) = [e for e in read_events(events) if e["event"] == "node_failed"]
+    assert failed["node_rank"] == 1, failed
+    assert failed["cause"] == "its agent left the job: received SIGTERM; the controller did not stop the job"
+    assert json.loads((tmp_path / "summary.json").read_text())["params_sha256"] == sha2
 
 
 def test_bad_messages_to_a_running_job_are_dropped_and_it_finishes_unharmed(procs, tmp_path, sha2):

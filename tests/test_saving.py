@@ -261,6 +261,18 @@ def test_a_kept_node_that_falls_silent_loses_its_copies():
     assert h.c.ledger.holders_of(0, 4) == [] and not h.c.table.get("b").keeps_store
 
 
+def test_a_kept_node_whose_agent_leaves_loses_its_copies_at_once():
+    h = _two_nodes(save_dir="/saved", on_spare_exhausted="wait")
+    for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
+        h.msg(node, p.Progress(node, 0, rank, 4, snapshot=True))
+        h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, "ValueError"))
+    h.pong_all()
+    assert h.c.ledger.holders_of(0, 4) == ["b"] and h.c.table.get("b").keeps_store
+    h.msg("b", p.Leaving("b", "received SIGTERM; the controller did not stop the job"))  # not its heartbeat timeout
+    assert h.c.ledger.holders_of(0, 4) == [] and not h.c.table.get("b").keeps_store
+
+
 def test_a_save_whose_copies_turn_out_damaged_goes_down_to_an_older_step_every_rank_has():
     """Rank 0's step-4 copy is damaged and its worker died with its node: nothing else holds rank 0's step 4,
     but every rank's step 2 is still in a store: that is saved, the message saying why not step 4."""
