@@ -170,8 +170,7 @@ def newest_saved(folder: str | os.PathLike, world_size: int) -> tuple[Path, int]
     """The folder to resume from and its step: `folder` itself if it is a step-S folder, else (a --save-dir)
     its newest step-S that holds a file for every rank. ValueError, saying what is wrong, if there is none."""
     path = Path(folder)
-    steps = sorted(((int(p.name[5:]), p) for p in path.glob("step-*") if p.name[5:].isdigit() and p.is_dir()),
-                   reverse=True)
+    steps = step_folders(path)
     if not steps or any(path.glob("rank-*.dpsnap")):
         return path, saved_step(path, world_size)
     newest_error = None
@@ -182,6 +181,12 @@ def newest_saved(folder: str | os.PathLike, world_size: int) -> tuple[Path, int]
             newest_error = newest_error or exc
     raise ValueError(f"no step-S folder in {folder} holds a file of every rank of a job of {world_size} ranks "
                      f"(newest: {newest_error})")
+
+
+def step_folders(save_dir: Path) -> list[tuple[int, Path]]:
+    """A --save-dir's step-S folders, newest first, whole or not."""
+    return sorted(((int(p.name[5:]), p) for p in save_dir.glob("step-*") if p.name[5:].isdigit() and p.is_dir()),
+                  reverse=True)
 
 
 def saved_step(folder: str | os.PathLike, world_size: int) -> int:

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import typer
 
-from dpagent.snapshot_files import newest_saved
+from dpagent.snapshot_files import newest_saved, step_folders
 
 from . import faults, slurm
 from .job import JobOptions, is_local, parse_endpoint, run_multinode, run_standalone, uses_dpstate
@@ -274,7 +274,11 @@ def run(
         try:
             chosen, resume_step = newest_saved(resume_from, nnodes * nproc_per_node)
             if chosen != resume_from:  # a --save-dir: its newest step that every rank has a file of
-                print(f"dprun: resuming from {chosen} (the newest step saved for every rank)", file=sys.stderr)
+                newer = [p.name for _, p in step_folders(resume_from)]
+                newer = newer[:newer.index(chosen.name)]  # (a save that failed, or one nodes wrote in part)
+                passed = f"; {', '.join(newer)} not whole, so passed over" if newer else ""
+                print(f"dprun: resuming from {chosen} (the newest step saved for every rank{passed})",
+                      file=sys.stderr)
                 resume_from = chosen
         except ValueError as exc:
             _fail(f"--resume-from: {exc}")

@@ -35,7 +35,7 @@ def sha(tmp_path_factory) -> str:
     return run.summary["params_sha256"]
 
 
-def _resumed(procs, tmp_path, folder: str, sha: str) -> None:
+def _resumed(procs, tmp_path, folder: str, sha: str):
     run = dprun(procs, tmp_path, "resume", "--nnodes", "2", "--spares", "0", "--resume-from", folder, steps=STEPS)
     assert run.returncode == 0, run.stderr[-3000:]
     (started,) = run.named("job_started")
@@ -43,6 +43,7 @@ def _resumed(procs, tmp_path, folder: str, sha: str) -> None:
     assert first > started["step"] > 0, "it went on from the saved step, not from the start"
     assert run.summary["final_step"] == STEPS
     assert run.summary["params_sha256"] == sha, "the resumed run diverged from the one that never stopped"
+    return run
 
 
 def test_a_job_out_of_spares_saves_its_state_and_a_resumed_job_ends_where_an_unbroken_one_does(procs, tmp_path, sha):
@@ -159,7 +160,11 @@ def test_nodes_that_lose_the_controller_write_their_copies_and_the_job_resumes_f
     assert "controller lost: nothing from" in err and "rank 1 (own) step" in err, err[-3000:]
     assert err.rstrip().splitlines()[-1] == controller_lost_notice("77"), "the last line says what to do on Slurm"
     _assert_a_step_complete(saved)
-    _resumed(procs, tmp_path, str(saved), sha)
+    (saved / f"step-{STEPS + 1}").mkdir()  # as a save that failed before a file was written leaves it
+    run = _resumed(procs, tmp_path, str(saved), sha)
+    (said,) = [line for line in run.stderr.splitlines() if line.startswith("dprun: resuming from")]
+    assert re.fullmatch(rf"dprun: resuming from {re.escape(str(saved))}/step-\d+ \(the newest step saved for every "
+                        rf"rank; step-{STEPS + 1}(, step-\d+)* not whole, so passed over\)", said), said
 
 
 def test_a_standalone_dprun_killed_by_sigkill_leaves_its_agents_to_save_the_state(procs, tmp_path, sha):
