@@ -254,6 +254,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
     def _on_SnapshotStored(self, node: Node, msg: p.SnapshotStored, now: float) -> None:
         if msg.generation != self.generation:
             self.late_copies.append((msg.rank, msg.step, node.node_id))
+        else:
+            self._late_copies_superseded(msg.rank, msg.step, node.node_id)
         self.ledger.stored(msg.rank, msg.step, node.node_id)
         self._restore_news(now)  # (a restored rank replicates its step again before its barrier)
         if self.sizing.stored(msg.rank, msg.nbytes):

@@ -127,6 +127,7 @@ class Recovery:
     free_replans: int = 0  # replans owed to a dropped bad copy: they do not count against MAX_REPLANS
     no_local: dict = field(default_factory=dict)  # rank -> a step it reported no local copy of (nor older)
     restoring_until: float | None = None  # state looked lost while a live node still restored it: wait so long
+    sources: dict = field(default_factory=dict)  # the plan's: rank -> holder node id, "" (own copy) or INIT
 
     def continued(self) -> "Recovery":
         """A new pending recovery that carries this one on (a failure or a replan before it completed)."""

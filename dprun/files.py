@@ -126,16 +126,24 @@ class Files:
             self._on_SnapshotFiles(node, msg, now)
             return True
         if isinstance(msg, p.Leaving):  # its agent stops after all (a signal of its own): its store goes with it
-            self._kept_gone(node.node_id, f"its agent left the job: {msg.reason[:200]}")
+            self._kept_gone(node.node_id, f"its agent left the job: {msg.reason[:200]}", now)
             return True
         return False
 
-    def _kept_gone(self, node_id: str, cause: str) -> None:
-        """A fenced node whose store stayed was lost too: its copies with it."""
+    def _kept_gone(self, node_id: str, cause: str, now: float) -> None:
+        """A fenced node whose store stayed was lost too: its copies with it. A rank that the recovery under way
+        restores from it has its plan made again at once (its fetch from a dead store would wait out its
+        timeout: simulator seed 13863)."""
         self.table.nodes[node_id].keeps_store = False
         self.ledger.holder_lost(node_id)
         if self.files is not None:
             self._files_failed(node_id, cause)
+        rec = self.recovery
+        if rec is not None and any(holder == node_id and rank not in self.restores_answered
+                                   for rank, holder in rec.sources.items()):
+            self._replan(now, f"the store of {node_id}, which ranks restored from, was lost: {cause[:200]}")
+            # a store was lost: planning again is progress, not a retry (simulator seed 98784)
+            self.pending.retries, self.pending.probed_for_lost = 0, False
 
     def _release_kept(self, reason: str, code: int = 1) -> None:
         """Stop the fenced nodes whose stores stayed: no save needs them any more."""

@@ -42,7 +42,7 @@ class Reconstruction:
         worker's exit, so its replica store may stay for a save (dprun.files)."""
         node = self.table.get(node_id)
         if node is not None and node.keeps_store:  # fenced already; now its store is lost too
-            self._kept_gone(node_id, cause)
+            self._kept_gone(node_id, cause, now)
         if node is None or node.role == FAILED:
             return
         was = node.role
@@ -94,15 +94,6 @@ class Reconstruction:
         failed_slots = [i for i, n in enumerate(self.layout) if self.table.nodes[n].role == FAILED]
         if not failed_slots and not rec.replan:
             return
-        if not failed_slots and not self.spec.restart_mode and rec.free_replans:
-            rec.free_replans -= 1
-        elif not failed_slots and not self.spec.restart_mode:
-            rec.retries += 1
-            if rec.retries > MAX_REPLANS:
-                self._finish(1, f"generation {self.generation} could not start: planned {rec.retries} times with "
-                                f"every node answering probes (last: {rec.why}); check that the nodes reach each "
-                                "other on the Gloo/NCCL ports, or raise DP_CONNECT_TIMEOUT")
-                return
         if any(self.table.nodes[n].exited_ok for n in self.layout):
             # ranks that exited cannot join a new generation: say so rather than wait for them
             self._failed_after_exits(rec, self.max_step)
@@ -166,6 +157,8 @@ class Reconstruction:
             self._finish(1, f"state lost: ranks {plan.lost} have no usable copy left (failed nodes {holders}{bad}); "
                             f"{more}")
             return
+        if not failed_slots and not self.spec.restart_mode and not self._one_more_replan(rec):
+            return
         self.unrestored |= {r for i in failed_slots for r in self.ranks_of(i)}
         for i in failed_slots:
             spare = spares.pop(0)
@@ -179,7 +172,7 @@ class Reconstruction:
         rec.generation = self.generation
         rec.t_decide = now
         self.last_progress_at, self.stepped = now, False
-        rec.restore_step = plan.step
+        rec.restore_step, rec.sources = plan.step, dict(plan.sources)
         rec.peak_step = max(rec.peak_step, self.max_step)
         rec.lost_steps = max(0, rec.peak_step - plan.step)
         self.ledger.rollback(plan.step)
@@ -192,6 +185,21 @@ class Reconstruction:
         self._publish("reconfigure", generation=self.generation, restore_step=plan.step,
                       layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))
         self.recovery = rec
+
+    def _one_more_replan(self, rec: Recovery) -> bool:
+        """A generation planned again with no node lost: counted (those owed to a dropped bad copy are not);
+        past MAX_REPLANS in a row the job ends (False). Counted per generation planned, not per time the plan
+        was looked at (waits for a restore's news look again and again: simulator seed 98784)."""
+        if rec.free_replans:
+            rec.free_replans -= 1
+            return True
+        rec.retries += 1
+        if rec.retries > MAX_REPLANS:
+            self._finish(1, f"generation {self.generation} could not start: planned {rec.retries} times with "
+                            f"every node answering probes (last: {rec.why}); check that the nodes reach each "
+                            "other on the Gloo/NCCL ports, or raise DP_CONNECT_TIMEOUT")
+            return False
+        return True
 
     def _late_copy(self, msg) -> bool:
         """A copy stored for an older generation, reported late (its sender's put was in flight when a failure
@@ -210,6 +218,17 @@ class Reconstruction:
             if step > restore_step:
                 self.ledger.discard(rank, step, holder)
         self.late_copies = []
+
+    def _late_copies_superseded(self, rank: int, step: int, holder: str) -> None:
+        """`holder` stored this generation's copy of `rank` at `step` (the restored step sent again, most often):
+        its store dropped the older generations' copies of that rank at or past it (ReplicaStore.add), late ones
+        too, before this generation trained (simulator seed 78267: a second failure then planned a late copy
+        that the holder no longer held)."""
+        superseded = [copy for copy in self.late_copies if copy[0] == rank and copy[2] == holder and copy[1] >= step]
+        for copy in superseded:
+            self.late_copies.remove(copy)
+            if copy[1] > step:
+                self.ledger.discard(*copy)
 
     def _all_still_restoring(self, ranks: list[int]) -> bool:
         """Is every one of `ranks` one that a live node was handed and has neither restored nor failed to yet?"""

@@ -732,3 +732,23 @@ def test_state_lost_for_a_rank_no_live_node_restores_ends_the_job_without_waitin
     h.pong_all()  # the probe before "state lost"
     assert h.finish and "state lost: ranks [0, 1]" in h.finish.message
     assert not h.named("waiting_for_restore") and h.now < 1.0
+
+
+def test_a_late_copy_that_this_generation_s_copy_superseded_is_forgotten_at_once():
+    """b dies with its put of step 5 in flight to a: a's late report of it is taken in (no generation trained
+    since). Then the spare restores rank 1 at step 4 and sends it again to a, whose store drops the older
+    generation's copies at or past 4 (ReplicaStore.add): the ledger forgets step 5 there too, before generation 1
+    trains, so a second failure cannot plan it (simulator seed 78267)."""
+    h = formed()
+    for step in (2, 4):
+        h.msg("a", p.Progress("a", 0, 0, step, snapshot=True))
+        h.msg("b", p.Progress("b", 0, 1, step, snapshot=True))
+        h.msg("b", p.SnapshotStored("b", 0, step, 0))
+        h.msg("a", p.SnapshotStored("a", 1, step, 0))
+    h.feed(NodeGone("b", "agent process exited"))
+    h.pong_all()
+    assert h.c.generation == 1 and h.c.layout == ["a", "s"]
+    h.msg("a", p.SnapshotStored("a", 1, 5, 0))  # late: b's put, in flight when it died
+    assert h.c.ledger.holders_of(1, 5) == ["a"], "taken in: the store made room for it"
+    h.msg("a", p.SnapshotStored("a", 1, 4, 1))  # the spare's restored step 4, sent again
+    assert h.c.ledger.holders_of(1, 5) == [] and h.c.ledger.holders_of(1, 4) == ["a"]

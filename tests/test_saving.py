@@ -338,3 +338,32 @@ def test_the_stores_fenced_nodes_keep_serve_the_recovery_when_they_hold_the_only
     plans = {m.node_rank: m for node in ("s", "t") for m in h.sent_to(node, p.Reconfigure) if m.generation == 2}
     assert plans[0].restore_from == {"0": "tcp://b:1"} and plans[1].restore_from == {"1": "tcp://a:1"}
     assert [m.keep_store for m in h.sent_to("a", p.Stop)] == [True], "kept until this recovery completes"
+
+
+def test_a_kept_store_lost_while_a_rank_restores_from_it_has_the_plan_made_again_at_once():
+    """As above, then b's agent dies too, before rank 0 (restoring from b's store) said it restored: the plan is
+    made again at once (the fetch from a dead store would wait out its timeout), and with b's copy gone the job
+    says rank 0's state is lost, once rank 0's node has not said it restored it in --restore-wait (the copy may
+    have been fetched before b died) (simulator seed 13863: before, no plan was made again at all)."""
+    h = formed(spec(spares=2, save_dir="/saved", restore_wait=3.0))
+    h.register("t", spare=True)
+    for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
+        h.msg(node, p.Progress(node, 0, rank, 4, snapshot=True))
+        h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, -9))
+    h.pong_all()
+    h.msg("a", p.WorkerExited("a", 1, 0, 12, -9))
+    h.pong_all()
+    h.pong_all()
+    assert h.c.generation == 2 and h.finish is None
+    rank0_on = h.c.layout[0]
+    h.msg(h.c.layout[1], p.WorkerReady(h.c.layout[1], 2, 1, 0.01, 0.02, "replica"))  # rank 1 restored from a
+    h.feed(NodeGone("b", "agent process exited (killed by SIGKILL)"))
+    assert h.c.flush is not None, "every node probed at once for a new plan, not left to the fetch's timeout"
+    h.pong_all()
+    h.pong_all()
+    (waiting,) = h.named("waiting_for_restore")
+    assert waiting["ranks"] == [0] and waiting["nodes"] == [rank0_on]
+    while h.finish is None and h.now < 10.0:
+        h.alive({node: {} for node in ("s", "t")})
+    assert h.finish and h.finish.exit_code == 1 and "state lost: ranks [0]" in h.finish.message, h.finish

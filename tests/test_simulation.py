@@ -157,3 +157,20 @@ def test_a_late_copy_newer_than_the_plan_is_restored_from_when_the_planned_one_i
     goes bad. The late step 22 is known, so after 21 is found bad the job restores 22 and trains on (until its
     second failure leaves it without a spare), instead of planning 20 and calling the state lost."""
     assert run_schedule(random_schedule(6008067)) == "spares-exhausted"
+
+
+
+@pytest.mark.parametrize("seed, outcome", [
+    # a spare leaves (Leaving) holding copies; the replan restores step 34 and the other holder reports the
+    # node's step 35 late; the survivor sends 34 again and that holder drops 35; a kill before the generation
+    # trained planned 35 there (the ledger now forgets a late copy its holder's newer generation superseded)
+    (78267, "completed"),
+    # a fenced node's kept store, which a promoted spare restores from, dies: nothing made a plan again and the
+    # restore waited for ever (in dprun: its fetch's 60 s timeout); now at once, bounded by restore_wait
+    (13863, "script-error"),
+    # ... and each look at that plan while it waits for restores' news is not counted as one more replan (4 of
+    # them ended the job as "could not start"); the copies did go with that store: state lost, truthfully
+    (98784, "state-lost"),
+])
+def test_seeds_found_in_schedules_as_they_are_drawn_now(seed, outcome):
+    assert run_schedule(random_schedule(seed)) == outcome

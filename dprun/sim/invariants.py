@@ -37,7 +37,7 @@ def is_stale(controller, event) -> bool:
         return False
     node = controller.table.get(event.node_id)
     if node is not None and node.role == FAILED:  # (a fenced node whose store stays for a save still counts)
-        kept = node.keeps_store and isinstance(event.msg, (p.Heartbeat, p.Pong, p.SnapshotFiles))
+        kept = node.keeps_store and isinstance(event.msg, (p.Heartbeat, p.Pong, p.SnapshotFiles, p.Leaving))
         return not kept and not isinstance(event.msg, p.Register)
     generation = getattr(event.msg, "generation", None)
     return (generation is not None and generation < controller.generation

@@ -9,7 +9,7 @@ import random
 
 from .invariants import Checker, InvariantViolation, judge_outcome
 from .nodes import ScriptError
-from .schedule import SCRIPT_ERRORS, Fault, Schedule
+from .schedule import LEAVE, SCRIPT_ERRORS, Fault, Schedule
 from .world import World
 
 SIM_SECONDS = 120.0
@@ -49,6 +49,8 @@ class FaultDriver:
             return
         if fault.kind == "kill-spare":
             candidates = [n for n in w.nodes.values() if n.running and n.node_id not in c.layout]
+        elif fault.kind == LEAVE:
+            candidates = [n for n in w.nodes.values() if n.running]
         else:
             candidates = [w.nodes[n] for n in c.layout if w.nodes[n].running]
         if not candidates:
@@ -61,6 +63,8 @@ class FaultDriver:
             w.kill_node(node.node_id, observed_by_parent=False)
         elif fault.kind == "kill-worker":
             w.kill_worker(node.node_id, 0)
+        elif fault.kind == LEAVE:
+            w.leave_node(node.node_id)
         elif fault.kind in ("freeze-node", "freeze-wake"):
             w.freeze_node(node.node_id)
             if fault.kind == "freeze-wake":

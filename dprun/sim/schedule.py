@@ -1,7 +1,8 @@
 """Random fault schedules for the simulator, reproducible from one seed.
 
 A schedule is a job shape plus timed faults: kills, freezes, wake-ups, worker kills, spare kills, bit rot
-in a replica store, faults armed to strike while a recovery is under way, and the script's own errors.
+in a replica store, faults armed to strike while a recovery is under way, the script's own errors, and
+agents that leave on a signal of their own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ CORRUPTIONS = ["corrupt-replicas", "corrupt-newest", "corrupt-during-recovery", 
 # the training script raises a few steps ahead: on one rank every time it gets there (a bug: it follows the rank
 # to the spare that replaces its node), on every rank every time, or on one rank once (a flaky error)
 SCRIPT_ERRORS = ["script-error", "script-error-all", "one-off-error"]
+# an agent, active or spare, stops on a signal of its own (the job does not): it says Leaving, then exits
+LEAVE = "leave-node"
 
 
 @dataclass
@@ -61,9 +64,11 @@ class Schedule:
                 f"{', the state saved when it stops' if self.save else ''}; {faults}")
 
 
-def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors: bool = True) -> Schedule:
+def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors: bool = True,
+                    leaves: bool = True) -> Schedule:
     """extended=False: the schedule as it was before snapshot intervals and corrupt replicas were drawn too
-    (what the regression seeds name); errors=False: before the script's own errors and saving were drawn."""
+    (what the regression seeds name); errors=False: before the script's own errors and saving were drawn;
+    leaves=False: before agents that leave on a signal of their own were drawn."""
     rng = random.Random(seed)
     nnodes = rng.randint(1, max_nodes)
     spares = rng.randint(0, 3)
@@ -84,5 +89,7 @@ def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors
         faults.append(Fault(at=rng.uniform(0.05, 0.5), kind=rng.choice(SCRIPT_ERRORS), pick=rng.random(),
                             ahead=rng.randint(1, 3)))
     save = errors and rng.random() < 0.5
+    if leaves and rng.random() < 0.15:  # drawn last, after the draws that earlier seeds name
+        faults.append(Fault(at=rng.uniform(0.2, 3.0), kind=LEAVE, pick=rng.random()))
     return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
                     interval, auto, defer, save)

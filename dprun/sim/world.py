@@ -209,6 +209,16 @@ class World(WorkerSide):
         for key in list(self.entered):
             self._check_allreduce(key)
 
+    def leave_node(self, node_id: str) -> None:
+        """Fault: its agent stops on a signal of its own: it tells the controller (Leaving), then its workers
+        stop and it exits, a little later."""
+        node = self.nodes[node_id]
+        if not node.running:
+            return
+        self.log.append(f"{self.now:.3f} leave {node_id}")
+        self._agent_send(node_id, p.Leaving(node_id, "sim: received SIGTERM; the controller did not stop the job"))
+        self.at(self.rng.uniform(0.01, 0.3), self.kill_node, node_id)
+
     def corrupt_replicas(self, node_id: str, which: str = "all") -> None:
         """Fault: copies this node's store holds now are damaged: "all" (as the agent's corrupt-replicas),
         each rank's "newest", or "all-but-oldest" (the restore falls back copy by copy to the oldest)."""
