@@ -139,7 +139,7 @@ class Files:
         if self.files is not None:
             self._files_failed(node_id, cause)
         rec = self.recovery
-        if rec is not None and any(holder == node_id and rank not in self.restores_answered
+        if rec is not None and not self.finished and any(holder == node_id and rank not in self.restores_answered
                                    for rank, holder in rec.sources.items()):
             self._replan(now, f"the store of {node_id}, which ranks restored from, was lost: {cause[:200]}")
             # a store was lost: planning again is progress, not a retry (simulator seed 98784)
