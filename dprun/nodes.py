@@ -55,6 +55,10 @@ class NodeTable:
     def count(self, role: str) -> int:
         return len(self._by_role[role])
 
+    def all_in_role(self, node_ids: set[str], role: str) -> bool:
+        """Has every one of `node_ids` this role? (a set comparison: cheap for thousands of nodes)"""
+        return self._by_role[role].keys() >= node_ids
+
     def live(self) -> list[Node]:
         return [node for node in self.nodes.values() if node.role != FAILED]
 

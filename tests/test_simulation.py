@@ -55,6 +55,27 @@ def test_thousands_of_random_fault_schedules_keep_every_invariant():
                              "script-error"}
 
 
+def test_a_job_of_a_thousand_nodes_survives_failures_during_recovery_with_every_invariant_checked(monkeypatch):
+    """The controller (the code dprun runs) with 1,024 nodes and 4 spares, every invariant checked after each of
+    its ~120,000 inputs: a node killed, another killed while that recovery is under way, a node frozen past the
+    heartbeat timeout, a worker killed. Spares take each node rank over and every rank reaches the last step.
+    (A few seconds: the per-event checks look again only at what changed, as the World counts it.)"""
+    from dprun.sim.world import World
+
+    worlds = []
+    run = World.run
+    monkeypatch.setattr(World, "run", lambda self, until: (worlds.append(self), run(self, until))[1])
+    schedule = Schedule(seed=3, nnodes=1024, spares=4, nproc=1, steps=30, replicas=2,
+                        faults=[Fault(0.1, "kill-during-recovery", 0.3), Fault(0.15, "kill-node", 0.5),
+                                Fault(0.3, "freeze-wake", 0.9, 4.0), Fault(0.35, "kill-worker", 0.1)])
+    assert run_schedule(schedule) == "completed"
+    (world,) = worlds
+    failed = [e for e in world.events if e["event"] == "node_failed"]
+    promoted = [e for e in world.events if e["event"] == "spare_promoted"]
+    assert len(failed) == 4 and len(promoted) == 4, [e["event"] for e in world.events if e["event"] != "progress"]
+    assert world.controller.max_step == 30 and world.controller.generation >= 2
+
+
 @pytest.mark.parametrize("seed", sorted(REGRESSIONS))
 def test_regression_seeds(seed):
     run_schedule(random_schedule(seed, extended=False, errors=False))  # as found: every step snapshotted

@@ -53,6 +53,7 @@ class Checker:
         self.checked = 0
         self.taken_in = False  # the event is a worker's exit that the controller will take in
         self.struck: dict[str, set] = {}  # a bug of the script (its line) -> nodes whose exit it took in
+        self.owners_checked: tuple | None = None  # (generation, world.owners_changed) last found with one owner each
 
     def before_input(self, world, event) -> None:
         c = world.controller
@@ -90,12 +91,18 @@ class Checker:
     def _one_owner_per_rank(self, world) -> None:
         c = world.controller
         layout = c.layout
-        if len(layout) != c.spec.nnodes or len(set(layout)) != len(layout):
+        in_layout = set(layout)
+        if len(layout) != c.spec.nnodes or len(in_layout) != len(layout):
             raise InvariantViolation(f"invariant 1: layout {layout} does not give each node rank one node")
-        if not c.finished and c.files is None and any(c.table.nodes[n].role != ACTIVE for n in layout):
+        if not c.finished and c.files is None and not c.table.all_in_role(in_layout, ACTIVE):
             if c.pending is None and c.flush is None:
                 raise InvariantViolation(f"invariant 1: a failed node still owns ranks with no recovery under way: "
                                          f"{[(n, c.table.nodes[n].role) for n in layout]}")
+        # the nodes' side changes only with what world.owners_changed counts: checked again only then
+        seen = (c.generation, world.owners_changed)
+        if seen == self.owners_checked:
+            return
+        self.owners_checked = seen
         owners: dict[tuple[int, int], str] = {}
         for node in world.nodes.values():
             if node.running and node.node_rank >= 0 and node.generation == c.generation:

@@ -20,6 +20,9 @@ class WorkerSide:
         worker = node.workers[local]
         if not node.running or worker.phase in ("dead", "done") or msg.generation <= worker.generation:
             return
+        for generation in (worker.generation, msg.generation):  # both generations' workers change
+            self.members_of.pop(generation, None)
+            self.alive_at.pop(generation, None)
         worker.generation = msg.generation
         worker.rank = msg.node_rank * msg.nproc_per_node + local
         worker.phase = "recovering"
@@ -202,11 +205,30 @@ class WorkerSide:
         self.entered.setdefault(key, set()).add(worker.rank)
         self._check_allreduce(key)
 
+    def _members(self, generation: int) -> list:
+        """The workers of `generation`, [(node, local, worker)] in node order (kept until one of them changes)."""
+        members = self.members_of.get(generation)
+        if members is None:
+            members = self.members_of[generation] = [(n, i, w) for n in self.nodes.values()
+                                                     for i, w in enumerate(n.workers)
+                                                     if w.generation == generation and w.rank >= 0]
+        return members
+
+    def _any_dead(self, generation: int, members: list) -> bool:
+        """Is a worker of `generation` dead, or its node? (not looked at again until something dies)"""
+        if self.alive_at.get(generation) == self.deaths:
+            return False
+        if any(w.phase == "dead" or not n.alive for n, _, w in members):
+            return True
+        self.alive_at[generation] = self.deaths
+        return False
+
     def _release_final(self, key) -> None:
         generation = key[0]
-        members = [(n, i, w) for n in self.nodes.values() for i, w in enumerate(n.workers)
-                   if w.generation == generation and w.rank >= 0]
-        if len(self.entered.get(key, ())) < self.spec.world_size or any(not n.running for n, _, _ in members):
+        if len(self.entered.get(key, ())) < self.spec.world_size:
+            return
+        members = self._members(generation)
+        if any(not n.running for n, _, _ in members):
             return
         for n, i, w in members:
             if w.phase == "running" and w.state >= self.steps:
@@ -217,9 +239,8 @@ class WorkerSide:
         if step == "final":
             self._release_final(key)
             return
-        members = [(n, i, w) for n in self.nodes.values() for i, w in enumerate(n.workers)
-                   if w.generation == generation and w.rank >= 0]
-        if any(w.phase == "dead" or not n.alive for n, _, w in members):
+        members = self._members(generation)
+        if self._any_dead(generation, members):
             for n, i, w in members:  # a dead peer: every survivor's collective raises at once
                 if n.running and w.phase == "running" and w.rank in self.entered.get(key, ()):
                     w.phase = "failed-collective"
@@ -260,6 +281,7 @@ class WorkerSide:
     def _worker_exit(self, node: SimNode, local: int, code: int, detail: str) -> None:
         worker = node.workers[local]
         worker.phase = "done" if code == 0 else "dead"
+        self.deaths += code != 0
         exited = p.WorkerExited(node.node_id, node.generation, local, 1000 + local, code, detail)
         if code == 0:  # past the final barrier: dpstate's RankFinished, then the exit
             self._agent_send(node.node_id, p.RankFinished(node.node_id, worker.generation, worker.rank, worker.state),

@@ -57,6 +57,11 @@ class World(WorkerSide):
         self.raised: list[tuple[str, str]] = []  # (node, stderr's last line) of each error the script raised
         self.saved: dict[int, int] = {}  # rank -> the step of it written to a file (a job that stops, save_dir)
         self.corrupted = False  # a store's copies were ever damaged (the judge of "state lost" then looks deeper)
+        # what lets thousands of nodes simulate in seconds: counters of the changes the per-event checks depend on
+        self.owners_changed = 0  # a node's generation, node rank, or running (alive, frozen, stopped) changed
+        self.deaths = 0  # a worker died or a node was killed (neither comes back)
+        self.members_of: dict[int, list] = {}  # generation -> its workers [(node, local, worker)], until one changes
+        self.alive_at: dict[int, int] = {}  # generation -> `deaths` when none of its workers was found dead
         for i, node in enumerate(self.nodes.values()):
             node.workers = [SimWorker() for _ in range(node.nproc)]
             want_spare = i >= spec.nnodes
@@ -144,6 +149,7 @@ class World(WorkerSide):
             self._stop_node(node, keep_store=msg.keep_store)
         elif isinstance(msg, p.Reconfigure):
             node.generation, node.node_rank = msg.generation, msg.node_rank
+            self.owners_changed += 1
             node.replica_to = [msg.replica_to, *msg.replica_also]
             for local, worker in enumerate(node.workers):
                 self.at(self._link_delay(node_id, f"{node_id}/{local}"), self._worker_reconfigure, node, local, msg)
@@ -168,6 +174,8 @@ class World(WorkerSide):
     def _stop_node(self, node: SimNode, keep_store: bool = False) -> None:
         """Its workers stop; so does its agent, unless its store is to stay (it still answers, saves)."""
         node.stopped = not keep_store
+        self.owners_changed += 1
+        self.deaths += 1
         for worker in node.workers:
             worker.phase = "dead" if worker.phase != "done" else "done"
 
@@ -200,6 +208,8 @@ class World(WorkerSide):
         if not node.alive:
             return
         node.alive = False
+        self.owners_changed += 1
+        self.deaths += 1
         for worker in node.workers:
             if worker.phase != "done":  # a worker that already exited 0 finished; the kill cannot undo that
                 worker.phase = "dead"
@@ -256,6 +266,7 @@ class World(WorkerSide):
         if node.running:
             self.log.append(f"{self.now:.3f} freeze {node_id}")
             node.frozen = True
+            self.owners_changed += 1
 
     def wake_node(self, node_id: str) -> None:
         node = self.nodes[node_id]
@@ -263,6 +274,7 @@ class World(WorkerSide):
             return
         self.log.append(f"{self.now:.3f} wake {node_id}")
         node.frozen = False
+        self.owners_changed += 1
         # it speaks before it reads what was said while it slept: stale heartbeats and progress first (the
         # step it last applied: a worker never reports a step it has not applied)
         self._agent_send(node_id, p.Heartbeat(node_id, node.generation))
