@@ -478,13 +478,18 @@ def test_hang_with_every_rank_waiting_on_peers_stops_with_a_message():
     assert h.finish and h.finish.exit_code == 1 and "every rank waits on its peers" in h.finish.message
 
 
-def test_a_worker_that_does_not_exit_after_training_is_named_then_ends_the_job_at_hang_timeout():
-    h = formed(spec(hang_timeout=100.0))
+def finished_but_rank_1_lingers(h: Harness) -> dict:
+    """Both ranks finished step 40; a's worker exited 0, b's (pid 4242) still runs: the heartbeat statuses."""
     h.msg("a", p.Progress("a", 0, 0, 40))
     for node, rank in (("a", 0), ("b", 1)):
         h.msg(node, p.RankFinished(node, 0, rank, 40))
     h.msg("a", p.WorkerExited("a", 0, 0, 10, 0))
-    statuses = {"a": {}, "b": {"0": {"rank": 1, "step": 40, "activity": "idle", "age": 0.2, "pid": 4242}}, "s": {}}
+    return {"a": {}, "b": {"0": {"rank": 1, "step": 40, "activity": "idle", "age": 0.2, "pid": 4242}}, "s": {}}
+
+
+def test_a_worker_that_does_not_exit_after_training_is_named_then_ends_the_job_at_hang_timeout():
+    h = formed(spec(hang_timeout=100.0))
+    statuses = finished_but_rank_1_lingers(h)
     while h.now < 29.0:
         h.alive(statuses)
     assert not h.named("waiting_for_exit"), "not at once: a script may do a little after its loop"

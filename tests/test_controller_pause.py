@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dpagent import protocol as p
 from dprun.controller import NodeGone, Paused, Tick
-from test_controller import formed, spec
+from test_controller import finished_but_rank_1_lingers, formed, spec
 
 
 def test_a_pause_of_the_controller_is_not_its_nodes_silence():
@@ -54,11 +54,7 @@ def test_without_a_pause_silent_nodes_are_failed_at_the_heartbeat_timeout():
 
 def test_a_pause_after_training_finished_does_not_count_against_a_worker_still_exiting():
     h = formed(spec(hang_timeout=20.0))
-    h.msg("a", p.Progress("a", 0, 0, 40))
-    for node, rank in (("a", 0), ("b", 1)):
-        h.msg(node, p.RankFinished(node, 0, rank, 40))
-    h.msg("a", p.WorkerExited("a", 0, 0, 10, 0))
-    statuses = {"a": {}, "b": {"0": {"rank": 1, "step": 40, "activity": "idle", "age": 0.2}}, "s": {}}
+    statuses = finished_but_rank_1_lingers(h)
     while h.now < 10.0:
         h.alive(statuses)
     h.feed(Paused(25.0), dt=25.0)  # past --hang-timeout, all of it the controller's own
@@ -66,5 +62,5 @@ def test_a_pause_after_training_finished_does_not_count_against_a_worker_still_e
     assert h.finish is None, "rank 1 blamed for the controller's own pause"
     while h.finish is None and h.now < 60.0:
         h.alive(statuses)
-    assert h.finish and h.finish.exit_code == 1 and "rank 1 on b did not exit within 20 s" in h.finish.message
+    assert h.finish and h.finish.exit_code == 1 and "rank 1 on b (pid 4242) did not exit within 20 s" in h.finish.message
     assert h.now >= 45.0, "its own 20 s, the pause not counted"

@@ -320,10 +320,10 @@ def test_a_save_whose_copies_the_workers_trained_past_saves_the_newer_step_inste
                                              "dprun ... --resume-from /saved/step-8)"), h.finish
 
 
-def test_the_stores_fenced_nodes_keep_serve_the_recovery_when_they_hold_the_only_copies():
-    """a's and b's workers die one after the other, each node holding the other's only copy: with --save-dir
-    their stores stay, and the plan restores from them rather than say "state lost"."""
-    h = formed(spec(spares=2, save_dir="/saved"))
+def _both_workers_lost(job) -> Harness:
+    """Spares s and t; a's and b's workers die one after the other (b's, then a's before the spare said it
+    restored rank 1), each node holding the other's only copy of step 4."""
+    h = formed(job)
     h.register("t", spare=True)
     for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
         h.msg(node, p.Progress(node, 0, rank, 4, snapshot=True))
@@ -331,9 +331,16 @@ def test_the_stores_fenced_nodes_keep_serve_the_recovery_when_they_hold_the_only
     h.msg("b", p.WorkerExited("b", 0, 0, 11, -9))
     h.pong_all()
     assert h.c.generation == 1 and h.c.layout[1] in ("s", "t")
-    h.msg("a", p.WorkerExited("a", 1, 0, 12, -9))  # before the spare said it restored rank 1
+    h.msg("a", p.WorkerExited("a", 1, 0, 12, -9))
     h.pong_all()
     h.pong_all()
+    return h
+
+
+def test_the_stores_fenced_nodes_keep_serve_the_recovery_when_they_hold_the_only_copies():
+    """a's and b's workers die one after the other, each node holding the other's only copy: with --save-dir
+    their stores stay, and the plan restores from them rather than say "state lost"."""
+    h = _both_workers_lost(spec(spares=2, save_dir="/saved"))
     assert h.finish is None and h.c.generation == 2 and set(h.c.layout) == {"s", "t"}
     plans = {m.node_rank: m for node in ("s", "t") for m in h.sent_to(node, p.Reconfigure) if m.generation == 2}
     assert plans[0].restore_from == {"0": "tcp://b:1"} and plans[1].restore_from == {"1": "tcp://a:1"}
@@ -345,16 +352,7 @@ def test_a_kept_store_lost_while_a_rank_restores_from_it_has_the_plan_made_again
     made again at once (the fetch from a dead store would wait out its timeout), and with b's copy gone the job
     says rank 0's state is lost, once rank 0's node has not said it restored it in --restore-wait (the copy may
     have been fetched before b died) (simulator seed 13863: before, no plan was made again at all)."""
-    h = formed(spec(spares=2, save_dir="/saved", restore_wait=3.0))
-    h.register("t", spare=True)
-    for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
-        h.msg(node, p.Progress(node, 0, rank, 4, snapshot=True))
-        h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
-    h.msg("b", p.WorkerExited("b", 0, 0, 11, -9))
-    h.pong_all()
-    h.msg("a", p.WorkerExited("a", 1, 0, 12, -9))
-    h.pong_all()
-    h.pong_all()
+    h = _both_workers_lost(spec(spares=2, save_dir="/saved", restore_wait=3.0))
     assert h.c.generation == 2 and h.finish is None
     rank0_on = h.c.layout[0]
     h.msg(h.c.layout[1], p.WorkerReady(h.c.layout[1], 2, 1, 0.01, 0.02, "replica"))  # rank 1 restored from a
