@@ -64,6 +64,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.late_copies: list[tuple[int, int, str]] = []  # (rank, step, holder) reported in an older one
         self.dropped: dict[str, int] = {}
         self.max_step = 0
+        self.peaks: dict[int, int] = {}  # generation -> the newest step made in it, once a newer one was planned
         self.last_progress_event = float("-inf")
         self.recoveries: list[Recovery] = []
         self.restarts = 0
@@ -339,7 +340,9 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         same = None
         if not self.spec.restart_mode:  # (restarts are --max-restarts' to count) a spare's script fails alike
             rank = self.ranks_of(node.node_rank)[msg.local_rank] if node.node_rank >= 0 else -1
-            same = self.repeats.seen(code, last_line, node.node_id, rank, self.max_step)
+            # (the step it struck after: its own generation's, not one a newer plan already rolled back)
+            step = self.peaks.get(msg.generation, self.max_step)
+            same = self.repeats.seen(code, last_line, node.node_id, rank, step)
         node.raised = code > 0
         self._node_failed(node.node_id, cause, now, agent_alive=True)
         if same is not None:

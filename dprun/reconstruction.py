@@ -175,6 +175,7 @@ class Reconstruction:
         rec.restore_step, rec.sources = plan.step, dict(plan.sources)
         rec.peak_step = max(rec.peak_step, self.max_step)
         rec.lost_steps = max(0, rec.peak_step - plan.step)
+        self.peaks[self.generation - 1] = self.max_step
         self.ledger.rollback(plan.step)
         self.rank_step = {rank: max(plan.step, 0) for rank in range(self.spec.world_size)}
         self.max_step = plan.step

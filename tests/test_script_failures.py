@@ -165,3 +165,33 @@ def test_a_rank_that_finished_in_a_generation_since_replaced_still_counts_as_fin
     h.msg("a", p.WorkerExited("a", 1, 0, 10, -9))
     _recover(h)
     assert h.finish and "training completed (step 5), but a" in h.finish.message
+
+
+def test_an_error_reported_after_another_failure_rolled_the_job_back_counts_at_the_step_it_struck_after():
+    """c's agent leaves at step 8 and the new plan rolls the job back to step 5 before a's worker, still in
+    generation 0, reports its error: it struck after step 8, not 5. Its replacement replays to step 8 and fails
+    the same way: the job ends (simulator seed 16106: counted at step 5, three steps apart, the job went on)."""
+    h = Harness(spec(nnodes=3, spares=2))
+    for node, rank in (("a", 0), ("b", 1), ("c", 2)):
+        h.register(node, rank=rank)
+    h.register("s", spare=True)
+    h.register("s2", spare=True)
+    ranks = {"a": 0, "b": 1, "c": 2}
+    for step in range(1, 9):
+        _step(h, ranks, step, 0)
+        if step == 5:
+            for holder, rank in (("b", 0), ("c", 1), ("a", 2)):
+                h.msg(holder, p.SnapshotStored(holder, rank, 5, 0))
+    h.msg("c", p.Leaving("c", "received SIGTERM; the controller did not stop the job"))
+    _recover(h)
+    assert h.c.generation == 1 and h.c.max_step == 5
+    h.msg("s", p.WorkerReady("s", 1, 2, 0.01, 0.02, "replica"))  # rank 2 restored (from a's store)
+    h.msg("a", p.WorkerExited("a", 0, 0, 11, 1, "[rank0]: ValueError: bad batch at step 9"))
+    _recover(h)
+    assert h.c.generation == 2 and h.c.layout == ["s2", "b", "s"] and not h.finish
+    for step in range(6, 9):  # replayed from the snapshot, deterministically, to the same error
+        _step(h, {"s2": 0, "b": 1, "s": 2}, step, 2)
+    h.msg("s2", p.WorkerExited("s2", 2, 0, 12, 1, "[rank0]: ValueError: bad batch at step 9"))
+    assert h.finish and h.finish.exit_code == 1, h.events[-3:]
+    assert h.finish.message.startswith("rank 0 failed on a and again on s2, which took its place, the same way "
+                                       "after step 8")
