@@ -142,8 +142,7 @@ class Files:
         if rec is not None and not self.finished and any(holder == node_id and rank not in self.restores_answered
                                    for rank, holder in rec.sources.items()):
             self._replan(now, f"the store of {node_id}, which ranks restored from, was lost: {cause[:200]}")
-            # a store was lost: planning again is progress, not a retry (simulator seed 98784)
-            self.pending.retries, self.pending.probed_for_lost = 0, False
+            self._replanned_for_a_loss()
 
     def _release_kept(self, reason: str, code: int = 1) -> None:
         """Stop the fenced nodes whose stores stayed: no save needs them any more."""

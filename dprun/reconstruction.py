@@ -37,6 +37,10 @@ class Reconstruction:
         if self.flush is None:
             self._start_flush(now)
 
+    def _replanned_for_a_loss(self) -> None:
+        """A node or a store was lost: planning again is progress, not a retry, and a new situation to probe."""
+        self.pending.retries, self.pending.probed_for_lost = 0, False
+
     def _node_failed(self, node_id: str, cause: str, now: float, agent_alive: bool = False) -> None:
         """Fence the node (its agent told to stop) and plan without it. agent_alive: its agent reported its
         worker's exit, so its replica store may stay for a save (dprun.files)."""
@@ -64,8 +68,7 @@ class Reconstruction:
         elif self.generation < 0:  # still forming: the slot opens for the next node to register
             return
         if self._open_pending(now):  # a failure during recovery: one recovery covers both
-            # a node was lost: planning again is progress, not a retry, and a new situation to probe
-            self.pending.retries, self.pending.probed_for_lost = 0, False
+            self._replanned_for_a_loss()
         self.pending.failed.append(node_id)
         self.pending.replan |= was == SPARE
         if node_id in self.injected_at:
