@@ -64,11 +64,10 @@ class Schedule:
                 f"{', the state saved when it stops' if self.save else ''}; {faults}")
 
 
-def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors: bool = True,
-                    leaves: bool = True) -> Schedule:
+def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors: bool = True) -> Schedule:
     """extended=False: the schedule as it was before snapshot intervals and corrupt replicas were drawn too
     (what the regression seeds name); errors=False: before the script's own errors, saving and agents that
-    leave were drawn; leaves=False: before agents that leave on a signal of their own were drawn."""
+    leave were drawn."""
     rng = random.Random(seed)
     nnodes = rng.randint(1, max_nodes)
     spares = rng.randint(0, 3)
@@ -89,7 +88,7 @@ def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors
         faults.append(Fault(at=rng.uniform(0.05, 0.5), kind=rng.choice(SCRIPT_ERRORS), pick=rng.random(),
                             ahead=rng.randint(1, 3)))
     save = errors and rng.random() < 0.5
-    if errors and leaves and rng.random() < 0.15:  # drawn last: the schedules earlier seeds name are unchanged
+    if errors and rng.random() < 0.15:  # drawn last: the schedules earlier seeds name are unchanged
         faults.append(Fault(at=rng.uniform(0.2, 3.0), kind=LEAVE, pick=rng.random()))
     return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
                     interval, auto, defer, save)
