@@ -178,6 +178,29 @@ def test_a_late_copy_is_taken_in_so_that_no_plan_counts_on_the_copy_it_displaced
     assert [(m.rank, m.step, m.reason) for m in reported] == [(1, 27, "corrupt")], reported
 
 
+def test_a_restore_gives_up_on_a_silent_dead_store_and_the_replan_finds_it_dead_long_before_its_heartbeats_do(
+        monkeypatch):
+    """A heartbeat timeout longer than dpstate's fetch timeout (say --heartbeat-timeout 120 against its 60 s),
+    scaled: node n1 is killed, and as the spare is told to restore its rank from n0, n0 dies without a word
+    (a host that lost power: no process exit to see). The fetch gives up on n0 after its timeout and reports
+    it (RestoreFailed "timed out"); that replan's probe finds n0 dead within the probe timeout, not the
+    heartbeat timeout, and the job restores the rank from its other holder and completes."""
+    reported = restore_failures_reported(monkeypatch)
+    from dprun.sim import world
+
+    worlds, original = [], world.World.run
+    monkeypatch.setattr(world.World, "run", lambda self, until: (worlds.append(self), original(self, until))[1])
+    schedule = Schedule(seed=5, nnodes=3, spares=2, nproc=1, steps=30, replicas=2, fetch_timeout=0.5,
+                        faults=[Fault(0.4, "kill-silent-during-recovery", 0.67), Fault(0.5, "kill-node", 0.5)])
+    assert run_schedule(schedule) == "completed"
+    assert [(m.source, m.reason) for m in reported] == [("sim://n0", "timed out")]
+    (killed_at,) = [float(line.split()[0]) for line in worlds[0].log if line.endswith("kill n0")]
+    (failed,) = [e for e in worlds[0].events if e["event"] == "node_failed" and e["node"] == "n0"]
+    assert failed["cause"].startswith("no answer to a probe")
+    spec = schedule.spec()
+    assert failed["time"] - killed_at < schedule.fetch_timeout + spec.probe_timeout + 0.1 < spec.heartbeat_timeout
+
+
 def test_a_late_copy_newer_than_the_plan_is_restored_from_when_the_planned_one_is_bad():
     """Seed 6008067: one node and a spare that holds its copies; the node dies with its put of step 22 in
     flight, which reaches the spare after it was promoted (displacing step 20 there); every copy it held then

@@ -19,7 +19,8 @@ CORRUPT = {"corrupt-replicas": "all", "corrupt-newest": "newest", "corrupt-all-b
 # faults armed for the next reconfiguration -> what strikes then (before the restores fetch, as dprun's
 # @during-recovery); the corruptions strike the store the pick names, the kill one of the layout's nodes
 ARMED = {"kill-during-recovery": "kill-node", "corrupt-during-recovery": "corrupt-all-but-oldest",
-         "corrupt-all-during-recovery": "corrupt-replicas"}
+         "corrupt-all-during-recovery": "corrupt-replicas",
+         "kill-silent-during-recovery": "kill-node-silent"}  # (this one in hand-made schedules only)
 
 
 class FaultDriver:
@@ -106,7 +107,8 @@ def run_schedule(schedule: Schedule) -> str:
     ref: list = []
     observer = _Observer(ref)
     world = World(schedule.spec(), schedule.nnodes + schedule.spares, schedule.steps, rng, observer=observer,
-                  interval=schedule.interval, measure_until=20 if schedule.auto else 0, defer=schedule.defer)
+                  interval=schedule.interval, measure_until=20 if schedule.auto else 0, defer=schedule.defer,
+                  fetch_timeout=schedule.fetch_timeout)
     driver = FaultDriver(world, rng)
     ref.append(driver)
     for fault in schedule.faults:

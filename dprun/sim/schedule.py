@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 
 from dprun.controller import JobSpec
 
+# dpstate's fetch gives up on a store that sends nothing after 60 s (Replicator.fetch): 12 of dprun's default 5 s
+# heartbeat timeouts; the same ratio to the simulated job's 2 s
+FETCH_TIMEOUT_S = 24.0
+
 KINDS = ["kill-node", "kill-node-silent", "kill-worker", "freeze-node", "freeze-wake", "kill-spare",
          "kill-during-recovery", "join-spare"]
 # bit rot in one store, now or armed for the next recovery (every copy there, or all but the oldest)
@@ -46,6 +50,7 @@ class Schedule:
     auto: bool = False  # before that, an irregular measuring window as --snapshot-interval auto has
     defer: bool = False  # gates wait for acks at snapshot steps only (optimizer steps that do not land)
     save: bool = False  # a job that stops has its newest complete step written to files (--save-dir)
+    fetch_timeout: float = FETCH_TIMEOUT_S  # a restore gives up on a store that sends nothing after this long
 
     def spec(self) -> JobSpec:
         return JobSpec(nnodes=self.nnodes, spares=self.spares, nproc_per_node=self.nproc, store_endpoint="sim:0",
@@ -61,7 +66,9 @@ class Schedule:
                 f"{self.steps} steps, snapshots every {self.interval}"
                 f"{' after a measuring window' if self.auto else ''}"
                 f"{', acks awaited at snapshot steps' if self.defer else ''}"
-                f"{', the state saved when it stops' if self.save else ''}; {faults}")
+                f"{', the state saved when it stops' if self.save else ''}"
+                f"{f', fetches time out after {self.fetch_timeout:.2f} s' if self.fetch_timeout < FETCH_TIMEOUT_S else ''}"
+                f"; {faults}")
 
 
 def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors: bool = True) -> Schedule:
@@ -90,5 +97,8 @@ def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors
     save = errors and rng.random() < 0.5
     if errors and rng.random() < 0.15:  # drawn last: the schedules earlier seeds name are unchanged
         faults.append(Fault(at=rng.uniform(0.2, 3.0), kind=LEAVE, pick=rng.random()))
+    fetch_timeout = FETCH_TIMEOUT_S
+    if errors and rng.random() < 0.3:  # a --heartbeat-timeout past dpstate's 60 s fetch timeout: a restore
+        fetch_timeout = rng.uniform(0.3, 3.0)  # gives up on a silent dead store before the controller fails it
     return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
-                    interval, auto, defer, save)
+                    interval, auto, defer, save, fetch_timeout)

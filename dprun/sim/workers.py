@@ -11,7 +11,7 @@ from .nodes import KEEP_LOCAL, Put, SimNode
 
 class WorkerSide:
     """The worker half of World: it needs World's clock (at, now, rng), network (_link_delay, _agent_send,
-    _frozen, node_of), nodes, job (spec, steps, interval, measure_until) and bookkeeping (ready, entered,
+    _frozen, node_of), nodes, job (spec, steps, interval, measure_until, fetch_timeout) and bookkeeping (ready, entered,
     captured, replicated, dropped_by, log)."""
 
     def _worker_reconfigure(self, node: SimNode, local: int, msg: p.Reconfigure) -> None:
@@ -61,9 +61,10 @@ class WorkerSide:
     def _fetch(self, node: SimNode, local: int, generation: int, sources: list) -> None:
         """As dpstate's restore: fetch from the first store the plan names. A store without the copy says so at
         once; a copy takes a while to arrive and the loading worker finds it corrupt only then; either is
-        reported (RestoreFailed) and the next store tried. A dead store never answers (the fetch waits for a
-        new plan), a frozen one answers when it wakes. None good: its missing local copy is reported too if
-        the plan counted on it, and it waits for the next reconfiguration."""
+        reported (RestoreFailed) and the next store tried. A dead store never answers: the fetch gives up on it
+        after its timeout, unless a new plan aborts it first; a frozen one answers when it wakes. None good: its
+        missing local copy is reported too if the plan counted on it, and it waits for the next
+        reconfiguration."""
         worker = node.workers[local]
         if not node.running or worker.generation != generation or worker.phase != "recovering":
             return
@@ -72,8 +73,9 @@ class WorkerSide:
         while sources:
             source, sources = sources[0], sources[1:]
             holder = self.node_of(source)
-            if holder is None or not holder.alive:
-                return  # no answer: the fetch waits until its timeout, or a new plan aborts it
+            if holder is None or not holder.alive:  # no answer: wait out the timeout, or a new plan's abort
+                self.at(self.fetch_timeout, self._fetch_timed_out, node, local, generation, source, sources)
+                return
             if self._frozen(holder, self._fetch, node, local, generation, [source, *sources]):
                 return
             if step in holder.store.get(rank, []):
@@ -87,6 +89,17 @@ class WorkerSide:
         worker.phase = "restore-failed"
         self._agent_send(node.node_id, p.PeerError(node.node_id, generation, rank,
                                                    f"snapshot of rank {rank} at step {step} not found"))
+
+    def _fetch_timed_out(self, node: SimNode, local: int, generation: int, source: str, rest: list) -> None:
+        """Nothing came from a dead store in time: reported as a bad copy (as dpstate), the next store tried."""
+        if self._frozen(node, self._fetch_timed_out, node, local, generation, source, rest):
+            return
+        worker = node.workers[local]
+        if not node.running or worker.generation != generation or worker.phase != "recovering":
+            return
+        self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, worker.rank,
+                                                       worker.restore.restore_step, source, "timed out"))
+        self._fetch(node, local, generation, rest)
 
     def _fetched(self, node: SimNode, local: int, generation: int, holder: SimNode, rest: list, bad: bool) -> None:
         """A fetched copy arrived (a holder frozen mid-transfer holds it up; a dead one breaks it off)."""

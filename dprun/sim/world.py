@@ -15,6 +15,7 @@ from dpagent import protocol as p
 from dprun.controller import Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
 
 from .nodes import ScriptError, SimNode, SimWorker
+from .schedule import FETCH_TIMEOUT_S
 from .workers import WorkerSide
 
 CONTROLLER = "controller"
@@ -26,11 +27,12 @@ class World(WorkerSide):
     def __init__(self, spec: JobSpec, nodes: int, steps: int, rng: random.Random,
                  observer: Callable[["World", Any, list], None] | None = None,
                  delay: tuple[float, float] = (0.0005, 0.01), hb_interval: float = 0.5, interval: int = 1,
-                 measure_until: int = 0, defer: bool = False):
+                 measure_until: int = 0, defer: bool = False, fetch_timeout: float = FETCH_TIMEOUT_S):
         self.spec, self.steps, self.rng = spec, steps, rng
         self.interval = interval  # snapshots at step 0 and every multiple of it ...
         self.measure_until = measure_until  # ... after an auto-like measuring window (see snapshotted)
         self.defer = defer  # the gate waits for acks at snapshot steps only (dpstate.gate: no landing)
+        self.fetch_timeout = fetch_timeout  # a restore gives up on a store that sends nothing (FETCH_TIMEOUT_S)
         self.now = 0.0
         self.queue: list = []
         self.seq = itertools.count()
