@@ -24,6 +24,7 @@ from . import faults
 from .channel import Channel, Incoming, poll_ms
 from .events import EventPipe
 from .liveness import Liveness
+from .oom import OomKills
 from .process import LAUNCHER_GONE, LAUNCHER_STOP, descendants, reap_orphans, set_child_subreaper, signal_procs
 from .protocol import (
     NO_RANK, REFUSALS, Codec, Heartbeat, Inject, LoadSnapshots, Ping, Pong, Reconfigure, Register, SaveSnapshots,
@@ -100,6 +101,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         self.retired = False  # its workers stopped by Stop(keep_store): only its replica store serves
         self.exit_code: int | None = None
         self._peers: dict[bytes, int] = {}  # worker identity -> local rank, once it said Hello
+        self.oom_kills = OomKills()  # its workers' memory cgroup's count: whether a SIGKILL was the OOM killer
         self._statuses: dict[int, tuple] = {}  # local rank -> (latest WorkerStatus, when it came)
         self._signalled = 0
         self._signals = 0  # how many (a second one cuts a save short)

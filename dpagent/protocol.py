@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 from .checksum import CHECKSUM_BLOCK
 
-PROTOCOL_VERSION = 14  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
+PROTOCOL_VERSION = 15  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
 #                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...);
 #                      8: check plans (data parallel blocks sampled: dpagent.checksum.CheckPlan);
 #                      9: SnapshotStored.nbytes and Standby (spares reserve snapshot memory while idle);
@@ -56,6 +56,7 @@ PROTOCOL_VERSION = 14  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.sn
 #                          an agent that loses its controller writes its copies to the job's --save-dir
 #                      13: WorkerExited.raised (a worker that crashed while it exited on a Python exception)
 #                      14: Leaving (an agent that stops on its own says so), refusals (protocol.refusal)
+#                      15: WorkerExited.oom_killed (its SIGKILL came from the kernel's OOM killer)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -142,7 +143,8 @@ class WorkerExited:
     detail: its last line of stderr (or how it ended); stderr_tail: its last lines of stderr when it failed;
     log_path: its stderr log file under --log-dir, if any (for the job's failure summary);
     raised: for one that crashed (SIGABRT, SIGSEGV) after printing a Python traceback, the exception's line:
-    the script raised, as with an exit code of 1 (dpagent.output.crash_exception).
+    the script raised, as with an exit code of 1 (dpagent.output.crash_exception);
+    oom_killed: its SIGKILL came from the kernel's OOM killer, as its memory cgroup counted (dpagent.oom).
     """
 
     node_id: str
@@ -154,6 +156,7 @@ class WorkerExited:
     stderr_tail: str = ""
     log_path: str = ""
     raised: str = ""
+    oom_killed: bool = False
 
 
 def describe_exit(exitcode: int) -> str:
@@ -169,12 +172,15 @@ def describe_exit(exitcode: int) -> str:
 OWN_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)  # a process's own fault
 
 
-def describe_end(exitcode: int, detail: str) -> str:
+OOM_KILLED = "killed by the kernel's OOM killer: out of memory"
+
+
+def describe_end(exitcode: int, detail: str, oom_killed: bool = False) -> str:
     """How a worker ended and what it last said (WorkerExited.detail): after a colon where that may be why (its
     own exit or crash); in parentheses where a signal came from outside (SIGKILL: the OOM killer, a kill -9),
     which its last line cannot explain."""
-    how = describe_exit(exitcode)
-    if not detail or detail == how:
+    how = OOM_KILLED if oom_killed else describe_exit(exitcode)
+    if not detail or detail == describe_exit(exitcode):
         return how
     if exitcode < 0 and -exitcode not in OWN_SIGNALS:
         return f"{how} (its last line before: {detail})"

@@ -7,12 +7,13 @@ A part of the Agent (it inherits this), kept apart so each file reads in one sit
 from __future__ import annotations
 
 import logging
+import signal
 import time
 
 from .channel import Incoming
 from .output import crash_exception, failure_detail
 from .protocol import (
-    Hello, PeerError, Progress, RankFinished, RestoreFailed, SnapshotFiles, Stop, WorkerExited, WorkerReady,
+    OOM_KILLED, Hello, PeerError, Progress, RankFinished, RestoreFailed, SnapshotFiles, Stop, WorkerExited, WorkerReady,
     WorkerStatus,
 )
 from .replica_server import FilesDone, RelabelChecked
@@ -25,7 +26,8 @@ FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, Snap
 
 class WorkerLink:
     """Needs the agent's cfg, job_id, endpoints, workers, worker_ch, _peers, _statuses, shutdown, standby,
-    latest_reconfigure, generation, replica, _to_controller and _hold_exit / _retired_exit (restart mode)."""
+    latest_reconfigure, generation, replica, oom_kills, _to_controller and _hold_exit / _retired_exit (restart
+    mode)."""
 
     def _base_env(self, local_rank: int, role: str) -> dict[str, str]:
         return worker_env(
@@ -113,17 +115,20 @@ class WorkerLink:
         raised = crash_exception(tail, done.exitcode)
         last = failure_detail(tail, raised) if failed else ""
         why = f" ({last})" if last else ""
+        sent = False  # by this agent, as it stops
         if self.shutdown is not None and not raised:  # not its last line where it obeyed, or its agent ended it
             if done.exitcode == self.shutdown.code:
                 why = " (as the job stops)"
             elif done.exitcode in SENT_BY_PHASE[self.shutdown.phase]:
-                why = " (by its agent, as it stops)"
+                why, sent = " (by its agent, as it stops)", True
+        oom = done.exitcode == -signal.SIGKILL and not sent and self.oom_kills.claim()
+        how = OOM_KILLED if oom else describe_exit(done.exitcode)
         log.log(logging.INFO if done.exitcode == 0 or self.shutdown else logging.WARNING,
-                "worker %d (pid %d) exited: %s%s", done.local_rank, done.pid, describe_exit(done.exitcode), why)
+                "worker %d (pid %d) exited: %s%s", done.local_rank, done.pid, how, why)
         exited = WorkerExited(self.cfg.node_id, self.generation, done.local_rank, done.pid, done.exitcode,
                               last or describe_exit(done.exitcode),
                               stderr_tail=output.tail() if failed else "",
                               log_path=output.log_path if output is not None else "",
-                              raised=raised)
+                              raised=raised, oom_killed=oom)
         if not self._hold_exit(exited):
             self._to_controller(exited)

@@ -334,9 +334,11 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             return
         if node.role == SPARE and msg.exitcode == 0:
             return
-        cause = f"worker {msg.local_rank} (pid {msg.pid}) {p.describe_end(msg.exitcode, msg.detail)}"
+        how = p.describe_end(msg.exitcode, msg.detail, msg.oom_killed)
+        cause = f"worker {msg.local_rank} (pid {msg.pid}) {how}"
         # a crash as it exited on a Python exception counts as the exit 1 of that exception (p.WorkerExited.raised)
         code, last_line = (1, msg.raised) if msg.raised else (msg.exitcode, msg.detail)
+        last_line = p.OOM_KILLED if msg.oom_killed else last_line
         same = None
         if not self.spec.restart_mode:  # (restarts are --max-restarts' to count) a spare's script fails alike
             rank = self.ranks_of(node.node_rank)[msg.local_rank] if node.node_rank >= 0 else -1

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from dpagent.protocol import OOM_KILLED
+
 STEP_SLACK = 1  # steps apart that still count as "the same step": a rank reports its step after making it
 _RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")  # what torch puts before each line a distributed rank prints
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
@@ -20,7 +22,11 @@ def without_rank_prefix(line: str) -> str:
 
 def signature(exitcode: int, detail: str) -> str | None:
     """What makes two exits the same failure: the exit code and the last line of stderr, without the rank
-    prefix and memory addresses. None for a signal (a kill, the OOM killer): that says nothing of the script."""
+    prefix and memory addresses. None for a signal from outside (a kill -9, Slurm's): that says nothing of the
+    script; but the kernel's OOM killer (detail OOM_KILLED, as its cgroup counted it) does: out of memory again
+    where the spare took over, at the same step, is the script's appetite."""
+    if detail == OOM_KILLED:
+        return OOM_KILLED
     if exitcode <= 0:
         return None
     line = _ADDRESS.sub("0x?", without_rank_prefix(detail))
@@ -58,6 +64,8 @@ class RepeatedFailures:
             where = f"rank {rank} failed on {earlier.node_id} and again on {node_id}, which took its place"
         else:
             where = f"{earlier.where()} and {Sighting(node_id, rank, step).where()} failed"
-        return (f"{where}, the same way after step {min(earlier.step, step)} ({key}): an error that recurs on "
-                "another node at the same step is most likely in the training script or its data, and a spare "
-                "cannot fix it; fix it and rerun")
+        why = ("the training script needs more memory at that step than a node gives it, and a spare cannot fix "
+               "that; make it need less (a smaller batch, say) and rerun" if key == OOM_KILLED else
+               "an error that recurs on another node at the same step is most likely in the training script or its "
+               "data, and a spare cannot fix it; fix it and rerun")
+        return f"{where}, the same way after step {min(earlier.step, step)} ({key}): {why}"

@@ -158,7 +158,7 @@ class ControllerServer:
             rank = node.node_rank * ctl.spec.nproc_per_node + msg.local_rank if node.node_rank >= 0 else None
             self.sink.emit({"event": "worker_exited", "node": sender, "local_rank": msg.local_rank, "rank": rank,
                             "pid": msg.pid, "exitcode": msg.exitcode,
-                            "cause": p.describe_end(msg.exitcode, msg.detail),
+                            "cause": p.describe_end(msg.exitcode, msg.detail, msg.oom_killed),
                             "tail": getattr(msg, "stderr_tail", ""), "log": getattr(msg, "log_path", "")})
 
     def _apply(self, actions) -> Finish | None:

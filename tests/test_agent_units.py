@@ -71,6 +71,9 @@ def test_a_workers_last_line_is_given_as_its_cause_only_where_it_ended_itself():
     assert describe_end(1, "ValueError: bad batch") == "exit code 1: ValueError: bad batch"
     assert describe_end(-6, "terminate called") == "killed by SIGABRT: terminate called"  # its own abort
     assert describe_end(-9, "") == describe_end(-9, "killed by SIGKILL") == "killed by SIGKILL"
+    assert describe_end(-9, said, oom_killed=True) == (f"killed by the kernel's OOM killer: out of memory (its last "
+                                                       f"line before: {said})")
+    assert describe_end(-9, "killed by SIGKILL", oom_killed=True) == "killed by the kernel's OOM killer: out of memory"
 
 
 def test_liveness_beats_and_loss():

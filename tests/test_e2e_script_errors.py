@@ -1,17 +1,20 @@
 """A training script's own failures, in real dprun jobs: an error that follows its rank onto the spare that
 replaced the node ends the job saying it is the script's, with spares left unspent, and is named even when the
-process crashes as it exits on it; a one-off error is recovered from; a rank that leaves the loop early is
-named as such, not as a finished run, and one that never exits after it ends the job at --hang-timeout; a bug
-that strikes every rank at once still leaves the state of the step before it, with --save-dir, to go on from
-once fixed."""
+process crashes as it exits on it, or is killed by the kernel's OOM killer at the same step again; a one-off
+error is recovered from; a rank that leaves the loop early is named as such, not as a finished run, and one
+that never exits after it ends the job at --hang-timeout; a bug that strikes every rank at once still leaves
+the state of the step before it, with --save-dir, to go on from once fixed."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from cgroups import in_cgroup, memory_cgroup
 from e2e import read_events
 
 pytestmark = pytest.mark.slow
@@ -25,12 +28,15 @@ job = dpstate.init()
 ddp = job.data_parallel(model)
 job.track(model=model, optimizer=opt)
 mode = os.environ["BUG"]
+hog = bytearray if mode == "oom" and job.rank == 1 else None  # its appetite at step 5, on every node it runs on
 if mode == "crash" and job.rank == 1:  # what libstdc++ does when a native thread dies as the interpreter exits
     atexit.register(lambda: (print("terminate called without an active exception", file=sys.stderr), os.abort()))
 for step in job.steps(12):
     with step:
+        if step.number == 5 and hog is not None:
+            hog(int(os.environ["OOM_BYTES"]))
         if step.number == 5 and (job.rank == 1 or mode == "every") and (
-                mode not in ("fixed", "converged", "linger")) and (
+                mode not in ("fixed", "converged", "linger", "oom")) and (
                 mode in ("always", "every", "crash") or job.generation == 0):
             raise ValueError("bad batch at step 5")
         loss = ddp(torch.randn(4, 8)).square().mean()
@@ -47,13 +53,15 @@ if mode == "linger" and job.rank == 1:
 """
 
 
-def _run(procs, tmp_path, mode: str, *options: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def _run(procs, tmp_path, mode: str, *options: str, cgroup: Path | None = None,
+         env: dict | None = None) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """The job, all of it in `cgroup` if given."""
     script = tmp_path / "bug.py"
     script.write_text(SCRIPT)
     events = tmp_path / f"{mode}.events.jsonl"
-    proc = procs.dprun("--nnodes", "2", "--no-tui", "--events-file", events, *options, script,
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                       env={"BUG": mode})
+    command = [sys.executable, "-m", "dprun", "--nnodes", "2", "--no-tui", "--events-file", events, *options, script]
+    proc = procs.popen(in_cgroup(cgroup, command) if cgroup else command, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={"BUG": mode, **(env or {})})
     out, err = proc.communicate(timeout=120)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), read_events(events)
 
@@ -85,6 +93,23 @@ def test_a_worker_that_crashes_while_exiting_on_its_error_is_named_by_it_and_spa
     (finished,) = _named(events, "job_finished")
     assert "rank 1 failed on" in finished["message"] and "a spare cannot fix it" in finished["message"], finished
     assert len(_named(events, "spare_promoted")) == 1, "the second spare is not spent on the script's bug"
+
+
+def test_the_oom_killer_is_named_and_striking_the_spare_at_the_same_step_ends_the_job_as_the_scripts(tmp_path,
+                                                                                                     procs):
+    """The whole job in a memory cgroup of 2 GiB: rank 1 asks for 3 GiB at step 5, on whichever node trains it.
+    Its agent tells the OOM killer's SIGKILL from a kill -9 by the cgroup's count of OOM kills; the same on the
+    spare that took rank 1 over is the script's appetite: the job ends so, with the second spare unspent."""
+    with memory_cgroup(2 << 30) as cgroup:  # (what the job left in it is killed as it goes)
+        run, events = _run(procs, tmp_path, "oom", "--spares", "2", cgroup=cgroup, env={"OOM_BYTES": str(3 << 30)})
+    assert run.returncode == 1, run.stderr[-3000:]
+    (failed, *_) = _named(events, "node_failed")
+    assert "killed by the kernel's OOM killer: out of memory" in failed["cause"], failed
+    (finished,) = _named(events, "job_finished")
+    assert "rank 1 failed on" in finished["message"] and "a spare cannot fix" in finished["message"], finished
+    assert "(killed by the kernel's OOM killer: out of memory): the training script needs more memory" in \
+        finished["message"], finished
+    assert len(_named(events, "spare_promoted")) == 1, "the second spare is not spent on the script's appetite"
 
 
 def test_a_one_off_error_is_recovered_from(procs, tmp_path):

@@ -21,6 +21,7 @@ def test_signature_ignores_the_rank_prefix_and_addresses_and_signals_have_none()
     assert signature(1, "ValueError: a") != signature(2, "ValueError: a")
     assert signature(1, "") == signature(1, "exit code 1") == "exit code 1"
     assert signature(-9, "Killed") is None and signature(0, "") is None
+    assert signature(-9, p.OOM_KILLED) == p.OOM_KILLED  # what the controller passes for WorkerExited.oom_killed
 
 
 def test_the_same_error_on_another_node_at_the_same_step_is_named_once_seen_twice():
@@ -103,6 +104,27 @@ def test_a_one_off_error_recovers_and_so_does_a_kill_at_the_same_step():
     h.msg("s", p.WorkerExited("s", 1, 0, 12, -9))  # the OOM killer, say: a signal says nothing of the script
     _recover(h)
     assert not h.finish and h.c.generation == 2 and h.c.layout == ["a", "s2"]
+
+
+def test_the_oom_killer_at_the_same_step_on_the_spare_is_the_scripts_appetite_not_the_node():
+    """A SIGKILL that the agent's cgroup counted as an OOM kill (WorkerExited.oom_killed) is named so, and,
+    unlike a plain kill, twice at the same step on two nodes ends the job as the script's."""
+    h = formed(spec(spares=2))
+    h.register("s2", spare=True)
+    _step(h, {"a": 0, "b": 1}, 4, 0)
+    h.msg("b", p.WorkerExited("b", 0, 0, 11, -9, "step 4 loss 2.1", oom_killed=True))
+    (failed,) = h.named("node_failed")
+    assert failed["cause"] == ("worker 0 (pid 11) killed by the kernel's OOM killer: out of memory "
+                               "(its last line before: step 4 loss 2.1)")
+    _recover(h)
+    assert h.c.layout == ["a", "s"] and not h.finish
+    _step(h, {"a": 0, "s": 1}, 4, 1)
+    h.msg("s", p.WorkerExited("s", 1, 0, 12, -9, "step 4 loss 2.1", oom_killed=True))
+    assert h.finish and h.finish.exit_code == 1
+    assert "rank 1 failed on b and again on s" in h.finish.message
+    assert "(killed by the kernel's OOM killer: out of memory): the training script needs more memory" in \
+        h.finish.message
+    assert h.c.table.get("s2").role == "spare", "no second spare spent on it"
 
 
 def test_no_spare_left_after_an_error_exit_says_that_more_spares_fix_only_the_node():
