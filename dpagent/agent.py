@@ -322,6 +322,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         if self.shutdown is not None:
             self._advance_shutdown(now)
         self.replica.tick(now)
+        self.oom_kills.sample(now)
         if now >= self._next_reap:
             reap_orphans(self.workers.pids())
             self._next_reap = now + REAP_EVERY

@@ -7,11 +7,16 @@ cgroup's count does, where the host exposes it. Where it does not, nothing is cl
 
 from __future__ import annotations
 
+import collections
 import os
 import re
+import threading
+import time
 from pathlib import Path
 
 _COUNT = re.compile(r"^oom_kill\s+(\d+)$", re.MULTILINE)
+RECENT_S = 5.0  # a kill counted longer than this before a process was seen dead is not what killed it
+SAMPLE_EVERY_S = 1.0
 
 
 def counter_file(pid: int | None = None, proc: str = "/proc") -> Path | None:
@@ -66,20 +71,43 @@ def read_count(path: Path | None) -> int | None:
 
 
 class OomKills:
-    """The OOM kills in this process's memory cgroup (where its workers run) since it started, each claimed
-    once: `claim()` when a worker died of SIGKILL says whether an uncounted kill explains it."""
+    """The OOM kills that this process's memory cgroup (where its workers run) counts, each claimed once by a
+    process that died of SIGKILL: `claim(now)` says whether a kill counted in the last RECENT_S explains it.
+    Others may share the cgroup (a standalone job's agents do): a kill older than that is not this death's, so
+    the count is sampled (`sample(now)`, at least every SAMPLE_EVERY_S) to know when each kill came. Safe to
+    call from several threads."""
 
-    def __init__(self, path: Path | None = None):
+    def __init__(self, path: Path | None = None, now: float | None = None):
         self.path = counter_file() if path is None else path
-        self._claimed = read_count(self.path)
+        now = time.monotonic() if now is None else now
+        count = read_count(self.path)
+        self._upto = count  # kills accounted for: claimed, or counted too long before a death to explain it
+        self._samples = collections.deque([(now, count)] if count is not None else [])  # (time, count), oldest 1st
+        self._lock = threading.Lock()
 
     @property
     def readable(self) -> bool:
-        return self._claimed is not None
+        return self._upto is not None
 
-    def claim(self) -> bool:
-        count = read_count(self.path)
-        if count is None or self._claimed is None or count <= self._claimed:
-            return False
-        self._claimed += 1
-        return True
+    def sample(self, now: float) -> None:
+        with self._lock:
+            if self._upto is not None and now - self._samples[-1][0] >= SAMPLE_EVERY_S:
+                if (count := read_count(self.path)) is not None:
+                    self._samples.append((now, count))
+            self._expire(now)
+
+    def claim(self, now: float) -> bool:
+        with self._lock:
+            self._expire(now)
+            count = read_count(self.path)
+            if count is None or self._upto is None or count <= self._upto:
+                return False
+            self._upto += 1
+            return True
+
+    def _expire(self, now: float) -> None:
+        """The kills counted by the newest sample older than RECENT_S came too long ago to explain a death now."""
+        while len(self._samples) > 1 and self._samples[1][0] <= now - RECENT_S:
+            self._samples.popleft()
+        if self._samples and self._samples[0][0] <= now - RECENT_S:
+            self._upto = max(self._upto, self._samples[0][1])

@@ -121,7 +121,7 @@ class WorkerLink:
                 why = " (as the job stops)"
             elif done.exitcode in SENT_BY_PHASE[self.shutdown.phase]:
                 why, sent = " (by its agent, as it stops)", True
-        oom = done.exitcode == -signal.SIGKILL and not sent and self.oom_kills.claim()
+        oom = done.exitcode == -signal.SIGKILL and not sent and self.oom_kills.claim(time.monotonic())
         how = OOM_KILLED if oom else describe_exit(done.exitcode)
         log.log(logging.INFO if done.exitcode == 0 or self.shutdown else logging.WARNING,
                 "worker %d (pid %d) exited: %s%s", done.local_rank, done.pid, how, why)

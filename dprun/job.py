@@ -146,7 +146,8 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
     agents = LocalAgents(
         env={"DP_JOB_TOKEN": token, "DP_TOTAL_LOCAL_WORKERS": str(len(local_nodes) * opts.nproc_per_node),
              **_worker_settings(opts)},
-        on_exit=lambda node_id, code: server.post(NodeGone(node_id, f"agent process exited ({p.describe_exit(code)})")),
+        on_exit=lambda node_id, code, oom: server.post(
+            NodeGone(node_id, f"agent process exited ({p.OOM_KILLED if oom else p.describe_exit(code)})")),
         capture=capture, hosts_controller=True,
     )
     server.wake_node = lambda node_id: agents.signal_node(node_id, signal.SIGCONT)
@@ -290,9 +291,11 @@ def _run_member(agent: AgentCommand, token: str, opts: JobOptions) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     code = proc.wait()
+    oom_killed = agents.ended_by_oom_killer(agent.node_id)  # (before kill_all, which ends the watching)
     agents.kill_all()
     if code != 0:
-        print(f"dprun: this node's agent ended: {p.describe_exit(code)}", file=sys.stderr)
+        print(f"dprun: this node's agent ended: {p.OOM_KILLED if oom_killed else p.describe_exit(code)}",
+              file=sys.stderr)
     if code == EXIT_REFUSED:
         print(f"dprun: the controller at {agent.controller} refused this node: give every node the job's token "
               "(DP_JOB_TOKEN or --token-file) and the same DeadPool version (the agent's line above says which "

@@ -1,6 +1,7 @@
 """Starts node agents on this machine, each in its own session (a node that can be killed or frozen whole).
 
-Watches them: an agent that exits while the job runs is reported at once, as a lost node.
+Watches them: an agent that exits while the job runs is reported at once, as a lost node (and whether the
+kernel's OOM killer ended it, as their memory cgroup counted: dpagent.oom).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Sequence
+
+from dpagent.oom import SAMPLE_EVERY_S, OomKills
 
 
 @dataclass
@@ -92,8 +95,10 @@ class OutputTail:
 
 
 class LocalAgents:
-    def __init__(self, env: dict[str, str], on_exit: Callable[[str, int], None], capture: OutputTail | None = None,
-                 hosts_controller: bool = False):
+    """on_exit(node_id, exit code, whether the OOM killer ended it) for an agent that exits while not stopping."""
+
+    def __init__(self, env: dict[str, str], on_exit: Callable[[str, int, bool], None],
+                 capture: OutputTail | None = None, hosts_controller: bool = False):
         self.env = env
         # this process runs the controller: should it die (kill -9), its agents save what they hold, as they do
         # when they lose a controller elsewhere, instead of dying with it; a member's agent leaves the job, saying
@@ -102,6 +107,9 @@ class LocalAgents:
         self.on_exit = on_exit
         self.capture = capture  # the dashboard owns the terminal: agents' and workers' output goes here
         self.procs: dict[str, subprocess.Popen] = {}
+        self.watchers: dict[str, threading.Thread] = {}
+        self.oom_kills = OomKills()
+        self.oom_killed: set[str] = set()  # the nodes whose agent the OOM killer ended
         self.stopping = False
 
     def start(self, cmd: AgentCommand) -> subprocess.Popen:
@@ -111,14 +119,29 @@ class LocalAgents:
         if self.capture is not None:
             self.capture.read_from(proc.stdout)
         self.procs[cmd.node_id] = proc
-        threading.Thread(target=self._watch, args=(cmd.node_id, proc), daemon=True,
-                         name=f"watch-{cmd.node_id}").start()
+        self.watchers[cmd.node_id] = watcher = threading.Thread(target=self._watch, args=(cmd.node_id, proc),
+                                                                daemon=True, name=f"watch-{cmd.node_id}")
+        watcher.start()
         return proc
 
     def _watch(self, node_id: str, proc: subprocess.Popen) -> None:
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait(SAMPLE_EVERY_S)
+                break
+            except subprocess.TimeoutExpired:
+                self.oom_kills.sample(time.monotonic())
+        if code == -signal.SIGKILL and not self.stopping and self.oom_kills.claim(time.monotonic()):
+            self.oom_killed.add(node_id)
         if not self.stopping:
-            self.on_exit(node_id, code)
+            self.on_exit(node_id, code, node_id in self.oom_killed)
+
+    def ended_by_oom_killer(self, node_id: str) -> bool:
+        """Whether the OOM killer ended this node's agent, once its watcher saw it exit."""
+        watcher = self.watchers.get(node_id)
+        if watcher is not None:
+            watcher.join(timeout=5.0)
+        return node_id in self.oom_killed
 
     def signal_agent(self, node_id: str, sig: int) -> bool:
         """Send `sig` to a node's agent alone; False if it is not ours or gone."""

@@ -9,6 +9,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import psutil
 import pytest
 import zmq
 
+from cgroups import counter_in, in_cgroup, memory_cgroup
 from conftest import Processes, free_port
 from dpagent import protocol as p
 from e2e import TRAIN, TRAIN_ARGS, controller_up, dprun, read_events, wait_for
@@ -119,10 +121,48 @@ def test_idle_spare_dying_shrinks_the_pool_and_nothing_else(procs, tmp_path, sha
     assert run.summary["params_sha256"] == sha2
 
 
+HOG = """
+import sys, pathlib
+counter = pathlib.Path(sys.argv[1])
+def kills():
+    return int(next(l.split()[1] for l in counter.read_text().splitlines() if l.split()[0] == "oom_kill"))
+before, held = kills(), []
+while kills() == before:  # until the OOM killer has ended one process of the cgroup: then stop asking
+    held.append(bytearray(1 << 20))
+"""
+
+
+def test_an_agent_ended_by_the_oom_killer_is_named_so_and_a_spare_takes_over(procs, tmp_path, sha2):
+    """The job in a memory cgroup of its own; node1's agent made the OOM killer's first choice (oom_score_adj
+    1000); another process of the cgroup asks for memory until the OOM killer has ended one. dprun names the node's
+    loss by the cgroup's count of OOM kills, and the run recovers to the failure-free result."""
+    events, summary = tmp_path / "oom.events.jsonl", tmp_path / "oom.summary.json"
+    with memory_cgroup(3 << 30) as cgroup:
+        command = [sys.executable, "-m", "dprun", "--nnodes", "2", "--spares", "1", "--no-tui", "--events-file",
+                   events, TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.3", "--summary", summary]
+        job = procs.popen(in_cgroup(cgroup, command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=tmp_path)
+        wait_for(lambda: job.poll() is not None or any(e["event"] == "progress" and e["step"] >= 3
+                                                       for e in read_events(events)), 60, "step 3")
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        (agent,) = [e["pid"] for e in read_events(events) if e["event"] == "node_joined" and e["node"] == "node1"]
+        Path(f"/proc/{agent}/oom_score_adj").write_text("1000")
+        # (the asking process may be killed next, should it ask again before the agent's memory is back)
+        subprocess.run(in_cgroup(cgroup, [sys.executable, "-c", HOG, counter_in(cgroup)]), timeout=60)
+        out, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err[-4000:]
+    (failed,) = [e for e in read_events(events) if e["event"] == "node_failed"]
+    assert failed["node"] == "node1", failed
+    assert failed["cause"] == "agent process exited (killed by the kernel's OOM killer: out of memory)", failed
+    assert json.loads(summary.read_text())["params_sha256"] == sha2
+
+
 def test_spare_dying_during_its_promotion_makes_the_next_spare_take_over(procs, tmp_path, sha2):
     run = dprun(procs, tmp_path, "promote", "--nnodes", "2", "--spares", "2",
                 "--inject", "kill-node:1@step=8", "--inject", "kill-node:1@during-recovery", steps=STEPS)
     _recovered(run, sha2)
+    assert {e["cause"] for e in run.named("node_failed")} == {"agent process exited (killed by SIGKILL)"}, \
+        "a kill -9 is not taken for the OOM killer"
     promoted = [e["spare"] for e in run.named("spare_promoted")]
     assert sorted(promoted) == ["node2", "node3"], "both spares, one after the other (either may register first)"
     assert run.named("recovery_complete")[0]["generation"] == 2

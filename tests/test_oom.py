@@ -7,12 +7,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from cgroups import counter_in, in_cgroup, memory_cgroup
-from dpagent.oom import OomKills, counter_file, read_count
+from dpagent.oom import RECENT_S, OomKills, counter_file, read_count
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,14 +65,24 @@ def test_v2_reads_memory_events_and_a_cgroup_out_of_sight_or_a_bad_file_gives_no
     assert read_count(events) is None and read_count(None) is None
 
 
-def test_each_oom_kill_is_claimed_once(tmp_path):
+def test_each_oom_kill_is_claimed_once_and_only_by_a_death_soon_after_it(tmp_path):
+    """Others share the cgroup (a standalone job's agents): a kill counted more than RECENT_S before a death
+    was some other process's."""
     counter = tmp_path / "memory.oom_control"
     counter.write_text("oom_kill 5\n")
-    kills = OomKills(counter)
-    assert kills.readable and not kills.claim(), "kills before the agent started are not its workers'"
+    kills = OomKills(counter, now=100.0)
+    assert kills.readable and not kills.claim(100.5), "kills before it started are not its workers'"
     counter.write_text("oom_kill 7\n")
-    assert kills.claim() and kills.claim() and not kills.claim()
-    assert not OomKills(tmp_path / "absent").claim()
+    assert kills.claim(101.0) and kills.claim(101.0) and not kills.claim(101.0)
+    kills.sample(102.0)
+    counter.write_text("oom_kill 8\n")  # counted between 102 and 103.5
+    kills.sample(103.5)
+    assert kills.claim(103.5 + RECENT_S - 0.1), "a death seen soon after the kill"
+    counter.write_text("oom_kill 9\n")  # counted between 103.5 and 110
+    kills.sample(110.0)
+    kills.sample(111.0)
+    assert not kills.claim(110.0 + RECENT_S), "another process's kill, counted over RECENT_S before this death"
+    assert not OomKills(tmp_path / "absent").claim(0.0)
 
 
 def test_a_real_oom_kill_in_a_limited_cgroup_is_claimed_and_a_plain_sigkill_is_not():
@@ -79,8 +90,8 @@ def test_a_real_oom_kill_in_a_limited_cgroup_is_claimed_and_a_plain_sigkill_is_n
         kills = OomKills(counter_in(cgroup))
         hog = subprocess.run(in_cgroup(cgroup, [sys.executable, "-c", "b = bytearray(600 << 20)"]), timeout=30)
         assert hog.returncode == -signal.SIGKILL
-        assert kills.claim() and not kills.claim()
+        assert kills.claim(time.monotonic()) and not kills.claim(time.monotonic())
         sleeper = subprocess.Popen(in_cgroup(cgroup, [sys.executable, "-c", "import time; time.sleep(60)"]))
         sleeper.kill()
         assert sleeper.wait(timeout=10) == -signal.SIGKILL
-        assert not kills.claim(), "a kill -9 is no OOM kill"
+        assert not kills.claim(time.monotonic()), "a kill -9 is no OOM kill"
