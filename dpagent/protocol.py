@@ -56,7 +56,8 @@ PROTOCOL_VERSION = 15  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.sn
 #                          an agent that loses its controller writes its copies to the job's --save-dir
 #                      13: WorkerExited.raised (a worker that crashed while it exited on a Python exception)
 #                      14: Leaving (an agent that stops on its own says so), refusals (protocol.refusal)
-#                      15: WorkerExited.oom_killed (its SIGKILL came from the kernel's OOM killer)
+#                      15: WorkerExited.oom_killed (its SIGKILL came from the kernel's OOM killer); AgentExited
+#                          (a member's dprun tells the controller that its agent died)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -185,6 +186,16 @@ def describe_end(exitcode: int, detail: str, oom_killed: bool = False) -> str:
     if exitcode < 0 and -exitcode not in OWN_SIGNALS:
         return f"{how} (its last line before: {detail})"
     return f"{how}: {detail}"
+
+
+@_message
+class AgentExited:
+    """From a member node's dprun: its agent died of a signal (the OOM killer, a kill -9, a crash), so it could not
+    say so itself. The controller fails the node at once, for that (as a standalone job's dprun tells it of its
+    own agents), not at the heartbeat timeout."""
+
+    node_id: str
+    how: str  # describe_exit(), or OOM_KILLED
 
 
 @_message

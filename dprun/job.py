@@ -20,6 +20,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import zmq
+
 from dpagent import protocol as p
 from dpagent.process import LAUNCHER_STOP
 from dpagent.shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, EXIT_REFUSED
@@ -291,11 +293,14 @@ def _run_member(agent: AgentCommand, token: str, opts: JobOptions) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     code = proc.wait()
-    oom_killed = agents.ended_by_oom_killer(agent.node_id)  # (before kill_all, which ends the watching)
+    # (both before kill_all, which ends the watching, and whose signals are ours)
+    how = p.OOM_KILLED if agents.ended_by_oom_killer(agent.node_id) else p.describe_exit(code)
+    died = code < 0 and not agents.stopping  # of a signal not ours: it could tell no one
     agents.kill_all()
     if code != 0:
-        print(f"dprun: this node's agent ended: {p.OOM_KILLED if oom_killed else p.describe_exit(code)}",
-              file=sys.stderr)
+        print(f"dprun: this node's agent ended: {how}", file=sys.stderr)
+    if died:
+        _speak_for_dead_agent(agent, token, how)
     if code == EXIT_REFUSED:
         print(f"dprun: the controller at {agent.controller} refused this node: give every node the job's token "
               "(DP_JOB_TOKEN or --token-file) and the same DeadPool version (the agent's line above says which "
@@ -310,6 +315,20 @@ def _run_member(agent: AgentCommand, token: str, opts: JobOptions) -> int:
     elif code == EXIT_CONTROLLER_LOST and os.environ.get("SLURM_JOB_ID"):  # a Slurm job, outside an srun step
         print(controller_lost_notice(os.environ["SLURM_JOB_ID"]), file=sys.stderr)
     return code if code >= 0 else 128 - code
+
+
+def _speak_for_dead_agent(agent: AgentCommand, token: str, how: str) -> None:
+    """Tell the controller that this node's agent died, as it could not: the node is failed at once, not at the
+    heartbeat timeout. At most 2 s, and best effort: where the controller is gone too, nothing is lost."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 2000)  # how long the message may wait to go out as the socket closes
+        sock.connect(agent.controller)
+        sock.send_multipart(p.Codec(token).encode(p.AgentExited(agent.node_id, how)))
+        sock.close()
+    finally:
+        ctx.term()
 
 
 def _settle_slurm_job(job: SlurmJob, opts: JobOptions) -> None:

@@ -19,7 +19,7 @@ from dpagent import protocol as p
 from dpagent.channel import poll_ms
 from dpagent.liveness import PAUSED_AFTER_S
 
-from .controller import Controller, Finish, JobSpec, Paused, Publish, Received, Send, Shutdown, Tick
+from .controller import Controller, Finish, JobSpec, NodeGone, Paused, Publish, Received, Send, Shutdown, Tick
 from .events import EventSink
 from .jobview import JobView, controller_state
 
@@ -139,6 +139,9 @@ class ControllerServer:
                 if self.dropped <= 10 or self.dropped % 100 == 0:
                     self.sink.emit({"event": "message_dropped", "sender": sender[:64], "reason": str(exc)[:200],
                                     "dropped_total": self.dropped})
+                continue
+            if isinstance(msg, p.AgentExited):  # a member's dprun speaks for its dead agent, as ours do (NodeGone)
+                yield NodeGone(msg.node_id, f"agent process exited ({msg.how})")
                 continue
             if self.view is not None:
                 self._observe(sender, msg)

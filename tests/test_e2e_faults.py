@@ -297,6 +297,30 @@ def test_a_member_whose_dprun_is_killed_leaves_the_job_at_once_and_a_spare_takes
     assert not run_dir.exists(), "the agent removes the run folder its dead dprun made"
 
 
+def test_a_member_whose_agent_alone_is_killed_is_failed_at_once_as_its_dprun_says_and_a_spare_takes_over(
+        procs, tmp_path, sha2):
+    """kill -9 of a member node's agent alone (the OOM killer's choice, say), its dprun alive: the agent could tell
+    no one, so its dprun tells the controller (AgentExited); the node is failed at once for that, not at the
+    20 s heartbeat timeout, and the spare takes over. The dprun passes the agent's end on (128 + 9)."""
+    endpoint, events, head, start = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "1",
+                                                "--heartbeat-timeout", "20")
+    member = start("--node-rank", "1")
+    start("--node-rank", "2")
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 5 for e in read_events(events)), timeout=90,
+             what="training to pass step 5")
+    (agent,) = psutil.Process(member.pid).children()
+    procs.adopt([agent, *agent.children(recursive=True)])
+    agent.kill()
+    out, err = head.communicate(timeout=120)
+    assert head.returncode == 0, err[-3000:]
+    (failed,) = [e for e in read_events(events) if e["event"] == "node_failed"]
+    assert failed["node_rank"] == 1 and failed["cause"] == "agent process exited (killed by SIGKILL)", failed
+    (done,) = [e for e in read_events(events) if e["event"] == "recovery_complete"]
+    assert done["phases"]["detect_s"] < 5, done  # told, not found silent at the 20 s heartbeat timeout
+    assert json.loads((tmp_path / "summary.json").read_text())["params_sha256"] == sha2
+    assert member.wait(timeout=30) == 128 + signal.SIGKILL
+
+
 def test_a_member_whose_agent_alone_gets_sigterm_leaves_saying_so_and_a_spare_takes_over(procs, tmp_path, sha2):
     """SIGTERM to one node's agent, not to the job (its host shutting down, a stray kill): it waits the heartbeat
     timeout for the job to stop, then tells the controller it leaves and why (Leaving), and stops its workers;
