@@ -338,7 +338,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         cause = f"worker {msg.local_rank} (pid {msg.pid}) {how}"
         # a crash as it exited on a Python exception counts as the exit 1 of that exception (p.WorkerExited.raised)
         code, last_line = (1, msg.raised) if msg.raised else (msg.exitcode, msg.detail)
-        last_line = p.OOM_KILLED if msg.oom_killed else last_line
+        if msg.oom_killed:  # the OOM killer's SIGKILL is counted as such (repeats.signature)
+            last_line = p.OOM_KILLED
         same = None
         if not self.spec.restart_mode:  # (restarts are --max-restarts' to count) a spare's script fails alike
             rank = self.ranks_of(node.node_rank)[msg.local_rank] if node.node_rank >= 0 else -1
