@@ -20,7 +20,7 @@ CORRUPT = {"corrupt-replicas": "all", "corrupt-newest": "newest", "corrupt-all-b
 # @during-recovery); the corruptions strike the store the pick names, the kill one of the layout's nodes
 ARMED = {"kill-during-recovery": "kill-node", "corrupt-during-recovery": "corrupt-all-but-oldest",
          "corrupt-all-during-recovery": "corrupt-replicas",
-         "kill-silent-during-recovery": "kill-node-silent"}  # (this one in hand-made schedules only)
+         "kill-silent-during-recovery": "kill-node-silent"}
 
 
 class FaultDriver:

@@ -100,5 +100,7 @@ def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors
     fetch_timeout = FETCH_TIMEOUT_S
     if errors and rng.random() < 0.3:  # a --heartbeat-timeout past dpstate's 60 s fetch timeout: a restore
         fetch_timeout = rng.uniform(0.3, 3.0)  # gives up on a silent dead store before the controller fails it
+        if rng.random() < 0.5:  # ... where a store a restore may name dies without a word as a recovery starts
+            faults.append(Fault(at=rng.uniform(0.2, 3.0), kind="kill-silent-during-recovery", pick=rng.random()))
     return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
                     interval, auto, defer, save, fetch_timeout)

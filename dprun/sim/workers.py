@@ -102,12 +102,16 @@ class WorkerSide:
         self._fetch(node, local, generation, rest)
 
     def _fetched(self, node: SimNode, local: int, generation: int, holder: SimNode, rest: list, bad: bool) -> None:
-        """A fetched copy arrived (a holder frozen mid-transfer holds it up; a dead one breaks it off)."""
+        """A fetched copy arrived (a holder frozen mid-transfer holds it up; a dead one breaks it off, and the
+        fetch times out)."""
         if self._frozen(holder, self._fetched, node, local, generation, holder, rest, bad) or \
                 self._frozen(node, self._fetched, node, local, generation, holder, rest, bad):
             return
         worker = node.workers[local]
-        if not node.running or not holder.alive or worker.generation != generation or worker.phase != "recovering":
+        if not node.running or worker.generation != generation or worker.phase != "recovering":
+            return
+        if not holder.alive:  # broken off: the rest never comes, and the fetch gives up on it in time
+            self.at(self.fetch_timeout, self._fetch_timed_out, node, local, generation, holder.endpoint, rest)
             return
         rank, step = worker.rank, worker.restore.restore_step
         if bad or (rank, step) in holder.corrupt:  # damaged before or while it was sent
