@@ -573,6 +573,8 @@ def _check_type(value: Any, annotation: Any) -> bool:
         return isinstance(value, list)
     if annotation == "list[int]":
         return isinstance(value, list) and all(_check_type(item, int) for item in value)
+    if annotation == "dict[str, str]":
+        return isinstance(value, dict) and all(isinstance(item, str) for item in value.values())
     return True
 
 
