@@ -346,9 +346,9 @@ class Reconfigure:
     restore_step: int
     store_endpoint: str  # host:port of the torch TCPStore
     replica_to: str
-    restore_from: dict = field(default_factory=dict)  # str(rank) -> endpoint
+    restore_from: dict[str, str] = field(default_factory=dict)  # str(rank) -> endpoint
     reason: str = ""
-    replica_also: list = field(default_factory=list)  # --replicas > 1: further endpoints to send snapshots to
+    replica_also: list[str] = field(default_factory=list)  # --replicas > 1: further endpoints to send snapshots to
     restore_also: dict = field(default_factory=dict)  # str(rank) -> further endpoints holding restore_step
     restart_workers: bool = False  # restart mode: kill this node's workers and start fresh ones, ranks in env
 
@@ -454,7 +454,7 @@ class ReserveSnapshot:
 class SnapshotReserved:
     rank: int
     step: int
-    dropped: list = field(default_factory=list)  # steps of the rank that made room
+    dropped: list[int] = field(default_factory=list)  # steps of the rank that made room
 
 
 @_message
@@ -534,8 +534,8 @@ class OfferSnapshot:
 class SnapshotWants:
     rank: int
     step: int
-    blocks: list = field(default_factory=list)  # whole block indexes (CHECKSUM_BLOCK bytes each)
-    differs: list = field(default_factory=list)  # data parallel blocks digested on both sides that differ
+    blocks: list[int] = field(default_factory=list)  # whole block indexes (CHECKSUM_BLOCK bytes each)
+    differs: list[int] = field(default_factory=list)  # data parallel blocks digested on both sides that differ
 
 
 @_message
@@ -545,7 +545,7 @@ class SnapshotBlocks:
     rank: int
     step: int
     generation: int
-    blocks: list = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
 
 
 Message = typing.Union[tuple(_REGISTRY.values())]  # type: ignore[valid-type]
@@ -573,6 +573,8 @@ def _check_type(value: Any, annotation: Any) -> bool:
         return isinstance(value, list)
     if annotation == "list[int]":
         return isinstance(value, list) and all(_check_type(item, int) for item in value)
+    if annotation == "list[str]":
+        return isinstance(value, list) and all(isinstance(item, str) for item in value)
     if annotation == "dict[str, str]":
         return isinstance(value, dict) and all(isinstance(item, str) for item in value.values())
     return True
