@@ -27,6 +27,18 @@ from .standby import SpareSizing
 
 # what a node says of its workers stands in any generation: how they are, how they ended, that they finished
 ANY_GENERATION = (p.Heartbeat, p.WorkerExited, p.RankFinished)
+
+
+def out_of_range(msg: Any, nproc_per_node: int, world_size: int) -> str | None:
+    """Why a message must be dropped that names a local rank or a rank this job does not have (None: it names
+    none, or ones it has, or no rank at all)."""
+    local_rank = getattr(msg, "local_rank", 0)
+    if not 0 <= local_rank < nproc_per_node:
+        return f"local_rank {local_rank} out of range"
+    rank = getattr(msg, "rank", 0)
+    if not p.NO_RANK <= rank < world_size:  # (NO_RANK: a restart-mode worker that failed before any generation)
+        return f"rank {rank} out of range"
+    return None
 PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
 
 # ----------------------------------------------------------------------------- the state machine
@@ -170,6 +182,9 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         node.last_heard = now
         if getattr(msg, "node_id", sender) != sender:
             self._drop("node_id does not match the sender")
+            return
+        if (why := out_of_range(msg, self.spec.nproc_per_node, self.spec.world_size)) is not None:
+            self._drop(why)  # a buggy agent's: no rank of this job
             return
         generation = getattr(msg, "generation", None)
         if generation is not None and generation != self.generation and not isinstance(msg, ANY_GENERATION) \

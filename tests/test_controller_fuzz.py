@@ -1,0 +1,87 @@
+"""The controller never raises on what a node may send: any sequence of messages whose fields have the types the
+codec lets through (a buggy or out-of-step agent's: a rank past the world, an old generation, another node's
+name, statuses of any shape), among ticks, during training and during a recovery. A raise would end the job.
+`DP_FUZZ_EXAMPLES=5000` searches longer."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dpagent import protocol as p
+from dprun.controller import NodeGone, Tick
+from test_controller import formed, spec
+
+NAMES = st.sampled_from(["a", "b", "s", "x", "", "tcp://a:1", "tcp://b:1", "tcp://s:1", "init"])
+SMALL = st.integers(-2, 12) | st.integers(-(2**40), 2**40)
+TEXT = NAMES | st.text(max_size=20)
+JSONISH = st.recursive(st.none() | st.booleans() | SMALL | TEXT | st.floats(allow_nan=False),
+                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+                       max_leaves=10)
+STATUS = st.fixed_dictionaries({"rank": SMALL, "step": SMALL, "activity": TEXT, "age": st.floats(0, 100)},
+                               optional={"room": SMALL, "pid": SMALL | st.none()})
+BY_ANNOTATION = {
+    "int": SMALL,
+    "float": st.floats(-10, 1e6),
+    "str": TEXT,
+    "bool": st.booleans(),
+    "list[int]": st.lists(SMALL, max_size=4),
+    "list[str]": st.lists(TEXT, max_size=3),
+    "list": st.lists(JSONISH, max_size=3),
+    "dict": st.dictionaries(st.sampled_from(["0", "1", "x"]), STATUS | JSONISH, max_size=3) | JSONISH.filter(
+        lambda v: isinstance(v, dict)),
+    "dict[str, str]": st.dictionaries(st.sampled_from(["0", "1", "2", "x"]), TEXT, max_size=3),
+}
+SENDERS = st.sampled_from(["a", "b", "s", "x"])
+
+
+def messages():
+    kinds = [cls for cls in p.message_types().values()]
+    return st.sampled_from(kinds).flatmap(
+        lambda cls: st.builds(cls, **{f.name: BY_ANNOTATION[f.type] for f in dataclasses.fields(cls)}))
+
+
+def from_sender(sender: str, msg, own: bool):
+    """Mostly (own) a message that names its sender, as every agent's does: past the controller's first check."""
+    return sender, dataclasses.replace(msg, node_id=sender) if own and hasattr(msg, "node_id") else msg
+
+
+INPUTS = st.one_of(
+    st.builds(from_sender, SENDERS, messages(), st.integers(0, 4).map(bool)),
+    st.tuples(st.just("tick"), st.floats(0, 3)),
+    st.tuples(st.just("gone"), SENDERS),
+)
+
+
+@pytest.mark.parametrize("job", [dict(), dict(save_dir="/saved", replicas=2), dict(restart_mode=True)],
+                         ids=["data-parallel", "saving", "restart-mode"])
+@settings(max_examples=int(os.environ.get("DP_FUZZ_EXAMPLES", "300")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(inputs=st.lists(INPUTS, max_size=40), fail_first=st.booleans())
+def test_no_message_a_node_may_send_makes_the_controller_raise(job, inputs, fail_first):
+    h = formed(spec(**job))
+    for node, rank in (("a", 0), ("b", 1)):
+        h.msg(node, p.Progress(node, 0, rank, 3))
+    if fail_first:  # and so during a recovery
+        h.feed(NodeGone("b", "killed"))
+    for first, second in inputs:
+        if first == "tick":
+            h.feed(Tick(), dt=second)
+        elif first == "gone":
+            h.feed(NodeGone(second, "gone"))
+        else:
+            h.msg(first, second)
+
+
+def test_a_local_rank_or_a_rank_the_job_does_not_have_is_dropped_and_counted():
+    """What the search above first found: a WorkerExited of local rank 1 on a node of one worker raised
+    IndexError in the controller (the end of the job); now dropped, and counted as dropped."""
+    h = formed()
+    h.msg("b", p.WorkerExited("b", 0, 1, 11, 1, "ValueError: x"))
+    h.msg("b", p.Progress("b", 0, 7, 3))
+    assert h.c.dropped == {"local_rank 1 out of range": 1, "rank 7 out of range": 1}
+    assert not h.named("node_failed") and h.c.rank_step.get(7) is None
