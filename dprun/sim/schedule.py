@@ -61,14 +61,13 @@ class Schedule:
 
     def describe(self) -> str:
         faults = ", ".join(f"{f.kind}@{f.at:.2f}" for f in self.faults) or "no faults"
+        timeout = f", fetches time out after {self.fetch_timeout:.2f} s" if self.fetch_timeout < FETCH_TIMEOUT_S else ""
         return (f"seed {self.seed}: {self.nnodes} nodes x {self.nproc} + {self.spares} spares, "
                 f"{self.replicas} replica(s), {'wait' if self.wait_for_spares else 'fail'} when out of spares, "
                 f"{self.steps} steps, snapshots every {self.interval}"
                 f"{' after a measuring window' if self.auto else ''}"
                 f"{', acks awaited at snapshot steps' if self.defer else ''}"
-                f"{', the state saved when it stops' if self.save else ''}"
-                f"{f', fetches time out after {self.fetch_timeout:.2f} s' if self.fetch_timeout < FETCH_TIMEOUT_S else ''}"
-                f"; {faults}")
+                f"{', the state saved when it stops' if self.save else ''}{timeout}; {faults}")
 
 
 def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors: bool = True) -> Schedule:

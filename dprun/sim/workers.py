@@ -11,8 +11,8 @@ from .nodes import KEEP_LOCAL, Put, SimNode
 
 class WorkerSide:
     """The worker half of World: it needs World's clock (at, now, rng), network (_link_delay, _agent_send,
-    _frozen, node_of), nodes, job (spec, steps, interval, measure_until, fetch_timeout) and bookkeeping (ready, entered,
-    captured, replicated, dropped_by, log)."""
+    _frozen, node_of), nodes, job (spec, steps, interval, measure_until, fetch_timeout) and bookkeeping (ready,
+    entered, captured, replicated, dropped_by, log)."""
 
     def _worker_reconfigure(self, node: SimNode, local: int, msg: p.Reconfigure) -> None:
         if self._frozen(node, self._worker_reconfigure, node, local, msg):
