@@ -185,6 +185,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             return
         if (why := out_of_range(msg, self.spec.nproc_per_node, self.spec.world_size)) is not None:
             self._drop(why)  # a buggy agent's: no rank of this job
+            if self.dropped[why] == 1:  # said once per reason: never normal, but never to flood the log either
+                self._publish("message_refused", node=sender, kind=type(msg).__name__, reason=why)
             return
         generation = getattr(msg, "generation", None)
         if generation is not None and generation != self.generation and not isinstance(msg, ANY_GENERATION) \

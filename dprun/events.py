@@ -58,6 +58,9 @@ def describe(event: dict) -> str:
         return f"dprun itself did not run for {e['seconds']:g}s (stopped, or starved of CPU){left}"
     if kind == "fault_skipped":
         return f"injected fault {e['spec']} skipped: {e['reason']}"
+    if kind == "message_refused":
+        return (f"ignored a {e['kind']} from {e['node']}: {e['reason']} (a bug in that node's DeadPool: please "
+                "report it with the events file)")
     if kind == "message_dropped":
         return (f"dropped a message from {e['sender']!r} ({e['reason']}); {e['dropped_total']} dropped so far: "
                 "is something else talking to this port, or a node with another job's token?")

@@ -26,6 +26,7 @@ def test_the_lines_of_waits_drops_and_pauses_say_what_to_do_or_why():
         "restore_failed": dict(node="node3", rank=2, step=10, source="", reason="checksum mismatch"),
         "controller_paused": dict(seconds=12.5, nodes_left=True),
         "message_dropped": dict(sender="x", reason="bad signature", dropped_total=3),
+        "message_refused": dict(node="node1", kind="WorkerExited", reason="local_rank 1 out of range"),
         "fault_skipped": dict(spec="kill-node:7@step=3", reason="no such node"),
     }.items()}
     assert "waiting up to 1800s for 1 node(s) to join as a spare" in lines["waiting_for_spare"]
@@ -34,4 +35,5 @@ def test_the_lines_of_waits_drops_and_pauses_say_what_to_do_or_why():
     assert "from its own copy (checksum mismatch)" in lines["restore_failed"]
     assert "did not run for 12.5s" in lines["controller_paused"] and "taken it for lost" in lines["controller_paused"]
     assert "another job's token" in lines["message_dropped"]
+    assert lines["message_refused"].startswith("ignored a WorkerExited from node1: local_rank 1 out of range")
     assert lines["fault_skipped"] == "injected fault kill-node:7@step=3 skipped: no such node"
