@@ -1,7 +1,7 @@
 """The controller never raises on what a node may send: any sequence of messages whose fields have the types the
 codec lets through (a buggy or out-of-step agent's: a rank past the world, an old generation, another node's
-name, statuses of any shape), among ticks, during training and during a recovery. A raise would end the job.
-`DP_FUZZ_EXAMPLES=5000` searches longer."""
+name, statuses of any shape), among ticks, while the job forms, trains and recovers. A raise would end the
+job. `DP_FUZZ_EXAMPLES=5000` searches longer."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from dpagent import protocol as p
 from dprun.controller import NodeGone, Tick
-from test_controller import formed, spec
+from test_controller import Harness, formed, spec
 
 NAMES = st.sampled_from(["a", "b", "s", "x", "", "tcp://a:1", "tcp://b:1", "tcp://s:1", "init"])
 SMALL = st.integers(-2, 12) | st.integers(-(2**40), 2**40)
@@ -57,9 +57,26 @@ INPUTS = st.one_of(
 )
 
 
-@pytest.mark.parametrize("job", [dict(), dict(save_dir="/saved", replicas=2), dict(restart_mode=True)],
-                         ids=["data-parallel", "saving", "restart-mode"])
-@settings(max_examples=int(os.environ.get("DP_FUZZ_EXAMPLES", "300")), deadline=None,
+REGISTERS = st.builds(lambda node, spare, rank, nproc: (node, p.Register(node, "h", 1, nproc, spare, rank,
+                                                                     f"tcp://{node}:1")),
+                      SENDERS, st.booleans(), st.integers(-2, 3), st.integers(-1, 3))
+JOBS = [dict(), dict(save_dir="/saved", replicas=2), dict(restart_mode=True), dict(nproc_per_node=2),
+        dict(resume_from="/saved/step-3", save_dir="/saved"), dict(on_spare_exhausted="wait")]
+EXAMPLES = int(os.environ.get("DP_FUZZ_EXAMPLES", "300"))
+
+
+def feed(h, inputs) -> None:
+    for first, second in inputs:
+        if first == "tick":
+            h.feed(Tick(), dt=second)
+        elif first == "gone":
+            h.feed(NodeGone(second, "gone"))
+        else:
+            h.msg(first, second)
+
+
+@pytest.mark.parametrize("job", JOBS[:3], ids=["data-parallel", "saving", "restart-mode"])
+@settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(inputs=st.lists(INPUTS, max_size=40), fail_first=st.booleans())
 def test_no_message_a_node_may_send_makes_the_controller_raise(job, inputs, fail_first):
@@ -68,13 +85,15 @@ def test_no_message_a_node_may_send_makes_the_controller_raise(job, inputs, fail
         h.msg(node, p.Progress(node, 0, rank, 3))
     if fail_first:  # and so during a recovery
         h.feed(NodeGone("b", "killed"))
-    for first, second in inputs:
-        if first == "tick":
-            h.feed(Tick(), dt=second)
-        elif first == "gone":
-            h.feed(NodeGone(second, "gone"))
-        else:
-            h.msg(first, second)
+    feed(h, inputs)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inputs=st.lists(REGISTERS | INPUTS, max_size=40), job=st.sampled_from(JOBS))
+def test_nor_while_the_job_forms_from_registrations_of_any_shape(inputs, job):
+    """Nodes register in any order, with any node rank, worker count or role, for any kind of job (resuming
+    from files, waiting for spares, two workers a node), among all the rest."""
+    feed(Harness(spec(**job)), inputs)
 
 
 def test_a_local_rank_or_a_rank_the_job_does_not_have_is_dropped_and_counted():
