@@ -160,8 +160,14 @@ class WorkerExited:
     oom_killed: bool = False
 
 
-def describe_exit(exitcode: int) -> str:
-    """A WorkerExited.exitcode (or any subprocess return code) in words: "exit code 1", "killed by SIGKILL"."""
+OOM_KILLED = "killed by the kernel's OOM killer: out of memory"
+
+
+def describe_exit(exitcode: int, oom_killed: bool = False) -> str:
+    """A WorkerExited.exitcode (or any subprocess return code) in words: "exit code 1", "killed by SIGKILL", or
+    OOM_KILLED where the kernel's OOM killer sent that SIGKILL (dpagent.oom)."""
+    if oom_killed:
+        return OOM_KILLED
     if exitcode < 0:
         try:
             return f"killed by {signal.Signals(-exitcode).name}"
@@ -173,14 +179,11 @@ def describe_exit(exitcode: int) -> str:
 OWN_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)  # a process's own fault
 
 
-OOM_KILLED = "killed by the kernel's OOM killer: out of memory"
-
-
 def describe_end(exitcode: int, detail: str, oom_killed: bool = False) -> str:
     """How a worker ended and what it last said (WorkerExited.detail): after a colon where that may be why (its
     own exit or crash); in parentheses where a signal came from outside (SIGKILL: the OOM killer, a kill -9),
     which its last line cannot explain."""
-    how = OOM_KILLED if oom_killed else describe_exit(exitcode)
+    how = describe_exit(exitcode, oom_killed)
     if not detail or detail == describe_exit(exitcode):
         return how
     if exitcode < 0 and -exitcode not in OWN_SIGNALS:
@@ -571,12 +574,12 @@ def _check_type(value: Any, annotation: Any) -> bool:
         return isinstance(value, dict)
     if annotation in ("list", list):
         return isinstance(value, list)
-    if annotation == "list[int]":
-        return isinstance(value, list) and all(_check_type(item, int) for item in value)
-    if annotation == "list[str]":
-        return isinstance(value, list) and all(isinstance(item, str) for item in value)
-    if annotation == "dict[str, str]":
-        return isinstance(value, dict) and all(isinstance(item, str) for item in value.values())
+    if not isinstance(annotation, str):
+        return True
+    if annotation.startswith("list["):
+        return isinstance(value, list) and all(_check_type(item, annotation[5:-1]) for item in value)
+    if annotation.startswith("dict[str, "):  # (JSON: a dict's keys are strings)
+        return isinstance(value, dict) and all(_check_type(item, annotation[10:-1]) for item in value.values())
     return True
 
 

@@ -13,7 +13,7 @@ import time
 from .channel import Incoming
 from .output import crash_exception, failure_detail
 from .protocol import (
-    OOM_KILLED, Hello, PeerError, Progress, RankFinished, RestoreFailed, SnapshotFiles, Stop, WorkerExited, WorkerReady,
+    Hello, PeerError, Progress, RankFinished, RestoreFailed, SnapshotFiles, Stop, WorkerExited, WorkerReady,
     WorkerStatus,
 )
 from .replica_server import FilesDone, RelabelChecked
@@ -122,9 +122,9 @@ class WorkerLink:
             elif done.exitcode in SENT_BY_PHASE[self.shutdown.phase]:
                 why, sent = " (by its agent, as it stops)", True
         oom = done.exitcode == -signal.SIGKILL and not sent and self.oom_kills.claim(time.monotonic())
-        how = OOM_KILLED if oom else describe_exit(done.exitcode)
         log.log(logging.INFO if done.exitcode == 0 or self.shutdown else logging.WARNING,
-                "worker %d (pid %d) exited: %s%s", done.local_rank, done.pid, how, why)
+                "worker %d (pid %d) exited: %s%s", done.local_rank, done.pid, describe_exit(done.exitcode, oom),
+                why)
         exited = WorkerExited(self.cfg.node_id, self.generation, done.local_rank, done.pid, done.exitcode,
                               last or describe_exit(done.exitcode),
                               stderr_tail=output.tail() if failed else "",

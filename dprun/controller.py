@@ -28,6 +28,8 @@ from .standby import SpareSizing
 # what a node says of its workers stands in any generation: how they are, how they ended, that they finished
 ANY_GENERATION = (p.Heartbeat, p.WorkerExited, p.RankFinished)
 
+PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
+
 
 def out_of_range(msg: Any, nproc_per_node: int, world_size: int) -> str | None:
     """Why a message must be dropped that names a local rank or a rank this job does not have (None: it names
@@ -39,7 +41,7 @@ def out_of_range(msg: Any, nproc_per_node: int, world_size: int) -> str | None:
     if not p.NO_RANK <= rank < world_size:  # (NO_RANK: a restart-mode worker that failed before any generation)
         return f"rank {rank} out of range"
     return None
-PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
+
 
 # ----------------------------------------------------------------------------- the state machine
 

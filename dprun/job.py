@@ -149,7 +149,7 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
         env={"DP_JOB_TOKEN": token, "DP_TOTAL_LOCAL_WORKERS": str(len(local_nodes) * opts.nproc_per_node),
              **_worker_settings(opts)},
         on_exit=lambda node_id, code, oom: server.post(
-            NodeGone(node_id, f"agent process exited ({p.OOM_KILLED if oom else p.describe_exit(code)})")),
+            NodeGone(node_id, f"agent process exited ({p.describe_exit(code, oom)})")),
         capture=capture, hosts_controller=True,
     )
     server.wake_node = lambda node_id: agents.signal_node(node_id, signal.SIGCONT)
@@ -294,7 +294,7 @@ def _run_member(agent: AgentCommand, token: str, opts: JobOptions) -> int:
         signal.signal(sig, stop)
     code = proc.wait()
     # (both before kill_all, which ends the watching, and whose signals are ours)
-    how = p.OOM_KILLED if agents.ended_by_oom_killer(agent.node_id) else p.describe_exit(code)
+    how = p.describe_exit(code, agents.ended_by_oom_killer(agent.node_id))
     died = code < 0 and not agents.stopping  # of a signal not ours: it could tell no one
     agents.kill_all()
     if code != 0:
