@@ -103,6 +103,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         self._peers: dict[bytes, int] = {}  # worker identity -> local rank, once it said Hello
         self.oom_kills = OomKills()  # its workers' memory cgroup's count: whether a SIGKILL was the OOM killer
         self._statuses: dict[int, tuple] = {}  # local rank -> (latest WorkerStatus, when it came)
+        self._made: dict[int, int] = {}  # local rank -> the newest step its worker made or restored (WorkerExited.step)
         self._signalled = 0
         self._signals = 0  # how many (a second one cuts a save short)
         self._relayed_at: float | None = None  # its launcher passed on a stop signal, this agent's own yet to come

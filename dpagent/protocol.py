@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 from .checksum import CHECKSUM_BLOCK
 
-PROTOCOL_VERSION = 15  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
+PROTOCOL_VERSION = 16  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
 #                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...);
 #                      8: check plans (data parallel blocks sampled: dpagent.checksum.CheckPlan);
 #                      9: SnapshotStored.nbytes and Standby (spares reserve snapshot memory while idle);
@@ -58,6 +58,7 @@ PROTOCOL_VERSION = 15  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.sn
 #                      14: Leaving (an agent that stops on its own says so), refusals (protocol.refusal)
 #                      15: WorkerExited.oom_killed (its SIGKILL came from the kernel's OOM killer); AgentExited
 #                          (a member's dprun tells the controller that its agent died)
+#                      16: WorkerExited.step (the newest step that worker made, as its agent heard)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -145,7 +146,9 @@ class WorkerExited:
     log_path: its stderr log file under --log-dir, if any (for the job's failure summary);
     raised: for one that crashed (SIGABRT, SIGSEGV) after printing a Python traceback, the exception's line:
     the script raised, as with an exit code of 1 (dpagent.output.crash_exception);
-    oom_killed: its SIGKILL came from the kernel's OOM killer, as its memory cgroup counted (dpagent.oom).
+    oom_killed: its SIGKILL came from the kernel's OOM killer, as its memory cgroup counted (dpagent.oom);
+    step: the newest step it made, as its agent heard (its Progress, or the step it restored for its WorkerReady),
+    in whichever generation: NO_RANK if none. The agent's `generation` may be newer than the one it trained in.
     """
 
     node_id: str
@@ -158,6 +161,7 @@ class WorkerExited:
     log_path: str = ""
     raised: str = ""
     oom_killed: bool = False
+    step: int = NO_RANK
 
 
 OOM_KILLED = "killed by the kernel's OOM killer: out of memory"

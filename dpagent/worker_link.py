@@ -13,8 +13,8 @@ import time
 from .channel import Incoming
 from .output import crash_exception, failure_detail
 from .protocol import (
-    Hello, PeerError, Progress, RankFinished, RestoreFailed, SnapshotFiles, Stop, WorkerExited, WorkerReady,
-    WorkerStatus,
+    NO_RANK, Hello, PeerError, Progress, RankFinished, RestoreFailed, SnapshotFiles, Stop, WorkerExited,
+    WorkerReady, WorkerStatus,
 )
 from .replica_server import FilesDone, RelabelChecked
 from .shutdown import SENT_BY_PHASE
@@ -25,9 +25,9 @@ FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, Snap
 
 
 class WorkerLink:
-    """Needs the agent's cfg, job_id, endpoints, workers, worker_ch, _peers, _statuses, shutdown, standby,
-    latest_reconfigure, generation, replica, oom_kills, _to_controller and _hold_exit / _retired_exit (restart
-    mode)."""
+    """Needs the agent's cfg, job_id, endpoints, workers, worker_ch, _peers, _statuses, _made, shutdown,
+    standby, latest_reconfigure, generation, replica, oom_kills, _to_controller and _hold_exit / _retired_exit
+    (restart mode)."""
 
     def _base_env(self, local_rank: int, role: str) -> dict[str, str]:
         return worker_env(
@@ -73,6 +73,7 @@ class WorkerLink:
         if isinstance(msg, SnapshotFiles) and self._saved(msg):
             return
         if isinstance(msg, FORWARDED):
+            self._note_step_made(incoming.sender, msg)
             self._to_controller(msg)
         elif isinstance(msg, WorkerStatus):
             self._statuses[msg.local_rank] = (msg, time.monotonic())
@@ -91,6 +92,18 @@ class WorkerLink:
                 self.worker_ch.send(self.standby, to=identity)
         else:
             self.worker_ch.drop_unexpected(incoming)
+
+    def _note_step_made(self, sender: bytes, msg) -> None:
+        """The newest step a worker made, for its exit's report: the controller's own idea of it lags where the
+        worker trained on in a generation it has replaced (its Progress then dropped as stale)."""
+        local_rank = self._peers.get(sender)
+        reconf = self.latest_reconfigure
+        if local_rank is None:
+            return
+        if isinstance(msg, Progress):
+            self._made[local_rank] = msg.step
+        elif isinstance(msg, WorkerReady) and reconf is not None and reconf.generation == msg.generation:
+            self._made[local_rank] = reconf.restore_step  # (NO_RANK for a fresh start: none made yet)
 
     def _on_events(self) -> None:
         for event in self.events.drain():
@@ -129,6 +142,6 @@ class WorkerLink:
                               last or describe_exit(done.exitcode),
                               stderr_tail=output.tail() if failed else "",
                               log_path=output.log_path if output is not None else "",
-                              raised=raised, oom_killed=oom)
+                              raised=raised, oom_killed=oom, step=self._made.pop(done.local_rank, NO_RANK))
         if not self._hold_exit(exited):
             self._to_controller(exited)

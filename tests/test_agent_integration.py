@@ -103,8 +103,9 @@ class AgentRun:
             time.sleep(0.02)
         raise AssertionError(f"workers did not report within {timeout}s:\n{self.stderr()}")
 
-    def reconfigure(self, generation=0, node_rank=0, nproc=2):
-        self.ctl.send(Reconfigure(generation, node_rank, 2, nproc, 2 * nproc, -1, "127.0.0.1:1", "", {}, "test"))
+    def reconfigure(self, generation=0, node_rank=0, nproc=2, restore_step=-1):
+        self.ctl.send(Reconfigure(generation, node_rank, 2, nproc, 2 * nproc, restore_step, "127.0.0.1:1", "", {},
+                                  "test"))
 
     def wait(self, timeout=10.0) -> int:
         try:
@@ -241,7 +242,7 @@ def test_ping_pong_and_bad_messages_dropped(start_agent):
 def test_kill_worker_reports_exit_within_milliseconds(start_agent):
     agent = start_agent(nproc=2)
     agent.welcome()
-    agent.reconfigure()
+    agent.reconfigure(restore_step=7)  # the fake workers report step 7 made
     agent.ctl.recv_all(Progress, 2)
     pid1 = agent.reports(2)[1]["pid"]
     t0 = time.monotonic()
@@ -251,6 +252,7 @@ def test_kill_worker_reports_exit_within_milliseconds(start_agent):
     print(f"WorkerExited {latency * 1000:.1f} ms after Inject(kill-worker)")
     assert (exited.local_rank, exited.pid, exited.exitcode, exited.node_id) == (1, pid1, -9, "n1")
     assert "SIGKILL" in exited.detail
+    assert exited.step == 7  # the newest step it made, as its agent heard: the controller's may lag
     assert latency < 0.2
     agent.ctl.send(Inject("no-such-fault"))  # logged and ignored
     agent.ctl.send(Ping(9))

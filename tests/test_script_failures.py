@@ -98,6 +98,29 @@ def test_a_crash_as_the_rank_exits_on_the_same_error_counts_as_that_error():
     assert len(h.named("spare_promoted")) == 1
 
 
+def test_the_step_a_worker_made_in_a_generation_since_replaced_still_names_the_same_error_at_the_same_step():
+    """The spare trains on in generation 1 to the same error after step 4 while generation 2 is planned (a peer
+    error, say): its Progress is then stale and dropped, and its agent reports the exit in generation 2, which
+    has made no step. The exit's own step (WorkerExited.step, what its agent heard it make) says 4, as it was
+    (simulator seed 716647: before, the step of generation 2's plan was taken and the job went on)."""
+    def replanned_as_s_trains_on():
+        h = _rank_1_raised_and_s_took_its_place()
+        h.msg("a", p.PeerError("a", 1, 0, "Connection reset by peer"))
+        h.pong_all()
+        h.feed(Tick(), dt=0.6)
+        assert h.c.generation == 2 and h.c.layout == ["a", "s"] and h.c.max_step < 3, "planned again, rolled back"
+        _step(h, {"s": 1}, 4, 1)  # stale: dropped
+        return h
+
+    h = replanned_as_s_trains_on()
+    h.msg("s", p.WorkerExited("s", 2, 0, 12, 1, BUG))  # an agent that heard no step: the controller's lag remains
+    assert not h.finish, "with no step of its own an exit is placed at its generation's restore step"
+    h = replanned_as_s_trains_on()
+    h.msg("s", p.WorkerExited("s", 2, 0, 12, 1, BUG, step=4))
+    assert h.finish and h.finish.exit_code == 1 and "rank 1 failed on b and again on s" in h.finish.message
+    assert "the same way after step 4" in h.finish.message and h.c.table.get("s2").role == "spare"
+
+
 def test_a_one_off_error_recovers_and_so_does_a_kill_at_the_same_step():
     h = _rank_1_raised_and_s_took_its_place()
     _step(h, {"a": 0, "s": 1}, 5, 1)

@@ -20,6 +20,7 @@ class SimWorker:
     rank: int = -1
     generation: int = -1
     state: int = 0  # optimizer steps applied
+    made: int = -1  # the newest step it reported made (Progress) or restored (WorkerReady): WorkerExited.step
     phase: str = "waiting"  # waiting (for a Reconfigure), running, gated, recovering, done, dead
     local: list = field(default_factory=list)  # snapshot steps held locally
     acked: int = -1  # newest snapshot acked by every replica store it was sent to

@@ -55,6 +55,7 @@ class WorkerSide:
         worker.phase = "ready"
         self._take_snapshot(node, local)  # re-replicated at once, before the barrier (as dpstate)
         self.ready.setdefault(generation, set()).add(worker.rank)
+        worker.made = worker.restore.restore_step
         self._agent_send(node.node_id, p.WorkerReady(node.node_id, generation, worker.rank, 0.01, 0.01, "sim"))
         self._try_release_barrier(generation)
 
@@ -274,6 +275,7 @@ class WorkerSide:
     def _apply_step(self, node: SimNode, local: int) -> None:
         worker = node.workers[local]
         worker.state += 1
+        worker.made = worker.state
         snapshot = self.snapshotted(worker.state)
         self._agent_send(node.node_id, p.Progress(node.node_id, worker.generation, worker.rank, worker.state,
                                                   snapshot=snapshot))
@@ -299,7 +301,7 @@ class WorkerSide:
         worker = node.workers[local]
         worker.phase = "done" if code == 0 else "dead"
         self.deaths += code != 0
-        exited = p.WorkerExited(node.node_id, node.generation, local, 1000 + local, code, detail)
+        exited = p.WorkerExited(node.node_id, node.generation, local, 1000 + local, code, detail, step=worker.made)
         if code == 0:  # past the final barrier: dpstate's RankFinished, then the exit
             self._agent_send(node.node_id, p.RankFinished(node.node_id, worker.generation, worker.rank, worker.state),
                              exited)
