@@ -5,7 +5,9 @@ Each event is a dict with "event" and "time" (Unix seconds); the console line sa
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -104,7 +106,11 @@ def describe(event: dict) -> str:
 
 
 class EventSink:
+    """Every event to the events file (a JSON line), the listeners and the console. A file or console that can
+    no longer be written (a full disk, a closed pipe) is said once on stderr and dropped: never the job's end."""
+
     def __init__(self, path: str | Path | None = None, console: TextIO | None = sys.stdout):
+        self._path = path
         self._file = open(path, "a", encoding="utf-8") if path else None
         self._console = console
         self._t0 = time.time()
@@ -116,15 +122,41 @@ class EventSink:
                  **{k: v for k, v in event.items() if k != "event"}}
         self.history.append(event)
         if self._file:
-            self._file.write(json.dumps(event) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(event) + "\n")
+                self._file.flush()
+            except OSError as exc:
+                self.close()
+                _say_dropped(f"the events file {self._path}", exc)
         for listener in self.listeners:
             listener(event)
         if self._console:
-            print(f"[dprun +{event['time'] - self._t0:7.2f}s] {describe(event)}", file=self._console, flush=True)
+            try:
+                print(f"[dprun +{event['time'] - self._t0:7.2f}s] {describe(event)}", file=self._console, flush=True)
+            except OSError as exc:  # (a closed pipe: `dprun ... | head`)
+                _say_dropped("the console", exc)
+                _point_at_devnull(self._console)
+                self._console = None
         return event
 
     def close(self) -> None:
         if self._file:
-            self._file.close()
+            with contextlib.suppress(OSError):  # (what is left to flush may not fit either)
+                self._file.close()
             self._file = None
+
+
+def _point_at_devnull(stream: TextIO) -> None:
+    """Send what else is written to `stream` (and its unflushed rest) to /dev/null, as Python's docs advise for a
+    closed pipe: else flushing it at exit fails again and Python ends with 120, not the job's exit code."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # (no file descriptor: nothing to redirect)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+
+
+def _say_dropped(what: str, exc: OSError) -> None:
+    """Say on stderr (once: the caller drops `what`) that it can no longer be written and the job goes on."""
+    with contextlib.suppress(OSError):
+        print(f"dprun: cannot write {what} any more ({exc.strerror or exc}): the job goes on without it",
+              file=sys.stderr, flush=True)

@@ -1,12 +1,19 @@
-"""The console's line for each event: every kind the controller and its shell publish is said in words."""
+"""The console's line for each event: every kind the controller and its shell publish is said in words. An
+events file or a console that can no longer be written (a full disk, a closed pipe) never ends the job."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
+import pytest
+
 import dprun
-from dprun.events import describe
+from dprun.events import EventSink, describe
+from e2e import TRAIN, TRAIN_ARGS
 
 PUBLISHED = re.compile(r'_publish\("([a-z_]+)"|\{"event": "([a-z_]+)"')
 
@@ -37,3 +44,36 @@ def test_the_lines_of_waits_drops_and_pauses_say_what_to_do_or_why():
     assert "another job's token" in lines["message_dropped"]
     assert lines["message_refused"].startswith("ignored a WorkerExited from node1: local_rank 1 out of range")
     assert lines["fault_skipped"] == "injected fault kill-node:7@step=3 skipped: no such node"
+
+
+def test_an_events_file_on_a_full_disk_and_a_closed_console_are_said_once_and_dropped(capsys):
+    reader, writer = os.pipe()
+    os.close(reader)  # nobody reads the console any more: `dprun ... | head`
+    with os.fdopen(writer, "w") as console:
+        sink = EventSink("/dev/full", console=console)
+        for step in range(3):
+            sink.emit({"event": "a_kind", "step": step})
+        sink.close()
+    said = capsys.readouterr().err.splitlines()
+    assert said == ["dprun: cannot write the events file /dev/full any more (No space left on device): the job goes "
+                    "on without it",
+                    "dprun: cannot write the console any more (Broken pipe): the job goes on without it"], said
+    assert [e["step"] for e in sink.history] == [0, 1, 2], "the dashboard's view still gets every event"
+
+
+@pytest.mark.timeout(120)
+def test_a_job_whose_events_file_fills_the_disk_and_whose_console_is_closed_trains_to_its_end(procs, tmp_path):
+    """Before, the first event written to a full disk raised in the controller and the job died with a traceback
+    (exit 1); a closed console would have too, and Python ends with 120 when stdout cannot be flushed at exit."""
+    summary = tmp_path / "summary.json"
+    # (the workers' own output to files, as torchrun's --redirects: a script printing to a closed pipe dies of it)
+    head = procs.dprun("--nnodes", "1", "--events-file", "/dev/full", "--log-dir", tmp_path / "logs", "--redirects",
+                       "3", TRAIN, "--steps", "20", *TRAIN_ARGS,
+                       "--summary", summary, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    assert head.stdout.readline().startswith(b"dprun: job "), "its first line"
+    head.stdout.close()  # as `| head -1` does
+    err = head.stderr.read().decode(errors="replace")
+    assert head.wait(timeout=100) == 0, err[-3000:]
+    assert "cannot write the events file /dev/full any more (No space left on device)" in err, err[-3000:]
+    assert "cannot write the console any more (Broken pipe)" in err and "Traceback" not in err, err[-3000:]
+    assert json.loads(summary.read_text())["final_step"] == 20
