@@ -15,6 +15,12 @@ from .protocol import CHUNK_BYTES, PutSnapshot, SnapshotStored
 from .replica_store import ReplicaStore, Snapshot, frame_view, intact
 
 FORMAT = "deadpool-snapshot/1"
+CANNOT_WRITE = "cannot write"  # how a file that the disk refused is said (SnapshotFiles): no other step would fit
+
+
+def cannot_write(rank: int, exc: OSError) -> str:
+    """A save's answer for a rank whose file the disk refused (full, read-only, no permission)."""
+    return f"{CANNOT_WRITE} rank {rank}'s file: {exc}"
 
 
 def step_folder(directory: str | os.PathLike, step: int) -> Path:
@@ -122,7 +128,7 @@ def write_copies(folder: str | os.PathLike, step: int, copies: dict[int, Snapsho
             path = write_snapshot(folder, rank, step, snap.checksum, snap.meta, list(snap.chunks))
             results[str(rank)] = ""
         except OSError as exc:
-            results[str(rank)] = f"rank {rank}: {exc}"
+            results[str(rank)] = cannot_write(rank, exc)
             continue
         if snap.stale():  # its local copy (dedup) was written meanwhile: the file may mix two steps
             path.unlink(missing_ok=True)

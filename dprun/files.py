@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dpagent import protocol as p
-from dpagent.snapshot_files import step_folder
+from dpagent.snapshot_files import CANNOT_WRITE, step_folder
 
 from .controller_io import NodeGone, Paused, Received, Shutdown, Tick
 from .ledger import INIT
@@ -41,6 +41,7 @@ class FileWork:
     code: int = 0  # saving: how the job ends once the files are written
     message: str = ""
     hurried: bool = False  # saving: out of time (the deadline, a second signal): no older step is tried
+    refused: bool = False  # saving: the disk refused a file (full, read-only): no other step is tried either
 
 
 class Files:
@@ -167,7 +168,7 @@ class Files:
         work = self.files
         if isinstance(event, Received) and isinstance(event.msg, WAITING_FOR_FILES):
             self._received(event.node_id, event.msg, now)
-        elif isinstance(event, Received) and isinstance(event.msg, p.WorkerExited) and event.msg.exitcode:
+        elif isinstance(event, Received) and isinstance(event.msg, p.WorkerExited):
             self._worker_lost(event.node_id, event.msg)
         elif isinstance(event, NodeGone):
             self._files_failed(event.node_id, event.cause)
@@ -198,13 +199,17 @@ class Files:
                       and (n.role != FAILED or n.keeps_store))
 
     def _worker_lost(self, node_id: str, msg: p.WorkerExited) -> None:
-        """A worker failed while files are written or read: a resume fails; a save asks the next source for
-        its rank if that worker was to write it (a replica store's copy does not need its node's workers)."""
+        """A worker ended while files are written or read: a resume fails if it failed; a save asks the next
+        source for its rank if that worker was to write it, even one that finished (exit 0) first: it will not
+        answer (a replica store's copy does not need its node's workers)."""
         node, work = self.table.get(node_id), self.files
         rank = self.ranks_of(node.node_rank)[msg.local_rank] if node is not None and node.node_rank >= 0 else -1
+        if msg.exitcode == 0 and not (work.saving and rank in work.local):
+            return
         work.dead_workers.add(rank)
+        how = p.describe_exit(msg.exitcode) + (" before it wrote its file" if msg.exitcode == 0 else "")
         if not work.saving or (rank in work.local and work.waiting.get(rank) == node_id):
-            self._files_lost([rank], f"{node_id}: its worker {msg.local_rank} {p.describe_exit(msg.exitcode)}")
+            self._files_lost([rank], f"{node_id}: its worker {msg.local_rank} {how}")
 
     def _files_failed(self, node_id: str, cause: str) -> None:
         """A node was lost while files are written (its ranks' files are asked of the next source) or read
@@ -235,7 +240,9 @@ class Files:
                 del work.waiting[rank]
                 work.done.append(rank)
                 continue
-            if self.ledger.newest_held_by(rank, node.node_id) > work.step:
+            if error.startswith(CANNOT_WRITE):  # (its other sources are still asked: they may see other disks)
+                work.refused = True
+            elif self.ledger.newest_held_by(rank, node.node_id) > work.step:
                 # trained past (its newer copy reported before this answer): so did the rank's worker and its
                 # other stores; this node stopped its workers for the save, and a newer step is tried instead
                 del work.waiting[rank]
@@ -258,7 +265,7 @@ class Files:
                                     f"(go on from it: dprun ... --resume-from {work.folder})")
         elif work.saving:
             said = f"{work.message}; saving the state of step {work.step} in {work.folder} failed: {why}"
-            if not work.hurried:  # another step instead, if every rank still has a copy of one: a newer one
+            if not (work.hurried or work.refused):  # another step instead, if every rank still has a copy of one: a newer one
                 # where workers trained on past the copies asked (reported since; the nodes asked stopped their
                 # workers for the save), else an older one. Forgetting a step's copies is safe only because the
                 # job is ending: no recovery plans with the ledger after a save, and the stores keep the copies

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from dpagent import protocol as P
-from dpagent.snapshot_files import step_folder, write_snapshot
+from dpagent.snapshot_files import cannot_write, step_folder, write_snapshot
 
 
 def save_local(replicator: Any, msg: P.SaveSnapshots, rank: int, node_id: str,
@@ -34,5 +34,5 @@ def _write(replicator: Any, folder: Any, rank: int, step: int) -> str:
         try:
             write_snapshot(folder, rank, step, slot.checksum, slot.meta, [slot.data.numpy()])
         except OSError as exc:
-            return f"rank {rank}: {exc}"
+            return cannot_write(rank, exc)
     return ""

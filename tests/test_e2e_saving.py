@@ -74,6 +74,38 @@ def test_sigterm_saves_the_state_before_the_job_stops(procs, tmp_path, sha):
     _resumed(procs, tmp_path, saving["folder"], sha)
 
 
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs: room for the save's folders, none for a file of state (skipped where mounting is not
+    allowed); unmounted after the test."""
+    folder = tmp_path / "full"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", folder], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", folder], check=False)
+
+
+def test_sigterm_with_a_full_disk_ends_at_once_saying_so(procs, tmp_path, full_disk):
+    """Before, the save was tried again for every newer step the workers made after the SIGTERM (each refused by
+    the disk but taken for 'trained past'): thousands of lines a second, then a wait for the files' deadline."""
+    events = tmp_path / "full.events.jsonl"
+    proc = procs.dprun("--nnodes", "1", "--no-tui", "--save-dir", full_disk / "saved", "--events-file", events,
+                       TRAIN, "--steps", "400", *TRAIN_ARGS, "--step-sleep", "0.05",
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90,
+             "step 8")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert len([e for e in read_events(events) if e["event"] == "saving_state"]) == 1, out[-3000:]
+    assert re.search(r"saving the state of step \d+ in \S+ failed: node0: cannot write rank 0's file: \[Errno 28\] "
+                     "No space left on device", err), err[-3000:]
+    assert len(out) < 20_000 and "Traceback" not in err
+
+
 def test_a_copy_found_damaged_is_saved_from_the_rank_s_own_worker_instead(procs, tmp_path, sha):
     """Node 1's store holds rank 0's copies; bit rot strikes them all at step 12, then SIGTERM: the save of step
     10 finds rank 0's copy damaged and has rank 0's worker write its own; the resumed run ends bitwise alike."""

@@ -365,3 +365,35 @@ def test_a_kept_store_lost_while_a_rank_restores_from_it_has_the_plan_made_again
     while h.finish is None and h.now < 10.0:
         h.alive({node: {} for node in ("s", "t")})
     assert h.finish and h.finish.exit_code == 1 and "state lost: ranks [0]" in h.finish.message, h.finish
+
+
+def test_a_full_disk_ends_the_save_at_the_first_step_tried_even_where_the_workers_trained_on():
+    """The disk refused the file (full, read-only): no other step would fit, so none is tried, even where the
+    workers trained past the step asked meanwhile (before, each newer copy was tried in turn as 'trained past',
+    thousands of times a second on a job that kept training after its SIGTERM, the message growing each time).
+    The rank's own worker is still asked (another node may see another disk)."""
+    h = _two_nodes(save_dir="/saved")
+    _sigterm_at_step_4(h)
+    for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
+        h.msg(node, p.Progress(node, 0, rank, 6, snapshot=True))
+        h.msg(holder, p.SnapshotStored(holder, rank, 6, 0))
+    full = "cannot write rank 1's file: [Errno 28] No space left on device: '/saved/step-4/rank-1.dpsnap.tmp'"
+    h.msg("a", p.SnapshotFiles("a", 4, {"1": full}))
+    h.msg("b", p.SnapshotFiles("b", 4, {"0": ""}))
+    (retry,) = [m for m in h.sent_to("b", p.SaveSnapshots) if m.ranks == [1] and m.local]
+    assert retry.step == 4 and h.finish is None
+    h.msg("b", p.SnapshotFiles("b", 4, {"1": full}))
+    assert h.finish and h.finish.exit_code == 143, h.finish
+    assert h.finish.message.endswith(f"saving the state of step 4 in /saved/step-4 failed: b: {full}"), h.finish
+    assert not [m for node in "ab" for m in h.sent_to(node, p.SaveSnapshots) if m.step != 4], "no other step tried"
+
+
+def test_a_worker_that_finishes_before_it_writes_its_own_copy_is_not_waited_for():
+    """A worker asked to write its own copy that exits 0 first (its script had finished) never answers: the
+    save goes on without it at once, not at the files' deadline (600 s)."""
+    h = _two_nodes(save_dir="/saved")
+    _trained_to_step_4_then_b_died(h)
+    h.msg("a", p.SnapshotFiles("a", 4, {"1": ""}))
+    h.msg("a", p.WorkerExited("a", 0, 0, 10, 0))  # it was to write rank 0, whose holder died
+    assert h.finish and ("saving the state of step 4 in /saved/step-4 failed: a: its worker 0 exit code 0 before "
+                         "it wrote its file") in h.finish.message, h.finish
