@@ -53,8 +53,7 @@ class FaultSpec:
         local = f".{self.local_rank}" if self.local_rank else ""
         if self.trigger == "during-recovery":
             return f"{self.kind}:{self.node_rank}{local}@during-recovery"
-        value = int(self.value) if self.trigger == "step" else self.value
-        return f"{self.kind}:{self.node_rank}{local}@{self.trigger}={value}"
+        return f"{self.kind}:{self.node_rank}{local}@{self.trigger}={self.value:g}"  # as typed: step=8, t=2.5
 
     @property
     def on_spare(self) -> bool:

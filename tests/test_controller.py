@@ -349,6 +349,18 @@ def test_faults_naming_the_same_step_fire_together_when_the_first_rank_gets_ther
     assert h.sent_to("c", p.Inject) == [p.Inject("kill-node", 0)]
 
 
+def test_a_fault_that_never_came_due_is_said_skipped_as_the_job_ends():
+    """kill-node:1@step=50 in a 3-step job: the job passes, and says that it did without the fault."""
+    h = formed(spec(faults=(parse_fault("kill-node:1@step=50"), parse_fault("kill-worker:0@t=3600"))))
+    h.msg("a", p.Progress("a", 0, 0, 3))
+    h.msg("a", p.WorkerExited("a", 0, 0, 1, 0))
+    h.msg("b", p.WorkerExited("b", 0, 0, 2, 0))
+    assert h.finish and h.finish.exit_code == 0 and not h.sent_to("b", p.Inject)
+    skipped = [(e["spec"], e["reason"]) for e in h.named("fault_skipped")]
+    assert skipped == [("kill-node:1@step=50", "the job ended before it was due"),
+                       ("kill-worker:0@t=3600", "the job ended before it was due")], skipped
+
+
 def test_job_finishes_when_every_active_worker_exits_zero():
     h = formed()
     h.msg("a", p.WorkerExited("a", 0, 0, 1, 0))
