@@ -17,6 +17,7 @@ import typer
 
 from dpagent.snapshot_files import newest_saved, step_folders
 
+from . import checks_cli as checks
 from . import faults, slurm
 from .job import JobOptions, is_local, parse_endpoint, run_multinode, run_standalone, uses_dpstate
 from .server import PortInUse
@@ -47,6 +48,12 @@ _RUN_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "
 def _fail(message: str, code: int = 2) -> None:
     print(f"dprun: {message}", file=sys.stderr)
     raise typer.Exit(code)
+
+
+def _check(*problems: str | None) -> None:
+    """_fail with the first problem that a check of checks_cli found, if any."""
+    for problem in filter(None, problems):
+        _fail(problem)
 
 
 def _count(text: str, flag: str) -> int:
@@ -104,8 +111,8 @@ def run(
         None, "--snapshot-interval",
         help="Snapshot every N steps (default 1: every step; a failure costs at most N + 1 steps, 2N on a GPU, "
              "where a snapshot's replication may take up to N steps), 'auto' "
-             "(measure a snapshot's cost and take the smallest interval that keeps it under 1%% of step time; "
-             "auto:0.02 for 2%%), or 'off' (no snapshots: a failure cannot be recovered). Workers get it as "
+             "(measure a snapshot's cost and take the smallest interval that keeps it under 1% of step time; "
+             "auto:0.02 for 2%), or 'off' (no snapshots: a failure cannot be recovered). Workers get it as "
              "DP_SNAPSHOT_INTERVAL."),
     snapshot_check: Optional[str] = typer.Option(
         None, "--snapshot-check",
@@ -195,11 +202,16 @@ def run(
 ) -> None:
     """Run SCRIPT on --nnodes nodes with --spares spares; survive node failures by hot-swapping a spare."""
     nnodes, nproc_per_node = _count(nnodes_text, "--nnodes"), _nproc(nproc_text)
+    _check(*(checks.seconds_problem(flag, seconds, allow_zero) for flag, seconds, allow_zero in (
+        ("--heartbeat-interval", heartbeat_interval, False), ("--heartbeat-timeout", heartbeat_timeout, False),
+        ("--probe-timeout", probe_timeout, False), ("--hang-timeout", hang_timeout, True),  # 0: no hang check
+        ("--monitor-interval", monitor_interval, False), ("--spare-wait-timeout", spare_wait_timeout, False),
+        ("--rdzv-timeout", rdzv_timeout, False))))
     if monitor_interval is not None:
-        if monitor_interval <= 0:
-            _fail(f"--monitor-interval must be positive, got {monitor_interval:g}")
         heartbeat_interval = monitor_interval
         heartbeat_timeout = max(heartbeat_timeout, 10 * monitor_interval)
+    _check(checks.heartbeat_problem(heartbeat_interval, heartbeat_timeout),
+           checks.port_problem("--status-port", status_port), checks.rdzv_id_problem(rdzv_id))
     if master_addr and not rdzv_endpoint:
         rdzv_endpoint = f"{master_addr}:{master_port or 29500}"
     if rdzv_backend not in ("c10d", "static", "etcd", "etcd-v2"):
@@ -229,13 +241,7 @@ def run(
         _fail(f"--spares must be 0 or more, got {spares}")
     if nproc_per_node < 1:
         _fail(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
-    if heartbeat_interval <= 0 or heartbeat_timeout <= heartbeat_interval:
-        _fail("--heartbeat-timeout must be longer than --heartbeat-interval, both positive")
-    if not no_python and not module and not Path(script).is_file():
-        _fail(f"no such script: {script} (give the path of a Python file, -m for a module, or --no-python "
-              "for a command)")
-    if no_python and os.sep not in script and not __import__("shutil").which(script):
-        _fail(f"no such command: {script} (not on PATH)")
+    _check(checks.script_problem(script, module, no_python))
     restart_mode = recovery == "restart" or (recovery == "auto" and not uses_dpstate(script, module, no_python))
     try:
         fault_specs = [faults.parse_fault(text) for text in inject or []]
@@ -243,9 +249,7 @@ def run(
         _fail(str(exc))
     if snapshot_interval is not None:
         snapshot_interval = snapshot_interval.strip().lower()
-        if not re.fullmatch(r"off|[1-9][0-9]*|auto(:(0?\.[0-9]*[1-9][0-9]*|[0-9]*\.?[0-9]+%))?", snapshot_interval):
-            _fail(f"--snapshot-interval must be a positive number of steps, auto, auto:BUDGET (e.g. auto:0.02 "
-                  f"or auto:2%) or off, got {snapshot_interval!r}")
+        _check(checks.snapshot_interval_problem(snapshot_interval))
         os.environ["DP_SNAPSHOT_INTERVAL"] = snapshot_interval  # the agents and their workers inherit it
     if snapshot_check is not None:
         snapshot_check = snapshot_check.strip().lower()
@@ -264,8 +268,6 @@ def run(
         _fail(f"--on-controller-lost must be 'cancel' or 'requeue', got {on_controller_lost!r}")
     if on_controller_lost == "requeue" and not save_dir:
         _fail("--on-controller-lost requeue needs --save-dir: the requeued job goes on from what is saved there")
-    if hang_timeout < 0:
-        _fail(f"--hang-timeout must be 0 (off) or positive, got {hang_timeout:g}")
     if restart_mode and (save_dir or resume_from):
         _fail(f"{'--save-dir' if save_dir else '--resume-from'} needs a script that uses dpstate (its snapshots are "
               "what is saved); this one does not, so dprun restarts it on a failure (--recovery restart)")
@@ -282,12 +284,8 @@ def run(
                 resume_from = chosen
         except ValueError as exc:
             _fail(f"--resume-from: {exc}")
-    for flag, folder in (("--save-dir", save_dir), ("--log-dir", log_dir)):
-        if folder is not None:
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                _fail(f"{flag} {folder}: {exc.strerror}")
+    for flag, folder in (("--save-dir", save_dir), ("--log-dir", log_dir)):  # (stops at the first that fails)
+        _check(checks.folder_problem(flag, folder) if folder else None)
     if events_file is not None:
         try:
             with open(events_file, "a"):  # the events are appended to it
@@ -308,12 +306,8 @@ def run(
             _fail(f"--inject {spec}: local rank {spec.local_rank} does not exist with --nproc-per-node {nproc_per_node}")
     token = os.environ.get("DP_JOB_TOKEN")
     if token_file is not None:
-        try:
-            token = token_file.read_text().strip()
-        except OSError as exc:
-            _fail(f"cannot read --token-file {token_file}: {exc.strerror}")
-        if not token:
-            _fail(f"--token-file {token_file} is empty")
+        token, problem = checks.read_token(token_file)
+        _check(problem)
     in_slurm = None
     if not standalone:
         try:
@@ -344,6 +338,8 @@ def run(
     if node_rank > 0 and (standalone or not rdzv_endpoint):
         _fail(f"--node-rank {node_rank} is one node of a multi-node job: give every node --rdzv-endpoint HOST:PORT "
               "of the node with --node-rank 0 (without it, dprun runs every node on this machine)")
+    _check(checks.counts_problem(nnodes, spares, nproc_per_node, standalone or not rdzv_endpoint),
+           checks.NO_TOKEN if rdzv_endpoint and not standalone and not token else None)  # (run_multinode: exit 1)
     opts = JobOptions(
         nnodes=nnodes, spares=spares, nproc_per_node=nproc_per_node, script=[script, *(script_args or [])],
         events_file=str(events_file) if events_file else None, faults=fault_specs,
@@ -380,6 +376,8 @@ def status(
     from .status import attach, find_endpoint
 
     try:
+        if problem := checks.seconds_problem("--timeout", timeout):
+            raise ValueError(problem)
         where = find_endpoint(endpoint)
     except ValueError as exc:
         print(f"dprun status: {exc}", file=sys.stderr)

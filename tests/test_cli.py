@@ -153,3 +153,171 @@ def test_an_endpoint_host_that_does_not_resolve_is_one_line(where, tmp_path, mon
     result = CliRunner().invoke(app, args, env=env)
     assert result.exit_code == 2, result.output
     assert result.stderr.strip() == want
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """A folder of things to give dprun: scripts (one that uses dpstate), a token file that is not text, a
+    folder and a shell script without its executable bit."""
+    (tmp_path / "plain.py").write_text("print('never runs')\n")
+    (tmp_path / "uses_dpstate.py").write_text("import dpstate  # never runs\n")
+    (tmp_path / "badtok").write_bytes(b"\xff\xfe\x80")
+    (tmp_path / "adir").mkdir()
+    for name, mode in (("s.sh", 0o644), ("ok.sh", 0o755)):
+        (tmp_path / name).write_text("#!/bin/sh\necho never runs\n")
+        (tmp_path / name).chmod(mode)
+    return tmp_path
+
+
+def one_line_exit_2(args, cwd, want: str, env=None) -> str:
+    """dprun ARGS ends at once with exit code 2 and one line on stderr that holds `want`, no traceback."""
+    ((code, out, err),) = finish_all([start(args, cwd, env)], timeout=30)
+    lines = err.strip().splitlines()
+    assert code == 2, (args, code, err)
+    assert len(lines) == 1 and lines[0].startswith("dprun"), (args, err)
+    assert want in lines[0], (args, lines[0])
+    assert "Traceback" not in out + err, args
+    return lines[0]
+
+
+TIME_FLAGS = ("--heartbeat-interval", "--heartbeat-timeout", "--probe-timeout", "--hang-timeout",
+              "--monitor-interval", "--spare-wait-timeout", "--rdzv-timeout")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "0"])
+@pytest.mark.parametrize("flag", TIME_FLAGS + ("status --timeout",))
+def test_times_must_be_finite_and_positive(flag, value, inputs):
+    """nan would never time out (a frozen node never noticed), negatives and inf make no sense; 0 is --hang-timeout's
+    off."""
+    command, _, flag = flag.rpartition(" ")
+    args = [*command.split(), flag, value] + ([] if command else ["plain.py"])
+    if flag == "--hang-timeout" and value == "0":  # accepted: the next check (the status port) speaks instead
+        one_line_exit_2([*args[:-1], "--status-port", "70000", "plain.py"], inputs, "--status-port must be a port")
+        return
+    wanted = "0 or more" if flag == "--hang-timeout" else "more than 0"
+    line = one_line_exit_2(args, inputs, f"{flag} must be a number of seconds, {wanted} (not nan or inf), got ")
+    assert line.startswith("dprun status: " if command else "dprun: "), line
+
+
+def test_heartbeat_timeout_must_exceed_the_interval(inputs):
+    one_line_exit_2(["--heartbeat-interval", "2", "--heartbeat-timeout", "1", "plain.py"], inputs,
+                    "--heartbeat-timeout 1 must be larger than --heartbeat-interval 2")
+
+
+@pytest.mark.parametrize("spec", ["auto:0%", "auto:0", "auto:0.0", "auto:500%", "auto:100%", "auto:1.5", "auto:1"])
+def test_a_snapshot_budget_outside_0_to_1_is_refused_up_front(spec, inputs):
+    one_line_exit_2(["--snapshot-interval", spec, "uses_dpstate.py"], inputs,
+                    f"--snapshot-interval {spec}: the budget is the share of step time that snapshots may cost, "
+                    "more than 0 and less than 1")
+
+
+@pytest.mark.parametrize("spec", ["off", "1", "25", "auto", "auto:0.02", "auto:.5", "auto:0.999", "auto:2%",
+                                  "auto:99.9%", "auto:0.0001%", "auto:0", "auto:1", "auto:0%", "auto:100%",
+                                  "auto:1.5", "auto:500%", "auto:00.5", "auto:1.0"])
+def test_the_cli_takes_the_snapshot_budgets_that_workers_take(spec):
+    """What dprun accepts, every worker's dpstate.interval accepts too (and what the workers refuse, dprun does)."""
+    from dprun.checks_cli import snapshot_interval_problem
+    from dpstate.interval import SnapshotPolicy
+
+    try:
+        SnapshotPolicy(spec, budget="")
+        worker_takes = True
+    except ValueError:
+        worker_takes = False
+    assert (snapshot_interval_problem(spec) is None) == worker_takes, spec
+
+
+def test_a_token_file_that_is_not_text_is_one_line(inputs):
+    one_line_exit_2(["--token-file", "badtok", "plain.py"], inputs,
+                    "--token-file badtok is not text (UTF-8): write the secret as text")
+
+
+BIG = "99999999999999999999"
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--nnodes", BIG], f"--nnodes {BIG} + --spares 0 is too many for one machine: at most 256"),
+    (["--spares", BIG], f"--nnodes 1 + --spares {BIG} is too many for one machine: at most 256"),
+    (["--nnodes", "200", "--spares", "57"], "--nnodes 200 + --spares 57 is too many for one machine: at most 256"),
+    (["--nproc-per-node", BIG], f"--nproc-per-node {BIG} is too many: at most 1024 workers per node"),
+    (["--nproc-per-node", "100000"], "--nproc-per-node 100000 is too many: at most 1024 workers per node"),
+    (["--nnodes", "4", "--nproc-per-node", "257"], "is 1028 workers, too many for one machine: at most 1024"),
+    (["--nnodes", "100001", "--rdzv-endpoint", "127.0.0.1:29499"],
+     "--nnodes 100001 is too many: at most 100000 in a multi-node job"),
+    (["--nnodes", BIG, "--rdzv-endpoint", "127.0.0.1:29499"], f"--nnodes {BIG} is too many: at most 100000"),
+], ids=["nnodes", "spares", "local nodes", "nproc overflow", "nproc", "local workers", "multi-node", "huge"])
+def test_job_sizes_have_upper_bounds(args, want, inputs):
+    one_line_exit_2([*args, "plain.py"], inputs, want, env={"DP_JOB_TOKEN": "secret"})
+
+
+def test_the_size_bounds_let_the_largest_jobs_through():
+    from dprun.checks_cli import MAX_LOCAL_NODES, MAX_NODES, MAX_NPROC_PER_NODE, counts_problem
+
+    assert counts_problem(MAX_LOCAL_NODES - 2, 2, 4, standalone=True) is None  # 256 x 4 = 1024 workers
+    assert counts_problem(1, 0, MAX_NPROC_PER_NODE, standalone=True) is None
+    assert counts_problem(MAX_NODES, MAX_NODES, MAX_NPROC_PER_NODE, standalone=False) is None
+    assert counts_problem(MAX_LOCAL_NODES, 1, 1, standalone=True) is not None
+    assert counts_problem(1, 0, MAX_NPROC_PER_NODE + 1, standalone=False) is not None
+
+
+@pytest.mark.parametrize("port", ["70000", "65536", "-1"])
+def test_the_status_port_is_a_port(port, inputs):
+    one_line_exit_2(["--status-port", port, "plain.py"], inputs,
+                    f"--status-port must be a port from 1 to 65535, or 0 for any free one, got {port}")
+
+
+@pytest.mark.parametrize("rdzv_id", ["../../escape", "..", ".", "a/b", "job 1", "/abs"])
+def test_a_job_id_is_one_plain_name(rdzv_id, inputs):
+    """The id names the job's folder under --log-dir: one that climbs out of it is refused."""
+    one_line_exit_2(["--rdzv-id", rdzv_id, "--log-dir", "logs", "plain.py"], inputs,
+                    f"--rdzv-id {rdzv_id!r}: use only letters, digits, '.', '_' and '-'")
+    assert not (inputs.parent / "escape").exists() and not (inputs / "logs").exists()
+
+
+def test_a_plain_job_id_passes(inputs):
+    one_line_exit_2(["--rdzv-id", "job-1.a_B", "missing.py"], inputs, "no such script: missing.py")
+
+
+@pytest.mark.parametrize("command, want", [
+    ("./nope.sh", "no such command: ./nope.sh (No such file or directory)"),
+    ("./s.sh", "./s.sh is not executable: chmod +x ./s.sh"),
+    ("./adir", "./adir is a directory, not a command"),
+])
+def test_a_command_with_a_path_must_be_an_executable_file(command, want, inputs):
+    one_line_exit_2(["--no-python", command], inputs, want)
+
+
+def test_an_executable_command_passes(inputs):
+    one_line_exit_2(["--no-python", "--snapshot-interval", "auto:0", "./ok.sh"], inputs, "--snapshot-interval auto:0")
+
+
+def test_a_folder_given_as_the_script_is_named_so(inputs):
+    one_line_exit_2(["adir"], inputs, "adir is a directory, not a script")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/1"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("flag", ["--save-dir", "--log-dir"])
+def test_a_folder_nobody_can_write_is_refused_up_front(flag, inputs):
+    line = one_line_exit_2([flag, "/proc/1", "uses_dpstate.py"], inputs, f"{flag} /proc/1: cannot write there (")
+    assert line.endswith("); give a folder every node can write"), line
+
+
+def test_the_write_probe_leaves_nothing_behind(inputs):
+    one_line_exit_2(["--save-dir", "saved", "--log-dir", "logs", "--token-file", "badtok", "uses_dpstate.py"],
+                    inputs, "--token-file badtok is not text")
+    assert list((inputs / "saved").iterdir()) == [] and list((inputs / "logs").iterdir()) == []
+
+
+def test_a_multi_node_job_without_a_token_is_bad_input(inputs):
+    """run_multinode would refuse it too, but with exit code 1: dprun says the same before, with 2."""
+    line = one_line_exit_2(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29499", "--node-rank", "0", "plain.py"],
+                           inputs, "", env={"DP_JOB_TOKEN": ""})
+    assert line == ("dprun: multi-node mode needs the job's secret: --token-file FILE (the same file on every node) "
+                    "or DP_JOB_TOKEN in the environment")
+
+
+def test_help_shows_percent_signs_once(tmp_path):
+    ((code, out, err),) = finish_all([start(["--help"], tmp_path)], timeout=30)
+    assert code == 0, err
+    assert "%%" not in out
+    assert "under 1% of step time; auto:0.02 for 2%)" in " ".join(out.split())  # (wrapped at any width)

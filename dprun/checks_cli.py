@@ -1,0 +1,141 @@
+"""Checks of dprun's options that cli.py runs before anything starts: each returns None when the input is
+fine, else the one line that says what is wrong and what to do (cli.py prints it and exits 2)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+MAX_NPROC_PER_NODE = 1024  # more workers than this per node: their heartbeats outgrow a message (1 MiB)
+MAX_LOCAL_NODES = 256  # standalone: nodes + spares, all of them agents on this machine
+MAX_LOCAL_WORKERS = 1024  # standalone: (nodes + spares) x workers per node, all on this machine
+MAX_NODES = 100_000  # multi-node: --nnodes (and --spares)
+RDZV_ID = re.compile(r"[A-Za-z0-9._-]+")
+_BUDGET = re.compile(r"[0-9]*\.?[0-9]+%?")
+NO_TOKEN = ("multi-node mode needs the job's secret: --token-file FILE (the same file on every node) or DP_JOB_TOKEN "
+            "in the environment")  # word for word dprun.job.run_multinode's (which exits 1, not 2)
+
+
+def seconds_problem(flag: str, value: float | None, allow_zero: bool = False) -> str | None:
+    """A time in seconds must be finite and above 0 (or 0 too, where 0 has a meaning: allow_zero); None: not given."""
+    if value is None or math.isfinite(value) and (value > 0 or (allow_zero and value == 0)):
+        return None
+    wanted = "0 or more" if allow_zero else "more than 0"
+    return f"{flag} must be a number of seconds, {wanted} (not nan or inf), got {value:g}"
+
+
+def heartbeat_problem(interval: float, timeout: float) -> str | None:
+    """A node is failed once silent for the timeout, so the timeout must span more than one interval."""
+    if timeout > interval:
+        return None
+    return (f"--heartbeat-timeout {timeout:g} must be larger than --heartbeat-interval {interval:g} (a node "
+            "silent for the timeout is failed): give a timeout of several intervals")
+
+
+def snapshot_interval_problem(text: str) -> str | None:
+    """off, N > 0, auto or auto:BUDGET with the budget as dpstate.interval reads it (a fraction, or a percentage
+    with %) strictly between 0 and 1."""
+    if re.fullmatch(r"off|[1-9][0-9]*|auto", text):
+        return None
+    given = text[len("auto:"):] if text.startswith("auto:") else None
+    if given is None or not _BUDGET.fullmatch(given):
+        return (f"--snapshot-interval must be a positive number of steps, auto, auto:BUDGET (e.g. auto:0.02 "
+                f"or auto:2%) or off, got {text!r}")
+    budget = float(given.rstrip("%")) / (100 if given.endswith("%") else 1)
+    if 0 < budget < 1:
+        return None
+    return (f"--snapshot-interval {text}: the budget is the share of step time that snapshots may cost, more "
+            "than 0 and less than 1 (e.g. auto:0.02) or than 100% (e.g. auto:2%)")
+
+
+def counts_problem(nnodes: int, spares: int, nproc_per_node: int, standalone: bool) -> str | None:
+    """Upper bounds on the job's size: workers per node always; on one machine (standalone) its agents and
+    workers; across machines the node count."""
+    if nproc_per_node > MAX_NPROC_PER_NODE:
+        return f"--nproc-per-node {nproc_per_node} is too many: at most {MAX_NPROC_PER_NODE} workers per node"
+    if not standalone:
+        for flag, value in (("--nnodes", nnodes), ("--spares", spares)):
+            if value > MAX_NODES:
+                return f"{flag} {value} is too many: at most {MAX_NODES} in a multi-node job"
+        return None
+    if nnodes + spares > MAX_LOCAL_NODES:
+        return (f"--nnodes {nnodes} + --spares {spares} is too many for one machine: at most {MAX_LOCAL_NODES} "
+                "(give --rdzv-endpoint to spread the nodes over machines)")
+    if (nnodes + spares) * nproc_per_node > MAX_LOCAL_WORKERS:
+        return (f"(--nnodes {nnodes} + --spares {spares}) x --nproc-per-node {nproc_per_node} is "
+                f"{(nnodes + spares) * nproc_per_node} workers, too many for one machine: at most "
+                f"{MAX_LOCAL_WORKERS} (give --rdzv-endpoint to spread the nodes over machines)")
+    return None
+
+
+def port_problem(flag: str, port: int) -> str | None:
+    if 0 <= port <= 65535:
+        return None
+    return f"{flag} must be a port from 1 to 65535, or 0 for any free one, got {port}"
+
+
+def rdzv_id_problem(rdzv_id: str | None) -> str | None:
+    """The job id names the job's folder under --log-dir, so it must be one plain name (None or "": generated)."""
+    if not rdzv_id or RDZV_ID.fullmatch(rdzv_id) and rdzv_id not in (".", ".."):
+        return None
+    return (f"--rdzv-id {rdzv_id!r}: use only letters, digits, '.', '_' and '-' (not '.' or '..' alone): it "
+            "names the job's folder under --log-dir")
+
+
+def script_problem(script: str, module: bool, no_python: bool) -> str | None:
+    """The script (python mode) or the command (--no-python) exists and can run; a module is Python's to find."""
+    if module:
+        return None
+    path = Path(script)
+    if not no_python:
+        if path.is_dir():
+            return f"{script} is a directory, not a script (give the path of a Python file, or -m for a module)"
+        if not path.is_file():
+            return (f"no such script: {script} (give the path of a Python file, -m for a module, or --no-python "
+                    "for a command)")
+        return None
+    if "/" not in script and os.sep not in script:
+        return None if shutil.which(script) else f"no such command: {script} (not on PATH)"
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        return f"no such command: {script} ({exc.strerror})"
+    if stat.S_ISDIR(mode):
+        return f"{script} is a directory, not a command"
+    if not stat.S_ISREG(mode):
+        return f"{script} is not a regular file, so not a command to run"
+    if not os.access(script, os.X_OK):
+        return f"{script} is not executable: chmod +x {script}, or run it with its interpreter"
+    return None
+
+
+def folder_problem(flag: str, folder: Path) -> str | None:
+    """Make the folder if need be and write (then delete) a probe file in it: an existing folder nobody may
+    write to passes mkdir but not this."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"{flag} {folder}: {exc.strerror}"
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".dprun-probe-"):
+            pass
+    except OSError as exc:
+        return f"{flag} {folder}: cannot write there ({exc.strerror}); give a folder every node can write"
+    return None
+
+
+def read_token(token_file: Path) -> tuple[str, str | None]:
+    """(the secret in --token-file, None) or ("", the problem): unreadable, not UTF-8 text, or empty."""
+    try:
+        token = token_file.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        return "", (f"--token-file {token_file} is not text (UTF-8): write the secret as text, e.g. "
+                    f"openssl rand -hex 16 > {token_file}")
+    except OSError as exc:
+        return "", f"cannot read --token-file {token_file}: {exc.strerror}"
+    return token, None if token else f"--token-file {token_file} is empty"
