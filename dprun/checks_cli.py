@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import stat
 import tempfile
 from pathlib import Path
@@ -139,3 +140,38 @@ def read_token(token_file: Path) -> tuple[str, str | None]:
     except OSError as exc:
         return "", f"cannot read --token-file {token_file}: {exc.strerror}"
     return token, None if token else f"--token-file {token_file} is empty"
+
+
+def local_addr_problem(addr: str | None) -> str | None:
+    """--local-addr is where this node's peers reach its replica store: an address this machine can listen on
+    (else its agent fails at once, and the controller waited --rdzv-timeout for it)."""
+    if not addr:
+        return None
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(where)
+    except OSError as exc:
+        return (f"--local-addr {addr}: this machine cannot listen there ({exc.strerror or exc}): give the address "
+                "of one of its interfaces that the other nodes reach, or leave it out")
+    return None
+
+
+def endpoint_host_problem(host: str) -> str | None:
+    if ":" in host:
+        return (f"--rdzv-endpoint [{host}]: IPv6 addresses are not supported yet: give an IPv4 address or a host "
+                "name")
+    return None
+
+
+def combination_problem(standalone: bool, on_spare_exhausted: str, save_dir, snapshot_interval: str | None,
+                        node_rank: int) -> str | None:
+    """Options that are each fine but cannot work together."""
+    if standalone and on_spare_exhausted == "wait":
+        return ("--on-spare-exhausted wait waits for a node to join from another machine, which a standalone job "
+                "cannot take (its nodes are all here): give every node --rdzv-endpoint, or add --spares")
+    if save_dir and snapshot_interval == "off":
+        return "--save-dir writes the job's snapshots and --snapshot-interval off takes none: drop one of them"
+    if node_rank < -1:
+        return f"--node-rank must be 0 or more (or left out), got {node_rank}"
+    return None

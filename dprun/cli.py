@@ -327,6 +327,7 @@ def run(
     if rdzv_endpoint:
         try:
             host, port = parse_endpoint(rdzv_endpoint)
+            _check(checks.endpoint_host_problem(host))
             socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except ValueError as exc:
             _fail(str(exc))
@@ -339,7 +340,10 @@ def run(
         _fail(f"--node-rank {node_rank} is one node of a multi-node job: give every node --rdzv-endpoint HOST:PORT "
               "of the node with --node-rank 0 (without it, dprun runs every node on this machine)")
     _check(checks.counts_problem(nnodes, spares, nproc_per_node, standalone or not rdzv_endpoint),
-           checks.NO_TOKEN if rdzv_endpoint and not standalone and not token else None)  # (run_multinode: exit 1)
+           checks.NO_TOKEN if rdzv_endpoint and not standalone and not token else None,  # (run_multinode: exit 1)
+           checks.combination_problem(standalone or not rdzv_endpoint, on_spare_exhausted, save_dir,
+                                      snapshot_interval, node_rank),
+           checks.local_addr_problem(local_addr))
     opts = JobOptions(
         nnodes=nnodes, spares=spares, nproc_per_node=nproc_per_node, script=[script, *(script_args or [])],
         events_file=str(events_file) if events_file else None, faults=fault_specs,

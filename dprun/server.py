@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import pickle
 import threading
 import time
@@ -61,7 +62,9 @@ class ControllerServer:
                 self.port = port
         except zmq.ZMQError as exc:
             self.router.close(0)
-            raise PortInUse(f"cannot listen on {host}:{port} ({exc.strerror}); pick a free port") from None
+            why = ("address already in use: another job's controller, or this node rank started twice?"
+                   if exc.errno == errno.EADDRINUSE else exc.strerror)
+            raise PortInUse(f"cannot listen on {host}:{port} ({why}); pick a free port") from None
         self.host = host
         self._inbox_addr = f"inproc://dprun-{uuid.uuid4().hex}"
         self._inbox = self.ctx.socket(zmq.PULL)

@@ -86,7 +86,7 @@ def test_every_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path):
         "node rank, no endpoint": (["--nnodes", "2", "--node-rank", "1", script],
                                    "--node-rank 1 is one node of a multi-node job: give every node --rdzv-endpoint"),
         "port in use": (["--rdzv-endpoint", f"127.0.0.1:{port}", "--node-rank", "0", "--token-file", token, script],
-                        f"cannot listen on 127.0.0.1:{port}"),
+                        f"cannot listen on 127.0.0.1:{port} (address already in use: another job's controller"),
         "status port in use": (["--status-port", port, script], f"cannot listen on 127.0.0.1:{port}"),
         "status endpoint": (["status", "--endpoint", "nowhere"], "bad --endpoint"),
         "status no job": (["status"], "no running job found"),
@@ -321,3 +321,25 @@ def test_help_shows_percent_signs_once(tmp_path):
     assert code == 0, err
     assert "%%" not in out
     assert "under 1% of step time; auto:0.02 for 2%)" in " ".join(out.split())  # (wrapped at any width)
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--local-addr", "999.1.1.1"], "--local-addr 999.1.1.1: this machine cannot listen there"),
+    (["--local-addr", "192.0.2.77"], "--local-addr 192.0.2.77: this machine cannot listen there"),  # (TEST-NET-1)
+    (["--rdzv-endpoint", "[::1]:29564", "--node-rank", "0"], "IPv6 addresses are not supported yet"),
+    (["--on-spare-exhausted", "wait"], "a standalone job cannot take"),
+    (["--save-dir", "saved", "--snapshot-interval", "off"], "--snapshot-interval off takes none"),
+    (["--node-rank", "-5"], "--node-rank must be 0 or more (or left out), got -5"),
+], ids=["bad address", "not this machine's", "ipv6", "wait alone", "save without snapshots", "negative rank"])
+def test_options_that_cannot_work_here_or_together_are_refused_up_front(args, want, inputs):
+    """Before: the agent of a head with a --local-addr not its own failed at once while the controller waited
+    --rdzv-timeout (300 s) for it; [::1] was said to be a port in use; a standalone job waited 30 minutes for a
+    spare that nothing could start; a save with nothing to save; a negative rank taken for 'auto'."""
+    one_line_exit_2([*args, "uses_dpstate.py"], inputs, want, env={"DP_JOB_TOKEN": "secret"})
+
+
+def test_a_local_address_of_this_machine_passes():
+    from dprun.checks_cli import local_addr_problem
+
+    assert local_addr_problem("127.0.0.1") is None and local_addr_problem("localhost") is None
+    assert local_addr_problem(None) is None
