@@ -116,12 +116,16 @@ def _start_store(host: str):
     return store, f"{host}:{store.port}"
 
 
+# what stops a job in order (its state saved first): torchrun's four; SIGHUP is a closed ssh session or terminal
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
 def _install_signal_handlers(server: ControllerServer) -> None:
     def stop(signum, _frame):
         name = signal.Signals(signum).name
         server.shutdown(128 + signum, f"dprun received {name}; stopping every node")
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, stop)
 
 
@@ -290,7 +294,7 @@ def _run_member(agent: AgentCommand, token: str, opts: JobOptions) -> int:
             return
         agents.kill_all()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, stop)
     code = proc.wait()
     # (both before kill_all, which ends the watching, and whose signals are ours)
@@ -336,7 +340,7 @@ def _settle_slurm_job(job: SlurmJob, opts: JobOptions) -> None:
     script died with the controller's node) and the nodes left have saved (dprun.slurm_orphan); a signal (Slurm
     ending the step, another node's scancel) stops the wait."""
     halted = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda *_: halted.set())
     orphan = slurm_orphan.Orphan(job.slurm_id, job.restarts, job.step_nodes, job.step_nodes[job.node_rank],
                                  opts.save_dir)

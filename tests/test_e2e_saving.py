@@ -74,6 +74,24 @@ def test_sigterm_saves_the_state_before_the_job_stops(procs, tmp_path, sha):
     _resumed(procs, tmp_path, saving["folder"], sha)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT], ids=["SIGHUP", "SIGQUIT"])
+def test_a_closed_session_s_sighup_or_a_sigquit_stops_the_job_in_order_as_sigterm_does(procs, tmp_path, sig):
+    """torchrun's four stop signals: SIGHUP (the ssh session or terminal closed) and SIGQUIT too save the state
+    and end with 128 + N and the job's message. Before, dprun died of them at once: no message, no
+    job_finished, and its agents left alone to take the controller for lost."""
+    events = tmp_path / "sig.events.jsonl"
+    proc = procs.dprun("--nnodes", "1", "--no-tui", "--save-dir", tmp_path / "saved", "--events-file", events,
+                       TRAIN, "--steps", "400", *TRAIN_ARGS, "--step-sleep", "0.05",
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 5 for e in read_events(events)), 90,
+             "step 5")
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert f"dprun received {sig.name}; stopping every node" in err, err[-3000:]
+    assert the_save(read_events(events), err[-3000:])["step"] >= 5
+
+
 @pytest.fixture
 def full_disk(tmp_path):
     """A 64 KiB tmpfs: room for the save's folders, none for a file of state (skipped where mounting is not
