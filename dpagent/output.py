@@ -150,10 +150,18 @@ class WorkerOutput:
         return "\n".join(text.rstrip("\n").splitlines()[-lines:])
 
 
+# dpstate's own notices on a worker's stderr (a spare's warm-up, the snapshot interval, a SIGTERM it outlives...),
+# after torch's "[rankN]: " prefixes as dprun.repeats strips them: not why a worker failed, and a spare prints
+# some that its predecessor did not, so the same bug must not read as another. Its errors are exception lines
+# ("RuntimeError: dpstate: ..."), kept; and so are the two lines it ends a worker with: a SystemExit's message
+# (dpstate.session, no Reconfigure after a failure) and os._exit's notice (dpstate.control, Stop unheeded).
+_DPSTATE_NOTICE = re.compile(r"^(?:\[rank\d+\]:\s*)*dpstate: (?!rank \d+: no Reconfigure within |Stop \()")
+
+
 def last_line(text: str, width: int = 200) -> str:
-    """The last line of `text` that is not blank, stripped and cut to `width`."""
+    """The last line of `text` that is not blank nor one of dpstate's notices, stripped and cut to `width`."""
     for line in reversed(text.splitlines()):
-        if line.strip():
+        if line.strip() and not _DPSTATE_NOTICE.match(line.strip()):
             return line.strip()[:width]
     return ""
 
@@ -184,7 +192,7 @@ def failure_detail(tail: str, raised: str, width: int = 200) -> str:
     """What a failed worker's stderr says went wrong: its last line, after `raised`, the exception of one that
     crashed as it exited on it (crash_exception), if any: that is what the user has to fix."""
     last = last_line(tail, width)
-    return last if not raised or raised == last else f"{raised} (then: {last})"
+    return f"{raised} (then: {last})" if raised and last and raised != last else raised or last
 
 
 def _write_all(fd: int, data: bytes) -> None:

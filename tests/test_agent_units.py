@@ -434,3 +434,27 @@ def test_otherwise_a_failed_worker_is_summed_up_by_its_last_line():
     assert summary(chained, -11) == "RuntimeError: two (then: Segmentation fault)", "the last traceback's"
     assert summary("free(): invalid pointer\n\n", -6) == "free(): invalid pointer"
     assert summary("", -6) == ""
+
+
+WARMED = "dpstate: spare worker 0 faulted in 4 MB of heap for its first step while idle (heap 120 MB)"
+
+
+@pytest.mark.parametrize("prefix", ["", "[rank1]: ", "[rank1]: [rank1]:  "])
+def test_dpstate_notices_are_passed_over_for_the_detail_but_kept_in_the_tail(prefix):
+    """A spare prints notices its predecessor did not: the same sys.exit(3) must read alike on both nodes."""
+    notices = f"{prefix}{WARMED}\n{prefix}dpstate: snapshot interval every 3 step(s)\n"
+    assert summary(notices, 3) == summary("", 3) == "", "as with nothing printed: the agent says 'exit code 3'"
+    assert summary(f"step 4 loss 0.31\n{prefix}bad config, quitting\n{notices}\n", 3) == \
+        f"{prefix}bad config, quitting"
+    assert summary(f"{prefix}bad config, quitting\n", 3) == summary(f"{prefix}bad config, quitting\n{notices}", 3)
+    error = f"{prefix}RuntimeError: dpstate: rank 0 cannot be restored to step 5: snapshots are off"
+    assert summary(f"{error}\n{notices}", 1) == error, "dpstate's errors are exception lines: kept"
+    crashed = CRASH_AFTER_RAISE.replace("terminate called without an active exception\n", notices)
+    assert summary(crashed, -6) == "[rank0]: ValueError: bad batch at step 5", "said once"
+
+
+def test_the_lines_dpstate_ends_a_worker_with_are_its_detail():
+    ended = "dpstate: rank 1: no Reconfigure within 60 s (DP_RECONFIGURE_TIMEOUT) after a failure in generation 2"
+    assert summary(f"{WARMED}\n{ended}\n", 1) == ended, "a SystemExit's message (dpstate.session)"
+    stop = "dpstate: Stop (the job stops) and the main thread did not exit in 30 s; exiting with 143"
+    assert summary(f"{stop}\n", 143) == stop, "os._exit's notice (dpstate.control)"
