@@ -9,6 +9,7 @@ from __future__ import annotations
 from dpagent import protocol as p
 
 from .nodes import ACTIVE, FAILED, SPARE
+from .repeats import HUNG
 
 FORMING_NOTE_EVERY_S = 15.0  # nodes still missing after this long, and as often again: "waiting_for_nodes"
 EXIT_NOTE_EVERY_S = 30.0  # workers not exited this long after training finished, and as often: "waiting_for_exit"
@@ -91,9 +92,18 @@ class Deadlines:
         if self.all_finished_at is not None:
             if rec is None and self.flush is None:
                 self._waiting_for_exit(now)
-        elif (self.spec.hang_timeout > 0 and self.stepped and rec is None and self.flush is None
-                and not self.spec.restart_mode and now - self.last_progress_at > self.spec.hang_timeout):
+        elif (self.spec.hang_timeout > 0 and rec is None and self.flush is None and not self.spec.restart_mode
+                and now - self.last_progress_at > self.spec.hang_timeout
+                and (self.stepped or self._a_rank_waits_on_its_peers())):
             self._hung(now)
+
+    def _a_rank_waits_on_its_peers(self) -> bool:
+        """Before a generation's first step, start-up (the script's own, a restore) is no hang; but once a rank
+        waits in a collective for its peers, the generation's first step has begun, and one that hangs in it is
+        caught as in any other step (before, a hang that followed its rank onto the spare hung the job for ever)."""
+        stale_after = max(3 * self.spec.heartbeat_interval, 2.0)
+        return any(status.get("activity") == "collective" and status.get("age", 0) <= stale_after
+                   for node_id in self.layout for status in self.table.nodes[node_id].workers.values())
 
     def _waiting_for_exit(self, now: float) -> None:
         """Every rank finished job.steps() (in restart mode: a worker exited 0), and some workers have not exited
@@ -125,20 +135,25 @@ class Deadlines:
         stalled = now - self.last_progress_at
         self.last_progress_at = now
         stale_after = max(3 * self.spec.heartbeat_interval, 2.0)
-        culprits: dict[str, str] = {}
+        culprits: dict[str, tuple[str, int, int]] = {}  # node -> (why, its first stuck rank, the step it made)
         for node_rank, node_id in enumerate(self.layout):
             node = self.table.nodes[node_id]
             for local in range(self.spec.nproc_per_node):
                 status = node.workers.get(str(local))
                 rank = node_rank * self.spec.nproc_per_node + local
+                step = status.get("step") if status and isinstance(status.get("step"), int) else self.max_step
                 if status is None or status.get("age", 0) > stale_after:
-                    culprits.setdefault(node_id, f"rank {rank} stopped responding")
+                    culprits.setdefault(node_id, (f"rank {rank} stopped responding", rank, step))
                 elif status.get("activity") not in ("collective", "snapshot"):
-                    culprits.setdefault(node_id, f"rank {rank} stuck in {status.get('activity')} at step "
-                                                 f"{status.get('step')}")
+                    culprits.setdefault(node_id, (f"rank {rank} stuck in {status.get('activity')} at step {step}",
+                                                  rank, step))
         if not culprits:
             self._finish(1, f"job hung: no step for {stalled:.0f} s and every rank waits on its peers; "
                             "check the network, or raise --hang-timeout")
             return
-        for node_id, why in culprits.items():
+        same = None
+        for node_id, (why, rank, step) in culprits.items():
             self._node_failed(node_id, f"{why}: no progress for {stalled:.0f} s (--hang-timeout)", now)
+            same = same or self.repeats.seen(1, HUNG, node_id, rank, step)  # hung again where the rank went
+        if same is not None:
+            self._finish(1, same)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from dpagent.protocol import OOM_KILLED
 
+HUNG = "no progress within --hang-timeout"  # a rank failed as hung (not an exit): the script's, where it follows
 STEP_SLACK = 1  # steps apart that still count as "the same step": a rank reports its step after making it
 _RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")  # what torch puts before each line a distributed rank prints
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
@@ -25,8 +26,8 @@ def signature(exitcode: int, detail: str) -> str | None:
     prefix and memory addresses. None for a signal from outside (a kill -9, Slurm's): that says nothing of the
     script; but the kernel's OOM killer (detail OOM_KILLED, as its cgroup counted it) does: out of memory again
     where the spare took over, at the same step, is the script's appetite."""
-    if detail == OOM_KILLED:
-        return OOM_KILLED
+    if detail in (OOM_KILLED, HUNG):
+        return detail
     if exitcode <= 0:
         return None
     line = _ADDRESS.sub("0x?", without_rank_prefix(detail))
@@ -64,8 +65,10 @@ class RepeatedFailures:
             where = f"rank {rank} failed on {earlier.node_id} and again on {node_id}, which took its place"
         else:
             where = f"{earlier.where()} and {Sighting(node_id, rank, step).where()} failed"
-        why = ("the training script needs more memory at that step than a node gives it, and a spare cannot fix "
-               "that; make it need less (a smaller batch, say) and rerun" if key == OOM_KILLED else
-               "an error that recurs on another node at the same step is most likely in the training script or its "
-               "data, and a spare cannot fix it; fix it and rerun")
+        why = {OOM_KILLED: "the training script needs more memory at that step than a node gives it, and a spare "
+                           "cannot fix that; make it need less (a smaller batch, say) and rerun",
+               HUNG: "a rank that hangs again at the same step on another node most likely waits in the training "
+                     "script for something that never comes (py-spy dump --pid PID shows where); fix it and rerun",
+               }.get(key, "an error that recurs on another node at the same step is most likely in the training "
+                          "script or its data, and a spare cannot fix it; fix it and rerun")
         return f"{where}, the same way after step {min(earlier.step, step)} ({key}): {why}"
