@@ -26,6 +26,7 @@ from .ddp import DataParallel, sync_from_rank0
 from .gate import SnapshotGate, defers_acks, stall_message
 from .pgroup import GroupManager, default_backend, local_device
 from .interval import POLICY_NAME, SnapshotPolicy
+from .metrics import sendable_metrics
 from .optim import AdamW
 from .replication import Replicator, ReplicationError, Slot
 from .saving import save_local
@@ -255,7 +256,7 @@ class Job:
         self._report(step, snapshot=False)
 
     def _report(self, step: Step, snapshot: bool) -> None:
-        metrics = {k: _jsonable(v) for k, v in step.metrics.items()}
+        metrics = sendable_metrics(step.metrics)
         self._send(P.Progress(node_id=self.node_id, generation=self.generation, rank=self.rank,
                               step=step.number, metrics=metrics, snapshot=snapshot))
 
@@ -401,14 +402,3 @@ class Job:
         if tree.get("step") != step:
             raise S.SnapshotError(f"the snapshot held for step {step} is of step {tree.get('step')}")
         self._tracked.restore(tree)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return str(value)

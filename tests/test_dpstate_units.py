@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import dpstate
 from dpagent import protocol as P
 from dpstate.abort import ABORT_MARKER, Aborted, AbortSignal, classify
 from dpstate.control import Control
+from dpstate.metrics import MAX_METRIC_BYTES, MAX_METRICS_BYTES, sendable_metrics
 from dpstate.session import Job, Step
 from test_dpstate_harness import TOKEN
 
@@ -136,6 +138,32 @@ def test_step_swallows_only_reconfiguration_and_peer_failures():
     assert step.failure is not None
     step.log(loss=torch.tensor(1.5), tokens=10)
     assert step.metrics == {"loss": torch.tensor(1.5), "tokens": 10}
+
+
+def test_big_metrics_are_dropped_with_one_warning_per_name(capsys, monkeypatch):
+    """A Progress must reach the agent (body limit 1 MiB) whatever step.log() was given: a metric over
+    MAX_METRIC_BYTES as JSON is dropped, all of them if together over MAX_METRICS_BYTES; each name said once."""
+    monkeypatch.setattr("dpstate.metrics._warned_metrics", set())
+    logged = {"loss": torch.tensor(1.5), "lr": 3e-4, "tokens": 10, "nan": float("nan"), "ok": True, "none": None,
+              "name": "run-1", "vec": torch.tensor([1.0, 2.0]), "obj": object(),
+              "big": list(range(200000)), "text": "x" * 5000, "huge": torch.zeros(1000)}
+    for _ in range(2):
+        kept = sendable_metrics(logged)
+        assert sorted(kept) == ["loss", "lr", "name", "nan", "none", "obj", "ok", "tokens", "vec"]
+        assert kept["loss"] == 1.5 and kept["vec"] == [1.0, 2.0] and kept["nan"] != kept["nan"]
+        assert kept["obj"].startswith("<object object")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3, err  # big, text and huge: once each over the two steps
+    assert err[0].startswith("dpstate: step.log(big=...) is ") and f"over {MAX_METRIC_BYTES}: not sent" in err[0]
+    assert [line.split("=")[0] for line in err] == ["dpstate: step.log(big", "dpstate: step.log(text",
+                                                    "dpstate: step.log(huge"]
+    assert sendable_metrics({"text": "y" * 9000, "loss": 2.0}) == {"loss": 2.0}  # named before: silent
+    assert capsys.readouterr().err == ""
+
+    many = {f"m{i}": "z" * (MAX_METRIC_BYTES - 2) for i in range(MAX_METRICS_BYTES // MAX_METRIC_BYTES + 1)}
+    assert sendable_metrics(many) == {} and sendable_metrics(many) == {}
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("dpstate: step.log(m0, m1,") and "together" in err[0], err
 
 
 def test_standalone_job_is_world_one_and_lets_errors_through(monkeypatch):
@@ -300,6 +328,23 @@ def test_control_hello_reconfigure_outbox_and_stop(agent):
         control.close(linger_s=0.5)
 
 
+def test_a_progress_with_an_oversized_metric_still_reaches_the_agent_with_its_step(agent, monkeypatch):
+    endpoint, router = agent
+    codec = P.Codec(TOKEN)
+    monkeypatch.setattr("dpstate.metrics._warned_metrics", set())
+    control = Control(endpoint, TOKEN, "n7", 0, AbortSignal()).start()
+    try:
+        assert isinstance(_recv(router, codec)[1], P.Hello)
+        job = SimpleNamespace(node_id="n7", generation=2, rank=0, _send=control.send)
+        step = Step(job, 5)
+        step.log(loss=1.0, big=list(range(200000)))
+        Job._report(job, step, snapshot=True)  # the body was 1.4 MB, over the agent's 1 MiB: dropped there
+        progress = _recv(router, codec)[1]
+        assert progress == P.Progress("n7", 2, 0, 5, {"loss": 1.0}, snapshot=True)
+    finally:
+        control.close(linger_s=0.5)
+
+
 def test_a_spare_waits_in_init_and_a_stop_ends_it_with_its_code(agent, monkeypatch):
     endpoint, router = agent
     codec = P.Codec(TOKEN)
@@ -458,3 +503,8 @@ def test_a_worker_asked_for_every_step_it_holds_writes_each_into_its_step_folder
     assert len(sent) == 1, "another rank's request is not this worker's to answer"
     save_local(ring, P.SaveSnapshots(str(tmp_path), 9, [3], local=True), 3, "n1", sent.append)
     assert sent[-1] == P.SnapshotFiles("n1", 9, {"3": "rank 3 no longer holds step 9 (it holds [10, 11])"})
+
+
+def test_a_complex_metric_is_sent_as_text_not_an_error_in_the_step():
+    logged = {"z": torch.tensor(1 + 2j), "zs": torch.tensor([1 + 2j, 3j]), "loss": torch.tensor(0.5)}
+    assert sendable_metrics(logged) == {"z": "(1+2j)", "zs": "[(1+2j), 3j]", "loss": 0.5}
