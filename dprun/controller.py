@@ -371,7 +371,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             same = self.repeats.seen(code, last_line, node.node_id, rank, step)
         node.raised = code > 0
         self._node_failed(node.node_id, cause, now, agent_alive=True)
-        if same is not None:
+        if same is not None and not self.finished:
             self._finish(1, same)
 
     # -- forming the first generation ------------------------------------------------------------

@@ -35,6 +35,7 @@ class JobSpec:
     resume_step: int = -1
     files_timeout: float = 600.0  # for the nodes to write or read those files
     restore_wait: float = 120.0  # state that looks lost while a live node restores it: wait so long for it
+    snapshots: bool = True  # False: --snapshot-interval off, so the first failure of a training node ends the job
 
     @property
     def world_size(self) -> int:

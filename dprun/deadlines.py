@@ -155,5 +155,5 @@ class Deadlines:
         for node_id, (why, rank, step) in culprits.items():
             self._node_failed(node_id, f"{why}: no progress for {stalled:.0f} s (--hang-timeout)", now)
             same = same or self.repeats.seen(1, HUNG, node_id, rank, step)  # hung again where the rank went
-        if same is not None:
+        if same is not None and not self.finished:
             self._finish(1, same)

@@ -172,7 +172,7 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
             hang_timeout=opts.hang_timeout, on_spare_exhausted=opts.on_spare_exhausted,
             spare_wait_timeout=opts.spare_wait_timeout, restart_mode=opts.restart_mode,
             max_restarts=opts.max_restarts, save_dir=opts.save_dir, resume_from=opts.resume_from,
-            resume_step=opts.resume_step,
+            resume_step=opts.resume_step, snapshots=opts.snapshot_interval != "off",
         )
         _install_signal_handlers(server)
         if not opts.tui:

@@ -67,6 +67,12 @@ class Reconstruction:
                 return
         elif self.generation < 0:  # still forming: the slot opens for the next node to register
             return
+        elif not (self.spec.snapshots or self.spec.restart_mode or self.all_finished_at is not None):
+            if not self.finished:  # (the first of several failed at once says it)
+                self._finish(1, f"{node_id} failed ({cause}) and snapshots are off (--snapshot-interval off): "
+                                "there is no state to recover its ranks from, so no spare can take over; rerun "
+                                "without it")
+            return
         if self._open_pending(now):  # a failure during recovery: one recovery covers both
             self._replanned_for_a_loss()
         self.pending.failed.append(node_id)

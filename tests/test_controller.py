@@ -510,6 +510,17 @@ def test_a_hang_that_follows_its_rank_onto_the_spare_ends_the_job_as_the_script_
     assert "hangs again at the same step" in h.finish.message and h.c.table.get("s2").role == "spare"
 
 
+def test_with_snapshots_off_a_node_failure_ends_the_job_at_once_naming_it_and_no_spare_is_spent():
+    """Before, the spare was promoted to 'restore step 0', the survivor crashed on it, and the job ended blaming
+    the healthy node with 'no spare left: rerun with more --spares'."""
+    h = formed(spec(snapshots=False))
+    h.msg("a", p.Progress("a", 0, 0, 10))
+    h.feed(NodeGone("b", "agent process exited (killed by SIGKILL)"))
+    assert h.finish and h.finish.exit_code == 1, h.finish
+    assert h.finish.message.startswith("b failed (agent process exited (killed by SIGKILL)) and snapshots are off")
+    assert not h.named("spare_promoted") and len(h.named("job_finished")) == 1
+
+
 def test_hang_with_every_rank_waiting_on_peers_stops_with_a_message():
     h = formed(spec(hang_timeout=5.0))
     h.msg("a", p.Progress("a", 0, 0, 1))

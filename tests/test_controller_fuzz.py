@@ -61,7 +61,8 @@ REGISTERS = st.builds(lambda node, spare, rank, nproc: (node, p.Register(node, "
                                                                      f"tcp://{node}:1")),
                       SENDERS, st.booleans(), st.integers(-2, 3), st.integers(-1, 3))
 JOBS = [dict(), dict(save_dir="/saved", replicas=2), dict(restart_mode=True), dict(nproc_per_node=2),
-        dict(resume_from="/saved/step-3", save_dir="/saved"), dict(on_spare_exhausted="wait")]
+        dict(resume_from="/saved/step-3", save_dir="/saved"), dict(on_spare_exhausted="wait"),
+        dict(snapshots=False)]
 EXAMPLES = int(os.environ.get("DP_FUZZ_EXAMPLES", "300"))
 
 
