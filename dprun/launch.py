@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Sequence
 
+import psutil
+
 from dpagent.oom import SAMPLE_EVERY_S, OomKills
 
 
@@ -163,8 +165,12 @@ class LocalAgents:
         return True
 
     def wait_all(self, timeout: float) -> None:
-        """After the job's Stop: give agents `timeout` seconds to exit, then kill what is left, whole."""
+        """After the job's Stop: give agents `timeout` seconds to exit, then kill what is left, whole. A frozen
+        one (SIGSTOP: a freeze-node fault, or Ctrl-Z'd) cannot exit by itself: killed at once, not waited for."""
         self.stopping = True
+        for proc in self.procs.values():
+            if _stopped(proc.pid):
+                _kill_group(proc)
         deadline = time.monotonic() + timeout
         for proc in self.procs.values():
             try:
@@ -176,12 +182,24 @@ class LocalAgents:
     def kill_all(self) -> None:
         self.stopping = True
         for proc in self.procs.values():
-            for sig in (signal.SIGKILL, signal.SIGCONT):  # a frozen node must be woken to die
-                try:
-                    os.killpg(proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+            _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL an agent's whole process group (its workers too), and wait for the agent."""
+    for sig in (signal.SIGKILL, signal.SIGCONT):  # a frozen node must be woken to die
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False

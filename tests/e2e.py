@@ -24,6 +24,7 @@ class Run:
     events: list[dict]
     summary: dict | None
     seconds: float
+    ended_at: float = 0.0  # wall time (as the events') when dprun had exited
 
     def named(self, name: str) -> list[dict]:
         return [e for e in self.events if e["event"] == name]
@@ -59,7 +60,7 @@ def dprun(procs, tmp: Path, name: str, *options: str, steps: int = 40, timeout: 
         out, err = proc.communicate()
         raise AssertionError(f"dprun {name} did not finish in {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
     return Run(proc.returncode, out, err, read_events(events),
-               json.loads(summary.read_text()) if summary.exists() else None, time.monotonic() - start)
+               json.loads(summary.read_text()) if summary.exists() else None, time.monotonic() - start, time.time())
 
 
 def the_save(events: list[dict], said: str = "") -> dict:

@@ -67,6 +67,8 @@ def test_frozen_node_is_failed_at_the_heartbeat_deadline_and_survivors_are_relea
     # read 2116 %; a short stall on this busy host after the recovery may still be said, at its own few percent)
     shares = [int(share) for share in re.findall(r"snapshots' replication (\d+)% of the time", run.stderr)]
     assert all(share < 50 for share in shares), run.stderr[-3000:]
+    (finished,) = run.named("job_finished")  # its frozen agent is killed at once, not waited for (it was 10 s)
+    assert run.ended_at - finished["time"] < 5, run.ended_at - finished["time"]
 
 
 def test_frozen_node_that_wakes_after_the_swap_is_fenced(procs, tmp_path, sha2):
