@@ -35,6 +35,9 @@ from .standby import RestoreRoom
 from .state import Tracked
 from .watch import WATCHER
 
+UNTRACKED = ("no model or optimizer is tracked (job.track(model=..., optimizer=...)), so snapshots hold no "
+             "training state")
+
 
 class Step:
     """One training step. `with step:` swallows failures caused by a reconfiguration or a lost peer
@@ -159,7 +162,9 @@ class Job:
             for number in range(1, total_steps + 1):
                 yield Step(self, number)
             return
-        if not any(isinstance(o, torch.optim.Optimizer) for o in self._tracked.objects.values()):
+        if not self._tracked.holds_training_state():
+            warnings.warn(f"dpstate: {UNTRACKED}: a spare could not take a rank over", stacklevel=2)
+        elif not any(isinstance(o, torch.optim.Optimizer) for o in self._tracked.objects.values()):
             warnings.warn("dpstate: no optimizer is tracked; snapshots are taken while the next step runs and "
                           "only a tracked optimizer's step is sure to wait for them", stacklevel=2)
         latest = self._control.latest
@@ -382,6 +387,8 @@ class Job:
             return "init", None
         if slot is None:
             slot, where = self._sources.fetch_any(reconf, self.rank, bad_copies), "replica"
+        if where == "replica" and not self._tracked.holds_training_state():  # a new process would diverge
+            raise RuntimeError(f"dpstate: rank {self.rank} cannot be restored to step {step} here: {UNTRACKED}")
         self._load(slot, step)
         rep.forget_after(step)
         return where, slot

@@ -100,6 +100,10 @@ class Tracked:
         if not any(m is module for m in self.replicated):
             self.replicated.append(module)
 
+    def holds_training_state(self) -> bool:
+        """Whether a model or an optimizer is tracked: without them a snapshot holds no training state."""
+        return any(isinstance(o, (nn.Module, torch.optim.Optimizer)) for o in self.objects.values())
+
     def shared_keys(self) -> set:
         """dpstate.checks.tensor_key of each tensor that every data parallel rank holds alike after a step."""
         optimizers = [o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]

@@ -26,8 +26,9 @@ model = torch.nn.Linear(8, 8)
 opt = dpstate.AdamW(model.parameters(), lr=1e-3)
 job = dpstate.init()
 ddp = job.data_parallel(model)
-job.track(model=model, optimizer=opt)
 mode = os.environ["BUG"]
+if mode != "untracked":
+    job.track(model=model, optimizer=opt)
 hog = bytearray if mode == "oom" and job.rank == 1 else None  # its appetite at step 5, on every node it runs on
 if mode == "crash" and job.rank == 1:  # what libstdc++ does when a native thread dies as the interpreter exits
     atexit.register(lambda: (print("terminate called without an active exception", file=sys.stderr), os.abort()))
@@ -78,6 +79,17 @@ def test_an_error_that_follows_its_rank_to_the_spare_ends_the_job_with_spares_le
     assert "ValueError: bad batch at step 5" in finished["message"] and "after step 4" in finished["message"]
     assert len(_named(events, "spare_promoted")) == 1, "the second spare is not spent on the script's bug"
     assert 'raise ValueError("bad batch at step 5")' in run.stderr, "the failure report shows the traceback"
+
+
+def test_a_script_that_tracks_nothing_is_not_recovered_into_a_silently_diverged_model(procs, tmp_path):
+    """Without job.track() a snapshot holds no training state: the spare that took node1's rank started from its
+    initial parameters and the job ended 0, its ranks' models differing. Now the spare's restore says why it
+    cannot be done, and the job ends with that error (the same on the second spare: the script's)."""
+    run, events = _run(procs, tmp_path, "untracked", "--spares", "2", "--inject", "kill-node:1@step=3")
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "no model or optimizer is tracked (job.track(model=..., optimizer=...))" in run.stderr, run.stderr[-3000:]
+    (finished,) = _named(events, "job_finished")
+    assert "rank 1 cannot be restored to step" in finished["message"], finished
 
 
 def test_a_worker_that_crashes_while_exiting_on_its_error_is_named_by_it_and_spares_are_not_spent_on_it(
