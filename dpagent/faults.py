@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 
-from .process import own_group_is_ours
+from .process import own_group_is_ours, signal_tree
 from .workers import WorkerGroup
 
 log = logging.getLogger("dpagent")
@@ -26,6 +26,7 @@ def _signal_node(workers: WorkerGroup, sig: int) -> None:
     """Signals the agent and its workers as a unit. If we do not lead our process group (started without
     a session of our own), killpg would hit our launcher too, so signal the workers and then ourselves."""
     _flush_logs()
+    signal_tree(os.getpid(), sig, include_root=False)  # (those in sessions of their own too: a node dies whole)
     if own_group_is_ours():
         os.killpg(os.getpgid(0), sig)
     else:

@@ -264,12 +264,13 @@ def test_kill_worker_reports_exit_within_milliseconds(start_agent):
 
 
 def test_kill_node_kills_agent_and_workers(start_agent, run_dir):
-    agent = start_agent(nproc=2)
+    agent = start_agent(nproc=2, worker_args=["--spawn-child"])
     agent.welcome()
-    pids = [r["pid"] for r in agent.reports(2).values()]
+    reports = agent.reports(2).values()
+    pids = [r["pid"] for r in reports] + [r["child"] for r in reports]
     agent.ctl.send(Inject("kill-node"))
     assert agent.wait(5) == -signal.SIGKILL
-    assert wait_gone(pids)
+    assert wait_gone(pids), "the workers' children too, even in sessions of their own: a node dies whole"
 
 
 def wait_status(pids, status, timeout=5.0) -> bool:

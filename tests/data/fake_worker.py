@@ -35,7 +35,8 @@ def main() -> int:
     p.add_argument("--stop-exit", type=int, default=0, help="exit code on Stop")
     p.add_argument("--ignore-stop", action="store_true", help="do not exit on Stop")
     p.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM")
-    p.add_argument("--spawn-child", action="store_true", help="start a sleeping grandchild")
+    p.add_argument("--spawn-child", action="store_true",
+                   help="start a sleeping grandchild, in a session of its own (out of the agent's process group)")
     p.add_argument("--answer-save", action="store_true",
                    help="answer a SaveSnapshots of every step held as if it had written step 5")
     args = p.parse_args()
@@ -47,7 +48,8 @@ def main() -> int:
     if args.spawn_child:
         import subprocess
 
-        child_pid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
+        child_pid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                     start_new_session=True).pid
     if args.report_dir:
         report = {"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "child": child_pid,
                   "env": {k: os.environ.get(k) for k in ENV_KEYS}}
