@@ -481,13 +481,18 @@ def test_hang_timeout_is_not_armed_before_the_first_step_of_a_generation():
     assert not h.named("node_failed") and h.finish is None
 
 
+def _rank_1_computes_while_rank_0_waits(h, step: int, on: str = "b", idle: tuple = ("s",)) -> None:
+    """Six seconds of heartbeats: rank 0 (on a) waits in a collective, rank 1 (on `on`) computes, after `step`."""
+    for _ in range(12):
+        h.alive({"a": {"0": {"rank": 0, "step": step, "activity": "collective", "age": 0.1}},
+                 on: {"0": {"rank": 1, "step": step, "activity": "compute", "age": 0.2}}, **{n: {} for n in idle}})
+
+
 def test_a_hang_in_a_generation_s_first_step_is_caught_once_a_rank_waits_on_its_peers():
     """Start-up is no hang; but rank 0 waiting in the first step's collective while rank 1 computes for
     --hang-timeout is (before, the timer waited for a step that never came: the job hung for ever)."""
     h = formed(spec(hang_timeout=5.0))
-    for _ in range(12):
-        h.alive({"a": {"0": {"rank": 0, "step": 0, "activity": "collective", "age": 0.1}},
-                 "b": {"0": {"rank": 1, "step": 0, "activity": "compute", "age": 0.2}}, "s": {}})
+    _rank_1_computes_while_rank_0_waits(h, step=0)
     (failed,) = h.named("node_failed")
     assert failed["node"] == "b" and "rank 1 stuck in compute at step 0" in failed["cause"]
 
@@ -496,15 +501,12 @@ def test_a_hang_that_follows_its_rank_onto_the_spare_ends_the_job_as_the_script_
     h = formed(spec(spares=2, hang_timeout=5.0))
     h.register("s2", spare=True)
     h.msg("a", p.Progress("a", 0, 0, 4))
-    for _ in range(12):
-        h.alive({"a": {"0": {"rank": 0, "step": 4, "activity": "collective", "age": 0.1}},
-                 "b": {"0": {"rank": 1, "step": 4, "activity": "compute", "age": 0.2}}, "s": {}, "s2": {}})
+    _rank_1_computes_while_rank_0_waits(h, step=4, idle=("s", "s2"))
     h.pong_all()
     h.feed(Tick(), dt=0.6)
     assert h.c.layout == ["a", "s"] and not h.finish
-    for _ in range(12):  # the spare restored step 4 (or before) and hangs in step 5 again: no step in generation 1
-        h.alive({"a": {"0": {"rank": 0, "step": 4, "activity": "collective", "age": 0.1}},
-                 "s": {"0": {"rank": 1, "step": 4, "activity": "compute", "age": 0.2}}, "s2": {}})
+    # the spare restored step 4 and hangs in step 5 again: no step made in generation 1
+    _rank_1_computes_while_rank_0_waits(h, step=4, on="s", idle=("s2",))
     assert h.finish and h.finish.exit_code == 1, h.finish
     assert "rank 1 failed on b and again on s, which took its place, the same way after step 4" in h.finish.message
     assert "hangs again at the same step" in h.finish.message and h.c.table.get("s2").role == "spare"
