@@ -74,22 +74,28 @@ def test_sigterm_saves_the_state_before_the_job_stops(procs, tmp_path, sha):
     _resumed(procs, tmp_path, saving["folder"], sha)
 
 
+def _one_node_signalled_at(procs, tmp_path, save_dir: Path, sig: int, step: int) -> tuple[int, str, str, list]:
+    """A long 1-node job with --save-dir, sent `sig` once past `step`: (its exit code, stdout, stderr, events)."""
+    events = tmp_path / "sig.events.jsonl"
+    proc = procs.dprun("--nnodes", "1", "--no-tui", "--save-dir", save_dir, "--events-file", events,
+                       TRAIN, "--steps", "400", *TRAIN_ARGS, "--step-sleep", "0.05",
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= step for e in read_events(events)), 90,
+             f"step {step}")
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err, read_events(events)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT], ids=["SIGHUP", "SIGQUIT"])
 def test_a_closed_session_s_sighup_or_a_sigquit_stops_the_job_in_order_as_sigterm_does(procs, tmp_path, sig):
     """torchrun's four stop signals: SIGHUP (the ssh session or terminal closed) and SIGQUIT too save the state
     and end with 128 + N and the job's message. Before, dprun died of them at once: no message, no
     job_finished, and its agents left alone to take the controller for lost."""
-    events = tmp_path / "sig.events.jsonl"
-    proc = procs.dprun("--nnodes", "1", "--no-tui", "--save-dir", tmp_path / "saved", "--events-file", events,
-                       TRAIN, "--steps", "400", *TRAIN_ARGS, "--step-sleep", "0.05",
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 5 for e in read_events(events)), 90,
-             "step 5")
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + sig, err[-3000:]
+    code, _, err, events = _one_node_signalled_at(procs, tmp_path, tmp_path / "saved", sig, step=5)
+    assert code == 128 + sig, err[-3000:]
     assert f"dprun received {sig.name}; stopping every node" in err, err[-3000:]
-    assert the_save(read_events(events), err[-3000:])["step"] >= 5
+    assert the_save(events, err[-3000:])["step"] >= 5
 
 
 @pytest.fixture
@@ -109,16 +115,9 @@ def full_disk(tmp_path):
 def test_sigterm_with_a_full_disk_ends_at_once_saying_so(procs, tmp_path, full_disk):
     """Before, the save was tried again for every newer step the workers made after the SIGTERM (each refused by
     the disk but taken for 'trained past'): thousands of lines a second, then a wait for the files' deadline."""
-    events = tmp_path / "full.events.jsonl"
-    proc = procs.dprun("--nnodes", "1", "--no-tui", "--save-dir", full_disk / "saved", "--events-file", events,
-                       TRAIN, "--steps", "400", *TRAIN_ARGS, "--step-sleep", "0.05",
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90,
-             "step 8")
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert len([e for e in read_events(events) if e["event"] == "saving_state"]) == 1, out[-3000:]
+    code, out, err, events = _one_node_signalled_at(procs, tmp_path, full_disk / "saved", signal.SIGTERM, step=8)
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert len([e for e in events if e["event"] == "saving_state"]) == 1, out[-3000:]
     assert re.search(r"saving the state of step \d+ in \S+ failed: node0: cannot write rank 0's file: \[Errno 28\] "
                      "No space left on device", err), err[-3000:]
     assert len(out) < 20_000 and "Traceback" not in err
