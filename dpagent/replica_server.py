@@ -33,6 +33,7 @@ from .replica_store import ReplicaStore, Snapshot, intact
 from .snapshot_files import held_copies, read_files, store_loaded, write_copies
 
 log = logging.getLogger("dpagent")
+DIFFERS_SAID_EVERY = 100  # snapshots of a rank whose blocks differ, between two warnings of it
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class ReplicaServer:
         self.local = LocalCopies(local_pids)
         self._waiting: list[Offer] = []  # offers waiting for their step's local copy
         self._awaiting: dict[tuple, Offer] = {}  # (sender, rank, step) -> an offer waiting for its blocks
+        self._differing: dict[int, int] = {}  # rank -> its snapshots whose data parallel blocks differed here
 
     def handle(self, incoming: Incoming) -> None:
         msg = incoming.msg
@@ -186,9 +188,12 @@ class ReplicaServer:
         for key in [k for k in self._awaiting if k[1] == msg.rank and k[2] < msg.step]:
             del self._awaiting[key]  # superseded: its sender moved on
         self._awaiting[(offer.incoming.sender, msg.rank, msg.step)] = offer
-        if offer.differs:
-            log.warning("rank %d step %d: data parallel blocks %s differ from this node's copy of that step; "
-                        "all of its data parallel blocks are asked for", msg.rank, msg.step, offer.differs[:8])
+        if offer.differs:  # said the first time for a rank, then every DIFFERS_SAID_EVERY-th: not every step
+            seen = self._differing[msg.rank] = self._differing.get(msg.rank, 0) + 1
+            if seen == 1 or seen % DIFFERS_SAID_EVERY == 0:
+                log.warning("rank %d step %d: data parallel blocks %s differ from this node's copy of that step "
+                            "(%d snapshot(s) of it so far); all of its data parallel blocks are asked for",
+                            msg.rank, msg.step, offer.differs[:8], seen)
         self.channel.reply(offer.incoming, SnapshotWants(msg.rank, msg.step, offer.wanted, offer.differs))
 
     def _blocks(self, incoming: Incoming, msg: SnapshotBlocks) -> None:

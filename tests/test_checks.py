@@ -251,7 +251,7 @@ def fetch(endpoint: str, rank: int, step: int):
 
 
 def test_a_data_parallel_peer_sends_only_its_tail_and_a_divergence_is_caught_and_ends_the_trust(
-        holder, peer_node, monkeypatch, capfd):  # noqa: F811 (fixtures)
+        holder, peer_node, monkeypatch, capfd, caplog):  # noqa: F811 (fixtures)
     monkeypatch.setenv("DP_SNAPSHOT_CHECK", "4")
     local, peer = replicators(monkeypatch, holder, peer_node)
     ours, theirs = data_parallel(0), data_parallel(1)
@@ -297,6 +297,11 @@ def test_a_data_parallel_peer_sends_only_its_tail_and_a_divergence_is_caught_and
     shared_snapshot(peer, theirs, seen + 1)
     assert peer.local(seen + 1).plan.every == 1 and (peer.local(seen + 1).digests != 0).all()
     assert torch.equal(fetch(holder.replica_endpoint, 1, seen + 1).data, peer.local(seen + 1).data)
+    for step in range(seen + 2, seen + 5):  # the holder says the rank's difference once, not at every snapshot
+        shared_snapshot(local, ours, step)
+        shared_snapshot(peer, theirs, step)
+    said = [r for r in caplog.records if "differ from this node's copy" in r.getMessage()]
+    assert len(said) == 1 and "(1 snapshot(s) of it so far)" in said[0].getMessage(), [r.getMessage() for r in said]
 
 
 def _flat(tracked: Tracked):
