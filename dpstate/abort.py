@@ -19,6 +19,8 @@ What torch 2.13 (CPU, Gloo) raises, measured on this box (tests/test_dpstate_abo
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -220,6 +222,29 @@ def classify(exc: BaseException, signal: AbortSignal | None = None) -> str | Non
         return "peer"
     if type(exc).__name__ == "GpuPlacementError":  # dpstate.pgroup: a setup error that no recovery mends
         return None
-    if isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)) and any(p in text for p in _PEER_PATTERNS):
+    if (isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)) and any(p in text for p in _PEER_PATTERNS)
+            and _raised_by_torch_or_dpstate(exc)):
         return "peer"
     return None
+
+
+def _package_dir(origin: str | None) -> str:
+    return os.path.dirname(os.path.abspath(origin)) + os.sep if origin else "\0"
+
+
+_OURS = (_package_dir(__file__), _package_dir(importlib.util.find_spec("torch").origin))  # dpstate/, torch/
+
+
+def _raised_by_torch_or_dpstate(exc: BaseException) -> bool:
+    """A peer's failure surfaces through torch (a collective, DDP's backward, the store) or dpstate (its
+    watcher of futures); the training script's own error that merely reads like one ("fetching shard:
+    Connection reset by peer") was raised in its own code, and is the script's: no peer is probed for it.
+    An exception never raised (no traceback) is taken at its word."""
+    tb = exc.__traceback__
+    if tb is None:
+        return True
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_OURS):
+            return True
+        tb = tb.tb_next
+    return False

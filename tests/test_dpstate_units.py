@@ -4,6 +4,7 @@ the control thread against a ROUTER playing the agent, and the bounded wait for 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -111,6 +112,34 @@ def test_classify_tells_aborts_and_peer_errors_from_bugs():
     assert classify(ValueError("a user bug stays a bug"), sig) is None
 
 
+IN_TORCH = os.path.join(os.path.dirname(torch.__file__), "distributed", "distributed_c10d.py")
+
+
+def _raised_from(filename: str, exc: Exception) -> Exception:
+    """`exc` as raised by code in `filename` (its traceback's frame is there)."""
+    namespace: dict = {}
+    exec(compile("def throw(exc):\n    raise exc\n", filename, "exec"), namespace)
+    try:
+        namespace["throw"](exc)
+    except Exception as raised:  # noqa: BLE001
+        return raised
+    raise AssertionError("not raised")
+
+
+def test_a_script_error_that_reads_like_a_peer_s_is_the_script_s_unless_torch_or_dpstate_raised_it():
+    """A data loader's own 'Connection reset by peer' is the script's error: before, it was taken for a peer
+    failure, every rank rolled back, and the job ended saying to check the Gloo ports."""
+    import dpstate
+
+    sig, text = AbortSignal(), "fetching shard 17: Connection reset by peer"
+    assert classify(_raised_from("/home/me/train.py", RuntimeError(text)), sig) is None
+    assert classify(_raised_from("/home/me/train.py", ConnectionError(text)), sig) is None
+    assert classify(_raised_from(IN_TORCH, RuntimeError(text)), sig) == "peer"
+    in_dpstate = os.path.join(os.path.dirname(dpstate.__file__), "watch.py")
+    assert classify(_raised_from(in_dpstate, RuntimeError(text)), sig) == "peer"
+    assert classify(_raised_from("/home/me/train.py", dist.DistNetworkError(text)), sig) == "peer"  # its type
+
+
 # ----------------------------------------------------------------------------- Step and standalone jobs
 
 
@@ -124,7 +153,7 @@ class _Stub:
 def test_step_swallows_only_reconfiguration_and_peer_failures():
     job = _Stub()
     with Step(job, 1) as step:
-        raise RuntimeError("Connection closed by peer")
+        raise _raised_from(IN_TORCH, RuntimeError("Connection closed by peer"))  # (Gloo's, through torch)
     assert isinstance(step.failure, RuntimeError)
     with pytest.raises(ValueError):
         with Step(job, 2):
