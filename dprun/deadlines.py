@@ -145,7 +145,7 @@ class Deadlines:
                 if status is None or status.get("age", 0) > stale_after:
                     culprits.setdefault(node_id, (f"rank {rank} stopped responding", rank, step))
                 elif status.get("activity") not in ("collective", "snapshot"):
-                    culprits.setdefault(node_id, (f"rank {rank} stuck in {status.get('activity')} at step {step}",
+                    culprits.setdefault(node_id, (f"rank {rank} stuck in {status.get('activity')} after step {step}",
                                                   rank, step))
         if not culprits:
             self._finish(1, f"job hung: no step for {stalled:.0f} s and every rank waits on its peers; "

@@ -494,7 +494,7 @@ def test_a_hang_in_a_generation_s_first_step_is_caught_once_a_rank_waits_on_its_
     h = formed(spec(hang_timeout=5.0))
     _rank_1_computes_while_rank_0_waits(h, step=0)
     (failed,) = h.named("node_failed")
-    assert failed["node"] == "b" and "rank 1 stuck in compute at step 0" in failed["cause"]
+    assert failed["node"] == "b" and "rank 1 stuck in compute after step 0" in failed["cause"]
 
 
 def test_a_hang_that_follows_its_rank_onto_the_spare_ends_the_job_as_the_script_s():

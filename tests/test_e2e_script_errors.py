@@ -36,6 +36,8 @@ for step in job.steps(12):
     with step:
         if step.number == 5 and hog is not None:
             hog(int(os.environ["OOM_BYTES"]))
+        if step.number == 5 and mode == "hang" and job.rank == 1:
+            time.sleep(600)  # waits for what never comes, on every node it runs on
         if step.number == 5 and (job.rank == 1 or mode == "every") and (
                 mode not in ("fixed", "converged", "linger", "oom")) and (
                 mode in ("always", "every", "crash") or job.generation == 0):
@@ -79,6 +81,20 @@ def test_an_error_that_follows_its_rank_to_the_spare_ends_the_job_with_spares_le
     assert "ValueError: bad batch at step 5" in finished["message"] and "after step 4" in finished["message"]
     assert len(_named(events, "spare_promoted")) == 1, "the second spare is not spent on the script's bug"
     assert 'raise ValueError("bad batch at step 5")' in run.stderr, "the failure report shows the traceback"
+
+
+def test_a_hang_that_follows_its_rank_onto_the_spare_is_caught_in_the_first_step_and_ends_the_job(procs, tmp_path):
+    """Rank 1 hangs in step 5 wherever it runs. On the spare, step 5 is the first step of the new generation:
+    before, the hang timer waited for a step there and the job hung for ever; now the rank that computes while its
+    peer waits is failed again, and the same hang at the same step ends the job as the script's."""
+    run, events = _run(procs, tmp_path, "hang", "--spares", "2", "--hang-timeout", "3")
+    assert run.returncode == 1, run.stderr[-3000:]
+    causes = [e["cause"] for e in _named(events, "node_failed")]
+    assert len(causes) == 2 and all("rank 1 stuck in compute after step 4" in c for c in causes), causes
+    (finished,) = _named(events, "job_finished")
+    assert re.search(r"rank 1 failed on node1 and again on node[23], which took its place", finished["message"]), \
+        finished  # (whichever spare registered first)
+    assert "hangs again at the same step" in finished["message"] and len(_named(events, "spare_promoted")) == 1
 
 
 def test_a_script_that_tracks_nothing_is_not_recovered_into_a_silently_diverged_model(procs, tmp_path):
