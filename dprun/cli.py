@@ -339,10 +339,10 @@ def run(
     if node_rank > 0 and (standalone or not rdzv_endpoint):
         _fail(f"--node-rank {node_rank} is one node of a multi-node job: give every node --rdzv-endpoint HOST:PORT "
               "of the node with --node-rank 0 (without it, dprun runs every node on this machine)")
-    _check(checks.counts_problem(nnodes, spares, nproc_per_node, standalone or not rdzv_endpoint),
-           checks.NO_TOKEN if rdzv_endpoint and not standalone and not token else None,  # (run_multinode: exit 1)
-           checks.combination_problem(standalone or not rdzv_endpoint, on_spare_exhausted, save_dir,
-                                      snapshot_interval, node_rank),
+    on_this_machine = standalone or not rdzv_endpoint  # (run_standalone; else run_multinode, which needs a token)
+    _check(checks.counts_problem(nnodes, spares, nproc_per_node, on_this_machine),
+           None if on_this_machine or token else checks.NO_TOKEN,  # (run_multinode: exit 1)
+           checks.combination_problem(on_this_machine, on_spare_exhausted, save_dir, snapshot_interval, node_rank),
            checks.local_addr_problem(local_addr))
     opts = JobOptions(
         nnodes=nnodes, spares=spares, nproc_per_node=nproc_per_node, script=[script, *(script_args or [])],

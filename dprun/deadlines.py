@@ -101,9 +101,12 @@ class Deadlines:
         """Before a generation's first step, start-up (the script's own, a restore) is no hang; but once a rank
         waits in a collective for its peers, the generation's first step has begun, and one that hangs in it is
         caught as in any other step (before, a hang that followed its rank onto the spare hung the job for ever)."""
-        stale_after = max(3 * self.spec.heartbeat_interval, 2.0)
-        return any(status.get("activity") == "collective" and status.get("age", 0) <= stale_after
+        return any(status.get("activity") == "collective" and status.get("age", 0) <= self._status_stale_after()
                    for node_id in self.layout for status in self.table.nodes[node_id].workers.values())
+
+    def _status_stale_after(self) -> float:
+        """A worker status older than this (as its node's heartbeat says) is of a worker that stopped responding."""
+        return max(3 * self.spec.heartbeat_interval, 2.0)
 
     def _waiting_for_exit(self, now: float) -> None:
         """Every rank finished job.steps() (in restart mode: a worker exited 0), and some workers have not exited
@@ -134,7 +137,7 @@ class Deadlines:
         """No rank stepped for hang_timeout: blame the ranks that are not waiting on their peers."""
         stalled = now - self.last_progress_at
         self.last_progress_at = now
-        stale_after = max(3 * self.spec.heartbeat_interval, 2.0)
+        stale_after = self._status_stale_after()
         culprits: dict[str, tuple[str, int, int]] = {}  # node -> (why, its first stuck rank, the step it made)
         for node_rank, node_id in enumerate(self.layout):
             node = self.table.nodes[node_id]

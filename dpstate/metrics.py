@@ -35,14 +35,9 @@ def sendable_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
-def _json_bytes(value: Any, or_none: bool = False) -> int | None:
-    """Its size as protocol.Codec encodes a body; None (or_none) where JSON cannot say it."""
-    try:
-        return len(json.dumps(value, separators=(",", ":")).encode())
-    except (TypeError, ValueError):
-        if or_none:
-            return None
-        raise
+def _json_bytes(value: Any) -> int:
+    """Its size as protocol.Codec encodes a body."""
+    return len(json.dumps(value, separators=(",", ":")).encode())
 
 
 def _warn_once(names: list[str], message: str) -> None:
@@ -53,8 +48,8 @@ def _warn_once(names: list[str], message: str) -> None:
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        value = value.item() if value.numel() == 1 else value.tolist()
-        return value if _json_bytes(value, or_none=True) is not None else str(value)  # (complex: no JSON)
+        plain = value.item() if value.numel() == 1 else value.tolist()
+        return str(plain) if value.is_complex() else plain  # (JSON has no complex numbers)
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
     try:

@@ -1,6 +1,7 @@
 """A tiny torch-free worker for the agent tests: speaks to its agent like dpstate would, and obeys argv.
 
-Hello -> waits for Reconfigure -> Progress(step: its restore_step, or 0; metrics={"generation": G}) -> exits 0 (or --stop-exit) on Stop.
+Hello -> waits for Reconfigure -> Progress(step: its restore_step, or 0; metrics={"generation": G}) -> exits 0
+(or --stop-exit) on Stop.
 A Standby is echoed as Progress(generation -1, rank = local rank, metrics={"standby": its sizes}).
 A save of every step held (SaveSnapshots of NO_RANK, its agent having lost the controller) is ignored, or with
 --answer-save answered as if step 5 had been written.
@@ -74,7 +75,8 @@ def main() -> int:
         elif isinstance(msg, Reconfigure):
             rank = msg.node_rank * msg.nproc_per_node + local_rank
             step = max(msg.restore_step, 0)
-            sock.send_multipart(codec.encode(Progress(node_id, msg.generation, rank, step, {"generation": msg.generation})))
+            progress = Progress(node_id, msg.generation, rank, step, {"generation": msg.generation})
+            sock.send_multipart(codec.encode(progress))
         elif isinstance(msg, Standby):
             sock.send_multipart(codec.encode(Progress(node_id, -1, local_rank, 0, {"standby": msg.snapshot_bytes})))
         elif isinstance(msg, Stop) and not args.ignore_stop:
