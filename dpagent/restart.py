@@ -7,14 +7,30 @@ back until it is clear it was not a dead peer's doing (in a plain script, a peer
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import subprocess
 import time
 
+from .output import CRASHES, raised_exception
 from .protocol import NO_RANK, PeerError, Reconfigure, WorkerExited, WorkerReady
 from .workers import describe_exit, restart_env
 
 log = logging.getLogger("dpagent")
+
+_EXCEPTION_NAME = re.compile(r"^(?:\[rank\d+\]: ?)*(?:\w+\.)*(\w+)(?::|$)")  # "[rank0]: a.b.KeyError: 'x'" -> KeyError
+# errors in the script's code itself: never a dead peer's doing, whatever its peers do
+OWN_ERRORS = ("SyntaxError", "IndentationError", "TabError", "ModuleNotFoundError", "ImportError", "NameError")
+
+
+def may_be_a_peers_doing(exited: WorkerExited, world_size: int) -> bool:
+    """Whether a plain script's failed worker may have died of a peer's death: it exits on the exception its
+    collective raised (exit code > 0), or crashes (SIGABRT, SIGSEGV: NCCL's watchdog). Not so with no peer, a
+    signal from outside (SIGKILL, the OOM killer, SIGTERM), or an error in the script's own code (OWN_ERRORS)."""
+    if world_size <= 1 or exited.oom_killed or (exited.exitcode < 0 and exited.exitcode not in CRASHES):
+        return False
+    named = _EXCEPTION_NAME.match(raised_exception(exited.stderr_tail))
+    return not (named and named.group(1) in OWN_ERRORS)
 
 
 class RestartMode:
@@ -64,10 +80,13 @@ class RestartMode:
 
     def _hold_exit(self, exited: WorkerExited) -> bool:
         """A failed worker in restart mode: tell the controller to probe every node now (a PeerError) and
-        report the exit only if no Reconfigure comes within a heartbeat timeout. False: report it at once."""
+        report the exit only if no Reconfigure comes within a heartbeat timeout. False: report it at once (one
+        that no peer's death explains, may_be_a_peers_doing)."""
         if not self.restart_mode or exited.exitcode == 0 or self.shutdown is not None or self.welcome is None:
             return False
         rc = self.latest_reconfigure
+        if not may_be_a_peers_doing(exited, rc.world_size if rc is not None else 0):
+            return False
         rank = rc.node_rank * self.cfg.nproc + exited.local_rank if rc is not None else NO_RANK
         self._to_controller(PeerError(self.cfg.node_id, self.generation, rank,
                                       f"worker {exited.local_rank} {describe_exit(exited.exitcode)}"))

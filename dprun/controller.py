@@ -67,6 +67,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.seq = 0
         self.next_ping = now
         self.injected_at: dict[str, float] = {}
+        self.crashed_at: dict[str, float] = {}  # restart mode: node -> its first worker crash held back, this generation
         self.frozen_at: dict[int, str] = {}  # node rank -> node frozen there by fault injection
         self.holders: dict[int, list[str]] = {}  # node rank -> nodes holding its replicas, this generation
         self.last_progress_at = now  # when the newest step last grew (hang detection)
@@ -305,11 +306,13 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self._node_failed(node.node_id, f"its agent left the job: {msg.reason[:200]}", now)
 
     def _on_PeerError(self, node: Node, msg: p.PeerError, now: float) -> None:
-        self._publish("peer_error", node=node.node_id, rank=msg.rank, detail=msg.detail[:200])
+        self._publish("peer_error", node=node.node_id, rank=msg.rank, detail=msg.detail[:200],
+                      **({"held": True} if self.spec.restart_mode else {}))
         # (before its WorkerReady: the rank left this generation unrestored, and takes no copy to the next)
         self.restores_answered.add(msg.rank)
         # (one from a replaced generation was dropped as stale: that rank is on its way to the new one)
         if self.spec.restart_mode:  # a crashed worker: its agent reports the exit unless a dead peer explains it
+            self.crashed_at.setdefault(node.node_id, now)  # (the failure that follows began no later)
             if self.flush is None:
                 self._start_flush(now)
             return

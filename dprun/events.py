@@ -67,6 +67,9 @@ def describe(event: dict) -> str:
         return (f"dropped a message from {e['sender']!r} ({e['reason']}); {e['dropped_total']} dropped so far: "
                 "is something else talking to this port, or a node with another job's token?")
     if kind == "peer_error":
+        if e.get("held"):  # restart mode: a plain script's crash, held back by its agent (dpagent.restart)
+            return (f"rank {e['rank']} on {e['node']}: {e['detail']}; probing every node (a dead peer would explain "
+                    "it)")
         return f"rank {e['rank']} on {e['node']} reports a peer error; probing every node"
     if kind == "spare_promoted":
         return f"spare {e['spare']} promoted to node rank {e['node_rank']} (generation {e['generation']})"
@@ -132,7 +135,7 @@ class EventSink:
             listener(event)
         if self._console:
             try:
-                print(f"[dprun +{event['time'] - self._t0:7.2f}s] {describe(event)}", file=self._console, flush=True)
+                write_line(self._console, f"[dprun +{event['time'] - self._t0:7.2f}s] {describe(event)}")
             except OSError as exc:  # (a closed pipe: `dprun ... | head`)
                 _say_dropped("the console", exc)
                 _point_at_devnull(self._console)
@@ -144,6 +147,13 @@ class EventSink:
             with contextlib.suppress(OSError):  # (what is left to flush may not fit either)
                 self._file.close()
             self._file = None
+
+
+def write_line(stream: TextIO, text: str) -> None:
+    """Write a line in one write, flushed: print() writes the text and its newline apart, which unbuffered
+    (PYTHONUNBUFFERED, as Slurm scripts often set) lets an agent's line land between them on a shared console."""
+    stream.write(text + "\n")
+    stream.flush()
 
 
 def _point_at_devnull(stream: TextIO) -> None:

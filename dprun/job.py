@@ -28,7 +28,7 @@ from dpagent.shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, EXIT_REFU
 from dpagent.snapshot_files import newest_saved
 
 from .controller import JobSpec, NodeGone
-from .events import EventSink
+from .events import EventSink, write_line
 from .faults import FaultSpec
 from .jobview import JobView, total_steps_from_args
 from .gpus import plan_local_gpus, visible_gpus
@@ -177,8 +177,8 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
         _install_signal_handlers(server)
         if not opts.tui:
             mode = "restart (the script does not use dpstate)" if opts.restart_mode else "hot-swap"
-            print(f"dprun: job {job_id}, recovery by {mode}; watch it with: dprun status --endpoint {feed.endpoint}",
-                  flush=True)
+            write_line(sys.stdout, f"dprun: job {job_id}, recovery by {mode}; watch it with: dprun status "
+                                   f"--endpoint {feed.endpoint}")
         with _dashboard(opts, server, capture):
             finish = server.run(spec)
             agents.wait_all(timeout=10.0)

@@ -77,8 +77,9 @@ class Reconstruction:
             self._replanned_for_a_loss()
         self.pending.failed.append(node_id)
         self.pending.replan |= was == SPARE
-        if node_id in self.injected_at:
-            self.pending.t_fail = min(self.pending.t_fail, self.injected_at[node_id])
+        # when it failed: when injected, or (restart mode) the first crash in this generation, its or a survivor's
+        for since in [self.injected_at.get(node_id, now), *self.crashed_at.values()]:
+            self.pending.t_fail = min(self.pending.t_fail, since)
         self._start_flush(now)
 
     def _start_flush(self, now: float) -> None:
@@ -177,7 +178,7 @@ class Reconstruction:
             self.layout[i] = spare.node_id
             self._publish("spare_promoted", spare=spare.node_id, node_rank=i, generation=self.generation + 1)
         self.generation += 1
-        self.restores_answered = set()
+        self.restores_answered, self.crashed_at = set(), {}
         rec.generation = self.generation
         rec.t_decide = now
         self.last_progress_at, self.stepped = now, False

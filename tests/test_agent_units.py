@@ -19,8 +19,10 @@ from dpagent.events import EventPipe
 from dpagent.liveness import Liveness
 from dpagent.output import crash_exception, failure_detail
 from dpagent.protocol import (
-    PROTOCOL_VERSION, REFUSAL, REFUSALS, Codec, Ping, Pong, ProtocolError, Refused, Standby, describe_end, refusal,
+    PROTOCOL_VERSION, REFUSAL, REFUSALS, Codec, Ping, Pong, ProtocolError, Refused, Standby, WorkerExited,
+    describe_end, refusal,
 )
+from dpagent.restart import may_be_a_peers_doing
 from dpagent.workers import WorkerGroup, describe_exit, is_loopback, worker_command, worker_env
 
 
@@ -458,3 +460,20 @@ def test_the_lines_dpstate_ends_a_worker_with_are_its_detail():
     assert summary(f"{WARMED}\n{ended}\n", 1) == ended, "a SystemExit's message (dpstate.session)"
     stop = "dpstate: Stop (the job stops) and the main thread did not exit in 30 s; exiting with 143"
     assert summary(f"{stop}\n", 143) == stop, "os._exit's notice (dpstate.control)"
+
+
+def test_a_plain_scripts_crash_is_held_for_a_dead_peer_only_where_one_could_have_caused_it():
+    def exited(code, tail="", oom=False):
+        return WorkerExited("n", 0, 0, 1, code, "x", stderr_tail=tail, oom_killed=oom)
+
+    gloo = "Traceback (most recent call last):\n  File \"t.py\"\n[rank0]: RuntimeError: Connection closed by peer"
+    assert may_be_a_peers_doing(exited(1, gloo), world_size=2)
+    assert may_be_a_peers_doing(exited(1), world_size=2), "no traceback: it may be"
+    assert may_be_a_peers_doing(exited(-6), world_size=2), "SIGABRT: NCCL's watchdog"
+    assert not may_be_a_peers_doing(exited(1, gloo), world_size=1), "no peer"
+    assert not may_be_a_peers_doing(exited(-9), world_size=2), "a signal from outside"
+    assert not may_be_a_peers_doing(exited(-15), world_size=2)
+    assert not may_be_a_peers_doing(exited(-9, oom=True), world_size=2)
+    for own in ("ModuleNotFoundError: No module named 'x'", "[rank1]: SyntaxError: invalid syntax",
+                "NameError: name 'y' is not defined"):
+        assert not may_be_a_peers_doing(exited(1, "Traceback (most recent call last):\n  File \"t\"\n" + own), 2)

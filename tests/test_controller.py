@@ -395,6 +395,21 @@ def test_restart_mode_restarts_every_worker_up_to_max_restarts():
     assert h.finish and h.finish.exit_code == 1 and "--max-restarts 1" in h.finish.message
 
 
+def test_restart_mode_dates_a_failure_from_the_first_crash_its_agent_held_back():
+    h = formed(spec(restart_mode=True, max_restarts=1))
+    h.msg("a", p.PeerError("a", 0, 0, "worker 0 exit code 1"))  # held by its agent: a dead peer may explain it
+    h.pong_all()
+    assert h.named("peer_error")[0]["held"] and not h.named("node_failed")
+    for _ in range(10):  # no Reconfigure came: after its heartbeat timeout the agent reports the exit
+        h.alive({"a": {}, "b": {}, "s": {}})
+    h.msg("a", p.WorkerExited("a", 0, 0, 99, 1, "ValueError: boom"))
+    h.pong_all()
+    for node, rank in (("s", 0), ("b", 1)):
+        h.msg(node, p.WorkerReady(node, 1, rank, 0.5, 0.0, "restart"))
+    (done,) = h.named("recovery_complete")
+    assert done["phases"]["detect_s"] == pytest.approx(5.0), "from the crash, not from the exit's report"
+
+
 def test_two_replicas_survive_a_node_and_its_first_holder_dying_together():
     h = Harness(spec(nnodes=3, spares=2, replicas=2))
     for node, rank in (("a", 0), ("b", 1), ("c", 2)):

@@ -3,6 +3,7 @@ events file or a console that can no longer be written (a full disk, a closed pi
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import dprun
-from dprun.events import EventSink, describe
+from dprun.events import EventSink, describe, write_line
 from e2e import TRAIN, TRAIN_ARGS
 
 PUBLISHED = re.compile(r'_publish\("([a-z_]+)"|\{"event": "([a-z_]+)"')
@@ -77,3 +78,26 @@ def test_a_job_whose_events_file_fills_the_disk_and_whose_console_is_closed_trai
     assert "cannot write the events file /dev/full any more (No space left on device)" in err, err[-3000:]
     assert "cannot write the console any more (Broken pipe)" in err and "Traceback" not in err, err[-3000:]
     assert json.loads(summary.read_text())["final_step"] == 20
+
+
+def test_a_console_line_is_one_write_so_an_agents_line_cannot_land_inside_it_when_unbuffered():
+    class Writes(io.RawIOBase):  # what the console's file descriptor receives, write by write
+        def __init__(self):
+            self.chunks: list[bytes] = []
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            self.chunks.append(bytes(data))
+            return len(data)
+
+    raw = Writes()
+    console = io.TextIOWrapper(raw, write_through=True)  # sys.stdout under PYTHONUNBUFFERED=1 (python -u)
+    print("[dprun] print() writes twice", file=console, flush=True)
+    assert raw.chunks == [b"[dprun] print() writes twice", b"\n"], "what let a line land inside another"
+    raw.chunks.clear()
+    sink = EventSink(None, console=console)
+    sink.emit({"event": "job_finished", "exit_code": 0, "message": "all 2 ranks finished"})
+    write_line(console, "dprun: done")
+    assert len(raw.chunks) == 2 and all(c.endswith(b"\n") and c.count(b"\n") == 1 for c in raw.chunks), raw.chunks

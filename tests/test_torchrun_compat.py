@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 
+import psutil
 import pytest
 
 from conftest import REPO
@@ -142,3 +143,25 @@ def test_torchrun_env_logs_console_filter_module_and_failure_summary(procs, tmp_
     assert "rank 1 on node0 (local rank 1" in summary and "exit code 1: ValueError: boom from rank 1" in summary
     assert "| Traceback (most recent call last):" in summary and "| ValueError: boom from rank 1" in summary
     assert str(tmp_path / "badlogs" / "bad" / "node0" / "attempt_0" / "1" / "stderr.log") in summary
+
+
+@pytest.mark.timeout(120)
+def test_a_plain_workers_own_death_fails_its_node_at_once_not_after_the_heartbeat_timeout(procs, tmp_path):
+    # its agent holds back a crash that a dead peer may explain for --heartbeat-timeout; a SIGKILL it is not
+    events = tmp_path / "events.jsonl"
+    proc, out = dprun(procs, tmp_path, "--nnodes", 2, "--spares", 1, "--heartbeat-timeout", 60, "--events-file",
+                      events, "--rdzv-id", "own", PLAIN_DDP, "--steps", 40, "--step-time", 0.05)
+    wait_for(lambda: out.first(r"^step 5 "), timeout=60, what=f"step 5 of the plain script:\n{out.text()[-3000:]}")
+    (agent,) = [e["pid"] for e in read_events(events) if e["event"] == "node_joined" and e["node"] == "node1"]
+    (worker,) = psutil.Process(agent).children()
+    worker.kill()
+    assert finish(proc, out, timeout=90) == 0, out.text()[-4000:]
+
+    ev = read_events(events)
+    (failed,) = [e for e in ev if e["event"] == "node_failed"]
+    (done,) = [e for e in ev if e["event"] == "recovery_complete"]
+    assert failed["node"] == "node1" and "killed by SIGKILL" in failed["cause"]
+    assert done["phases"]["detect_s"] < 10, done
+    assert "stands on its own" not in out.text()
+    for held in (e for e in ev if e["event"] == "peer_error"):  # a survivor's crash, held: it may be the peer's doing
+        assert held["node"] == "node0" and held["held"], held
