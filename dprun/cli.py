@@ -397,11 +397,13 @@ def report(
         None, "--plot", help="Also write a PNG timeline of throughput with failure and recovery marks "
                              "(needs matplotlib: pip install 'deadpool[plot]')."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
+    run: int = typer.Option(-1, "--run", help="Which run of dprun, where several appended to the file: 1 is the "
+                                              "first, -1 the last."),
 ) -> None:
     """Every failure and recovery of a job (detect / rebuild / restore / total, lost steps) and its goodput."""
     from .report import run_report
 
-    raise typer.Exit(run_report(events_file, plot, as_json))
+    raise typer.Exit(run_report(events_file, plot, as_json, run))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,7 @@
 """Where the controller's events go: a JSON-lines file (`--events-file`) and one readable console line each.
 
-Each event is a dict with "event" and "time" (Unix seconds); the console line says what happened in words.
+Each event is a dict with "event", "time" (Unix seconds), "job" (its id) and "seq" (0, 1, ... in each run of
+dprun); the console line says what happened in words.
 """
 
 from __future__ import annotations
@@ -112,8 +113,10 @@ class EventSink:
     """Every event to the events file (a JSON line), the listeners and the console. A file or console that can
     no longer be written (a full disk, a closed pipe) is said once on stderr and dropped: never the job's end."""
 
-    def __init__(self, path: str | Path | None = None, console: TextIO | None = sys.stdout):
+    def __init__(self, path: str | Path | None = None, console: TextIO | None = sys.stdout, job_id: str = ""):
         self._path = path
+        self._job_id = job_id  # with seq, what tells runs apart in a file that several appended to (dprun.report)
+        self._seq = 0
         self._file = open(path, "a", encoding="utf-8") if path else None
         self._console = console
         self._t0 = time.time()
@@ -121,8 +124,9 @@ class EventSink:
         self.listeners: list[Callable[[dict], None]] = []  # called with every event (the dashboard's view)
 
     def emit(self, event: dict) -> dict:
-        event = {"event": event["event"], "time": round(time.time(), 6),
+        event = {"event": event["event"], "time": round(time.time(), 6), "job": self._job_id, "seq": self._seq,
                  **{k: v for k, v in event.items() if k != "event"}}
+        self._seq += 1
         self.history.append(event)
         if self._file:
             try:

@@ -134,7 +134,7 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
     from .report import final_summary
 
     job_id = opts.rdzv_id or f"dp-{secrets.token_hex(4)}"
-    sink = EventSink(opts.events_file, console=None if opts.tui else sys.stdout)
+    sink = EventSink(opts.events_file, console=None if opts.tui else sys.stdout, job_id=job_id)
     view = JobView(job_id=job_id, nproc_per_node=opts.nproc_per_node, started_at=time.time(),
                    total_steps=opts.total_steps or total_steps_from_args(opts.script[1:]),
                    mode="restart" if opts.restart_mode else "hot-swap", nnodes=opts.nnodes, spares=opts.spares)

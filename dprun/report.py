@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rich import box
 from rich.console import Console
+from rich.errors import ConsoleError
 from rich.table import Table
 
 from .dashboard import duration
@@ -38,11 +39,31 @@ def read_events(path: Path) -> tuple[list[dict], int]:
     return events, bad
 
 
-def fold(events: list[dict]) -> JobView:
-    view = JobView(timeline=True)
+def split_runs(events: list[dict]) -> list[list[dict]]:
+    """The runs of dprun in one events file, oldest first (an --events-file is appended to): a run begins
+    where "seq" starts over or "job" changes, or (files from before events carried them) after a job_finished."""
+    runs: list[list[dict]] = []
+    prev: dict | None = None
     for event in events:
-        view.on_event(event)
-    return view
+        seqs = (prev or {}).get("seq"), event.get("seq")
+        if (prev is None or prev.get("job", "") != event.get("job", "")
+                or (all(isinstance(x, int) for x in seqs) and seqs[1] <= seqs[0])
+                or (seqs == (None, None) and prev["event"] == "job_finished")):
+            runs.append([])
+        runs[-1].append(event)
+        prev = event
+    return runs
+
+
+def fold(events: list[dict]) -> tuple[JobView, int]:
+    """The job as its events tell it, and how many events made no sense to it (hand-edited values)."""
+    view, odd = JobView(timeline=True), 0
+    for event in events:
+        try:
+            view.on_event(event)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            odd += 1
+    return view, odd
 
 
 def incidents(model: dict) -> list[dict]:
@@ -74,7 +95,7 @@ def incident_table(model: dict, t0: float) -> Table:
             continue
         ph = rec.get("phases", {})
         restart = rec.get("mode") == "restart"
-        table.add_row(str(i), at, names, rec.get("mode", "?"), *(f"{ph.get(k, 0):.2f}s" for k in
+        table.add_row(str(i), at, names, str(rec.get("mode", "?")), *(f"{ph.get(k, 0):.2f}s" for k in
                       ("detect_s", "rebuild_s")), "-" if restart else f"{ph.get('restore_s', 0):.2f}s",
                       f"{recovery_cost(rec):.2f}s", "n/a" if restart else str(rec.get("lost_steps", "-")))
     return table
@@ -201,8 +222,9 @@ def plot(view: JobView, events: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def run_report(path: Path, plot_file: Path | None, as_json: bool) -> int:
-    """The `dprun report` command; 0 on success, 2 for a missing or unreadable file."""
+def run_report(path: Path, plot_file: Path | None, as_json: bool, run: int = -1) -> int:
+    """The `dprun report` command for one run of dprun in the file (1 = the first, -1 = the last); 0 on
+    success, 2 for a missing or unreadable file, a run it does not hold, or events it cannot make sense of."""
     import sys
 
     try:
@@ -213,19 +235,36 @@ def run_report(path: Path, plot_file: Path | None, as_json: bool) -> int:
     if not events:
         print(f"dprun report: {path} holds no events (is it a dprun --events-file?)", file=sys.stderr)
         return 2
-    view = fold(events)
-    end = view.finished["time"] if view.finished else events[-1]["time"]
-    model = view.model(end, full=True)
-    if plot_file is not None:
-        try:
-            plot(view, events, plot_file)
-        except ImportError:
-            print("dprun report: --plot needs matplotlib: pip install 'deadpool[plot]'", file=sys.stderr)
-            return 2
-    if as_json:
-        print(json.dumps({**model, "incidents": incidents(model), "bad_lines": bad}))
-    else:
-        print_report(model, Console(), bad)
+    runs = split_runs(events)
+    if not (1 <= run <= len(runs) or -len(runs) <= run <= -1):
+        print(f"dprun report: {path} holds {len(runs)} run(s) of dprun: give --run 1 to {len(runs)} (or -1, the "
+              "last)", file=sys.stderr)
+        return 2
+    number = run if run > 0 else len(runs) + 1 + run
+    events = runs[number - 1]
+    view, odd = fold(events)
+    bad += odd
+    try:
+        end = view.finished["time"] if view.finished else events[-1]["time"]
+        model = view.model(end, full=True)
         if plot_file is not None:
-            print(f"timeline written to {plot_file}")
+            plot(view, events, plot_file)
+        if as_json:
+            print(json.dumps({**model, "incidents": incidents(model), "bad_lines": bad, "run": number,
+                              "runs": len(runs)}))
+        else:
+            if len(runs) > 1:
+                begun = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(events[0]["time"]))
+                print(f"{path} holds {len(runs)} runs of dprun; this is run {number} (job "
+                      f"{events[0].get('job') or '?'}, begun {begun}): --run N reports another")
+            print_report(model, Console(), bad)
+            if plot_file is not None:
+                print(f"timeline written to {plot_file}")
+    except ImportError:
+        print("dprun report: --plot needs matplotlib: pip install 'deadpool[plot]'", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ConsoleError) as exc:
+        print(f"dprun report: cannot make sense of the events in {path} ({type(exc).__name__}: {exc}): was it "
+              "edited by hand?", file=sys.stderr)
+        return 2
     return 0

@@ -85,3 +85,52 @@ def test_report_of_a_failed_job_says_why_it_ended(tmp_path):
     text, err = proc.communicate(timeout=50)
     assert proc.returncode == 0, err
     assert "finished (exit 1)" in text and f"why: {why}" in " ".join(text.split()), text
+
+
+def stamped(events: list[dict], job: str) -> list[dict]:
+    """Events as dprun now writes them: with the job's id and a sequence number per run."""
+    return [{**e, "job": job, "seq": i} for i, e in enumerate(events)]
+
+
+def test_a_file_that_several_runs_appended_to_reports_one_run_the_last_unless_told(tmp_path, capsys):
+    first = [e for e in restart_events() if e["event"] != "job_finished"]  # killed: it never said it finished
+    again = [{**e, "time": e["time"] + 100} for e in restart_events()]  # the same --rdzv-id, run again
+    other = [{**e, "time": e["time"] + 200} for e in hot_swap_events()]
+    older = restart_events() + [{**e, "time": e["time"] + 50} for e in restart_events()]  # before runs were stamped
+    path = write(tmp_path / "events.jsonl", older + stamped(first, "j1") + stamped(again, "j1") + stamped(other, "j2"))
+    answers = {}
+    for run in (1, 2, 3, 4, 5, -1):
+        assert run_report(path, None, as_json=True, run=run) == 0
+        data = json.loads(capsys.readouterr().out)
+        answers[run] = (data["run"], data["runs"], data["finished"] is not None,
+                        data["incidents"][0]["recovery"]["mode"])
+    assert answers == {1: (1, 5, True, "restart"), 2: (2, 5, True, "restart"), 3: (3, 5, False, "restart"),
+                       4: (4, 5, True, "restart"), 5: (5, 5, True, "hot-swap"), -1: (5, 5, True, "hot-swap")}
+    assert run_report(path, None, as_json=False) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{path} holds 5 runs of dprun; this is run 5 (job j2, begun ")
+    assert out.count("finished (exit 0)") == 1 and "hot-swap" in out
+    assert run_report(path, None, as_json=False, run=6) == 2
+    assert "holds 5 run(s) of dprun: give --run 1 to 5" in capsys.readouterr().err
+    assert run_report(write(tmp_path / "one.jsonl", stamped(other, "j2")), None, as_json=False) == 0
+    assert "runs of dprun" not in capsys.readouterr().out, "one run: no word about runs"
+
+
+def test_hand_edited_events_are_skipped_or_refused_in_a_line_never_a_traceback(tmp_path, capsys):
+    import random
+
+    rng = random.Random(5)
+    odd = ["x", None, -1, [], {}, 1e300, {"a": 1}, [1, 2], True, "[bold]x[/", 10 ** 30]
+    answers = set()
+    for trial in range(150):
+        events = [dict(e) for e in (hot_swap_events() if trial % 2 else restart_events())]
+        for _ in range(3):
+            event = rng.choice(events)
+            event[rng.choice([k for k in event if k != "event"])] = rng.choice(odd)
+        path = write(tmp_path / f"odd{trial}.jsonl", events)
+        for as_json in (False, True):
+            code = run_report(path, None, as_json=as_json)  # (an exception fails the test)
+            err = capsys.readouterr().err
+            assert code == 0 or (code == 2 and err.startswith("dprun report: ") and err.count("\n") == 1), err
+            answers.add(code)
+    assert answers == {0, 2}, "some edits are skipped, some make the file make no sense"

@@ -163,5 +163,6 @@ def test_a_plain_workers_own_death_fails_its_node_at_once_not_after_the_heartbea
     assert failed["node"] == "node1" and "killed by SIGKILL" in failed["cause"]
     assert done["phases"]["detect_s"] < 10, done
     assert "stands on its own" not in out.text()
+    assert {e["job"] for e in ev} == {"own"} and [e["seq"] for e in ev] == list(range(len(ev))), "stamped per run"
     for held in (e for e in ev if e["event"] == "peer_error"):  # a survivor's crash, held: it may be the peer's doing
         assert held["node"] == "node0" and held["held"], held
