@@ -174,6 +174,9 @@ class Job:
         else:
             self._recover(None, newer_than=self.generation - 1)
             number = self._last_step + 1
+            if number - 1 > total_steps:  # (--resume-from a longer run's save)
+                warnings.warn(f"dpstate: the job goes on from step {number - 1}, past the {total_steps} steps asked "
+                              "for: there is nothing left to train", stacklevel=2)
         lands = self._replicator.landing.enabled and any(  # an optimizer step writes the snapshot buffers
             isinstance(o, AdamW) and o.lands() for o in self._tracked.objects.values())
         self._snapshot_gate.defers = self._replicator.policy.defers = defers_acks(lands, self.device)

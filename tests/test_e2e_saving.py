@@ -56,6 +56,12 @@ def test_a_job_out_of_spares_saves_its_state_and_a_resumed_job_ends_where_an_unb
     assert "no spare left" in finished["message"] and f"is saved in {saving['folder']}" in finished["message"]
     assert sorted(f.name for f in (saved / f"step-{saving['step']}").iterdir()) == ["rank-0.dpsnap", "rank-1.dpsnap"]
     _resumed(procs, tmp_path, saving["folder"], sha)
+    fewer = saving["step"] - 2  # a typo in --steps, or the save of a longer run: nothing to train, and it says so
+    short = dprun(procs, tmp_path, "short", "--nnodes", "2", "--spares", "0", "--resume-from", saving["folder"],
+                  steps=fewer)
+    assert short.returncode == 0, short.stderr[-3000:]
+    assert {e["step"] for e in short.named("progress")} <= {saving["step"]}, "no step trained"
+    assert f"goes on from step {saving['step']}, past the {fewer} steps asked for" in short.stderr, short.stderr
 
 
 def test_sigterm_saves_the_state_before_the_job_stops(procs, tmp_path, sha):
