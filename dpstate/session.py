@@ -165,12 +165,17 @@ class Job:
         if not self._tracked.holds_training_state():
             warnings.warn(f"dpstate: {UNTRACKED}: a spare could not take a rank over", stacklevel=2)
         elif not any(isinstance(o, torch.optim.Optimizer) for o in self._tracked.objects.values()):
-            warnings.warn("dpstate: no optimizer is tracked; snapshots are taken while the next step runs and "
-                          "only a tracked optimizer's step is sure to wait for them", stacklevel=2)
+            warnings.warn("dpstate: no optimizer is tracked (job.track(optimizer=...)): a rank taken over by a spare "
+                          "restores no optimizer state (momentum, Adam's moments) and drifts from its peers; and "
+                          "only a tracked optimizer's step is sure to wait for the snapshot taken meanwhile",
+                          stacklevel=2)
+        if self._control.finished:  # (its RankFinished is sent: the job counts the rank done and waits for its exit)
+            raise RuntimeError(
+                f"dpstate: job.steps() called again after a loop that ran to its end (step {self._last_step}): call "
+                "job.steps(total) once (warm-up steps count in it), or break out of a loop to go on in the next")
         latest = self._control.latest
         if self._started and latest is not None and latest.generation == self.generation:
-            number = self._last_step + 1  # steps() again in the same generation: go on from where we are
-            self._control.finished = False
+            number = self._last_step + 1  # steps() again after a break, same generation: go on from where we are
         else:
             self._recover(None, newer_than=self.generation - 1)
             number = self._last_step + 1

@@ -39,7 +39,7 @@ for step in job.steps(12):
         if step.number == 5 and mode == "hang" and job.rank == 1:
             time.sleep(600)  # waits for what never comes, on every node it runs on
         if step.number == 5 and (job.rank == 1 or mode == "every") and (
-                mode not in ("fixed", "converged", "linger", "oom")) and (
+                mode not in ("fixed", "converged", "linger", "oom", "twice")) and (
                 mode in ("always", "every", "crash") or job.generation == 0):
             raise ValueError("bad batch at step 5")
         loss = ddp(torch.randn(4, 8)).square().mean()
@@ -51,6 +51,10 @@ for step in job.steps(12):
         break  # a rank that stops early on its own: its peers cannot go on
     if mode == "converged" and step.number == 5:
         break  # every rank stops early: a clean end at step 5
+if mode == "twice":
+    for step in job.steps(20):  # a warm-up loop of 12 first: a second loop after the job's end is refused
+        with step:
+            pass
 if mode == "linger" and job.rank == 1:
     time.sleep(600)  # its work after the loop never ends (a teardown that hangs)
 """
@@ -161,6 +165,15 @@ def test_every_rank_leaving_the_loop_early_ends_cleanly_at_the_step_it_left_afte
     (finished,) = _named(events, "job_finished")
     assert finished["exit_code"] == 0 and not _named(events, "node_failed")
     assert re.search(r"dprun: done in \S+, step 5\b", run.stdout), run.stdout[-1500:]  # not one short
+
+
+def test_a_second_steps_loop_after_one_that_ran_to_its_end_is_refused_at_once_not_left_to_hang(procs, tmp_path):
+    run, events = _run(procs, tmp_path, "twice", "--spares", "1", "--hang-timeout", "60")
+    assert run.returncode == 1, run.stderr[-3000:]
+    (finished,) = _named(events, "job_finished")
+    assert "job.steps() called again after a loop that ran to its end (step 12): call job.steps(total) once" in \
+        finished["message"] and "the same way after step 12" in finished["message"], finished
+    assert "did not exit within" not in finished["message"]
 
 
 def test_a_worker_that_never_exits_after_training_ends_the_job_at_hang_timeout_blaming_no_node(procs, tmp_path):
