@@ -280,7 +280,8 @@ def render(m: dict | None, width: int = 80, height: int = 40, output: Sequence[s
                                    Text("events", style="bold"), *event_lines(m, width, log_room)]
     if out_lines:
         parts.append(Text("output (latest)", style="bold"))
-        parts += [Text(line, style="dim", overflow="ellipsis", no_wrap=True) for line in out_lines]
+        # (as a terminal shows it: a progress bar's \r and cursor moves would otherwise move the dashboard's own)
+        parts += [Text.from_ansi(line, style="dim", overflow="ellipsis", no_wrap=True) for line in out_lines]
     return Group(*parts)
 
 

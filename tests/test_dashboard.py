@@ -194,3 +194,16 @@ def test_a_spare_s_worker_that_ends_is_named_as_such_not_as_rank_none():
                    "pid": 4243, "exitcode": -9, "cause": "killed by SIGKILL"})
     text = "\n".join(final_summary(view.model(T0 + 6), 1, "stopped"))
     assert "a spare's worker on node2 (local rank 0, pid 4243): killed by SIGKILL" in text and "None" not in text
+
+
+def test_a_workers_progress_bar_and_cursor_moves_show_as_a_terminal_would_and_move_nothing_of_the_dashboard():
+    import io
+
+    out = io.StringIO()
+    console = Console(file=out, width=100, height=40, force_terminal=True, color_system="standard")
+    tqdm = "\r 10%|#         | 1/10\r 20%|##        | 2/10\x1b[A\x1b[2K"  # what tqdm writes to stderr
+    console.print(render(fold(hot_swap_events()).model(T0 + 53), 100, 40, ["\x1b[31mred\x1b[0m warning", tqdm]))
+    drawn = out.getvalue()
+    assert " 20%|##        | 2/10" in drawn and " 10%" not in drawn
+    assert "\r" not in drawn and "\x1b[A" not in drawn and "\x1b[2K" not in drawn
+    assert "\x1b[31m" in drawn or "\x1b[2;31m" in drawn, "colours are kept"
