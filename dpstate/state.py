@@ -132,14 +132,22 @@ class Tracked:
         none yet, e.g. a spare's), anything else gets copies."""
         missing = set(self.objects) - set(tree["state"])
         if missing:
-            raise KeyError(f"the snapshot of step {tree['step']} has no state for {sorted(missing)}")
+            raise RuntimeError(f"dpstate: the snapshot of step {tree['step']} has no state for {sorted(missing)} "
+                               f"(it holds {sorted(tree['state'])}): the script tracks what was not saved; "
+                               "job.track() the same names as the run that saved it")
         for name, obj in self.objects.items():
             sd = tree["state"][name]
-            if isinstance(obj, torch.optim.Optimizer):
-                sd = dict(sd, state=_into_live_state(sd.get("state", {}), obj.state_dict().get("state", {})))
-            elif not isinstance(obj, nn.Module):
-                sd = _clone_tensors(sd)
-            obj.load_state_dict(sd)
+            try:
+                if isinstance(obj, torch.optim.Optimizer):
+                    sd = dict(sd, state=_into_live_state(sd.get("state", {}), obj.state_dict().get("state", {})))
+                elif not isinstance(obj, nn.Module):
+                    sd = _clone_tensors(sd)
+                obj.load_state_dict(sd)
+            except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+                first = " ".join(str(exc).split())[:300]
+                raise RuntimeError(f"dpstate: the snapshot of step {tree['step']} does not fit the script's {name!r} "
+                                   f"({type(exc).__name__}: {first}): was the model or optimizer changed since "
+                                   "that state was saved?") from exc
         for module in self.modules():
             for p in module.parameters():
                 p.grad = None

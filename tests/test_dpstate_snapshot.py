@@ -258,3 +258,22 @@ def test_any_state_tree_round_trips(tree):
     meta, buf = S.pack(tree)
     assert _same(S.unpack(meta, buf), tree)
     assert _same(S.unpack(meta, bytes(buf.numpy())), tree)  # from a (read-only) received frame
+
+
+def test_a_state_that_does_not_fit_the_scripts_objects_is_refused_saying_what_changed():
+    """--resume-from a save of another model size, or with other names tracked: the error names the object
+    and the likely cause (it read as a node's failure: "size mismatch for 2.weight")."""
+    saved = Tracked()
+    saved.add(model=torch.nn.Linear(4, 8), optimizer=torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1))
+    tree = saved.capture(7)
+    wider = Tracked()
+    wider.add(model=torch.nn.Linear(4, 16), optimizer=torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1))
+    with pytest.raises(RuntimeError, match=r"snapshot of step 7 does not fit the script's 'model' \(RuntimeError: "
+                                           r"Error\(s\) in loading state_dict.*size mismatch.*model or optimizer "
+                                           r"changed"):
+        wider.restore(tree)
+    renamed = Tracked()
+    renamed.add(net=torch.nn.Linear(4, 8))
+    with pytest.raises(RuntimeError, match=r"step 7 has no state for \['net'\] \(it holds \['model', 'optimizer'\]\)"
+                                           r": the script tracks what was not saved"):
+        renamed.restore(tree)

@@ -83,6 +83,21 @@ def test_a_resumed_job_reads_its_files_into_its_nodes_stores_then_restores_from_
     assert h.c.max_step == 4 and h.named("job_started")[0]["resumed_from"] == "/saved/step-4"
 
 
+def test_a_resumed_job_that_loses_a_node_before_its_state_is_on_a_peer_names_its_folder_to_go_on_from():
+    h = Harness(spec(spares=1, resume_from="/saved/step-4", resume_step=4))
+    h.register("a", rank=0)
+    h.register("b", rank=1)
+    h.register("s", spare=True)
+    for node, rank in (("a", 0), ("b", 1)):  # each node holds only its own ranks' files
+        h.msg(node, p.SnapshotStored(node, rank, 4, 0))
+        h.msg(node, p.SnapshotFiles(node, 4, {str(rank): ""}))
+    h.feed(NodeGone("b", "agent process exited"))
+    for _ in range(3):
+        h.pong_all()
+    assert h.finish and h.finish.exit_code == 1 and "state lost: ranks [1]" in h.finish.message
+    assert h.finish.message.endswith("this job's --resume-from /saved/step-4 (step 4) is one, its files untouched")
+
+
 def test_a_resume_whose_file_cannot_be_read_stops_before_training():
     h = _two_nodes(resume_from="/saved/step-4", resume_step=4)
     h.msg("a", p.SnapshotFiles("a", 4, {"0": "/saved/step-4/rank-0.dpsnap is corrupt"}))
