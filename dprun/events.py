@@ -29,6 +29,8 @@ def describe(event: dict) -> str:
     e = event
     if kind == "node_joined":
         return f"node {e['node']} joined as {e['role']} (host {e['host']}, pid {e['pid']})"
+    if kind == "launched":
+        return f"dprun launched job {e['job']} on {e['host']} (pid {e['pid']}): {' '.join(e['argv'])}"
     if kind == "job_started":
         resumed = f", going on from step {e['step']} of {e['resumed_from']}" if e.get("resumed_from") else ""
         return (f"training started: {e['nnodes']} nodes, world size {e['world_size']}, "
@@ -123,7 +125,7 @@ class EventSink:
         self.history: deque = deque(maxlen=HISTORY_KEEP)  # the newest events (a days-long job has many)
         self.listeners: list[Callable[[dict], None]] = []  # called with every event (the dashboard's view)
 
-    def emit(self, event: dict) -> dict:
+    def emit(self, event: dict, console: bool = True) -> dict:
         event = {"event": event["event"], "time": round(time.time(), 6), "job": self._job_id, "seq": self._seq,
                  **{k: v for k, v in event.items() if k != "event"}}
         self._seq += 1
@@ -137,7 +139,7 @@ class EventSink:
                 _say_dropped(f"the events file {self._path}", exc)
         for listener in self.listeners:
             listener(event)
-        if self._console:
+        if self._console and console:
             try:
                 write_line(self._console, f"[dprun +{event['time'] - self._t0:7.2f}s] {describe(event)}")
             except OSError as exc:  # (a closed pipe: `dprun ... | head`)

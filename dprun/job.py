@@ -135,7 +135,9 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
 
     job_id = opts.rdzv_id or f"dp-{secrets.token_hex(4)}"
     sink = EventSink(opts.events_file, console=None if opts.tui else sys.stdout, job_id=job_id)
-    view = JobView(job_id=job_id, nproc_per_node=opts.nproc_per_node, started_at=time.time(),
+    launched = sink.emit({"event": "launched", "host": socket.gethostname(), "pid": os.getpid(),  # (the job's t0)
+                          "argv": sys.argv[1:]}, console=False)
+    view = JobView(job_id=job_id, nproc_per_node=opts.nproc_per_node, started_at=launched["time"],
                    total_steps=opts.total_steps or total_steps_from_args(opts.script[1:]),
                    mode="restart" if opts.restart_mode else "hot-swap", nnodes=opts.nnodes, spares=opts.spares)
     server = ControllerServer(p.Codec(token), host, port, sink, view=view)

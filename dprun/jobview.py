@@ -99,6 +99,8 @@ class JobView:
         kind, t = e.get("event", "?"), float(e.get("time", 0.0))
         if self.started_at is None:
             self.started_at = t
+        if not self.job_id and isinstance(e.get("job"), str):
+            self.job_id = e["job"]
         handler = getattr(self, f"_ev_{kind}", None)
         if handler is not None:
             handler(e, t)
@@ -131,6 +133,7 @@ class JobView:
                 node.role = "active"
 
     def _ev_progress(self, e: dict, t: float) -> None:
+        t = min(t, float(e.get("made_at", t)))  # (the last step, said as the job finished: when it was made)
         self._job_step(int(e.get("step", 0)), e, t)
         if self.timeline:
             self.progress_points.append((t, int(e.get("step", 0)), int(e.get("generation", 0))))

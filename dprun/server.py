@@ -191,8 +191,9 @@ class ControllerServer:
                     self._rendezvous[event["generation"]] = time.time() - event["phases"]["total_s"]
                 elif event["event"] == "job_finished" and self.controller is not None \
                         and self.controller.max_step > max(0, self._last_progress_step):  # events are throttled
-                    self.sink.emit({"event": "progress", "generation": self.controller.generation,
-                                    "step": self.controller.max_step})
+                    made = time.time() - (time.monotonic() - self.controller.last_progress_at)  # (not now: the
+                    self.sink.emit({"event": "progress", "generation": self.controller.generation,  # final barrier
+                                    "step": self.controller.max_step, "made_at": round(made, 6)})  # is no step)
                 self.sink.emit(event)
             elif isinstance(action, Finish):
                 finish = action

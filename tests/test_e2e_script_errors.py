@@ -7,6 +7,7 @@ the state of the step before it, with --save-dir, to go on from once fixed."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -149,6 +150,12 @@ def test_a_one_off_error_is_recovered_from(procs, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(_named(events, "recovery_complete")) == 1
     assert _named(events, "job_finished")[0]["exit_code"] == 0
+    said = re.search(r"dprun: done in .*; goodput (\d+)%", run.stdout)
+    assert said, run.stdout[-1500:]
+    report = subprocess.run([sys.executable, "-m", "dprun", "report", "--json", tmp_path / "once.events.jsonl"],
+                            capture_output=True, text=True, timeout=60)
+    # the same job the same way: from dprun's launch, the final barrier no step (the report said 25 % vs 41 %)
+    assert abs(json.loads(report.stdout)["goodput"] * 100 - int(said[1])) <= 2, (said[0], report.stdout[:300])
 
 
 def test_a_rank_that_leaves_the_loop_early_is_named_not_taken_for_a_finished_run(procs, tmp_path):

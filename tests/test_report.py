@@ -108,7 +108,7 @@ def test_a_file_that_several_runs_appended_to_reports_one_run_the_last_unless_to
                        4: (4, 5, True, "restart"), 5: (5, 5, True, "hot-swap"), -1: (5, 5, True, "hot-swap")}
     assert run_report(path, None, as_json=False) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"{path} holds 5 runs of dprun; this is run 5 (job j2, begun ")
+    assert out.startswith(f"{path} holds 5 runs of dprun; this is run 5 (job j2, begun ") and "job j2:" in out
     assert out.count("finished (exit 0)") == 1 and "hot-swap" in out
     assert run_report(path, None, as_json=False, run=6) == 2
     assert "holds 5 run(s) of dprun: give --run 1 to 5" in capsys.readouterr().err
