@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -15,6 +16,7 @@ from .protocol import CHUNK_BYTES, PutSnapshot, SnapshotStored
 from .replica_store import ReplicaStore, Snapshot, frame_view, intact
 
 FORMAT = "deadpool-snapshot/1"
+HEADER_KEYS = ("rank", "step", "checksum", "nbytes", "meta_bytes")  # each an int; "crc32" too where present
 CANNOT_WRITE = "cannot write"  # how a file that the disk refused is said (SnapshotFiles): no other step would fit
 
 
@@ -35,13 +37,16 @@ def rank_file(folder: str | os.PathLike, rank: int) -> Path:
 def write_snapshot(folder: str | os.PathLike, rank: int, step: int, checksum: int, meta: Any,
                    chunks: list) -> Path:
     """Write a snapshot (its meta and data chunks, bytes-like) as folder/rank-R.dpsnap, whole or not at all
-    (a temporary file, synced, then renamed)."""
+    (a temporary file, synced, then renamed). Its header holds `checksum` (the snapshot's, which its check plan
+    may compute over a sample of its blocks) and "crc32", over every byte of meta and chunks, that the file is
+    checked against when read back."""
     path = rank_file(folder, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = frame_view(meta)
     views = [frame_view(c) for c in chunks]
     header = {"format": FORMAT, "rank": rank, "step": step, "checksum": checksum,
-              "nbytes": meta.nbytes + sum(v.nbytes for v in views), "meta_bytes": meta.nbytes}
+              "nbytes": meta.nbytes + sum(v.nbytes for v in views), "meta_bytes": meta.nbytes,
+              "crc32": payload_crc(meta, views)}
     partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.partial")  # two writers (a retry) do not mix
     try:
         with open(partial, "wb") as f:
@@ -58,8 +63,17 @@ def write_snapshot(folder: str | os.PathLike, rank: int, step: int, checksum: in
     return path
 
 
+def payload_crc(meta: Any, chunks: list) -> int:
+    """zlib.crc32 over meta then each chunk (bytes-like): what a file's "crc32" says."""
+    crc = 0
+    for buf in (meta, *chunks):
+        crc = zlib.crc32(buf, crc)
+    return crc
+
+
 def read_header(path: str | os.PathLike) -> dict:
-    """The header of a snapshot file; ValueError if it is not one."""
+    """The header of a snapshot file; ValueError if it is not one, or not a whole one (a key missing or not a
+    non-negative int)."""
     with open(path, "rb") as f:
         line = f.readline(4096)
     try:
@@ -68,28 +82,41 @@ def read_header(path: str | os.PathLike) -> dict:
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"{path} is not a DeadPool snapshot file ({FORMAT})")
+    bad = [key for key in HEADER_KEYS + ("crc32",) * ("crc32" in header) if not _count(header.get(key))]
+    if bad or header["meta_bytes"] > header["nbytes"]:
+        raise ValueError(f"{path} is not a whole DeadPool snapshot file: its header's "
+                         f"{', '.join(bad) or 'meta_bytes'} {'is' if len(bad) < 2 else 'are'} missing or wrong")
     return header
+
+
+def _count(value: Any) -> bool:
+    """Is `value` a non-negative int (not a bool), as every number in a header is?"""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def read_snapshot(path: str | os.PathLike, generation: int) -> tuple[PutSnapshot, bytes, list[bytes]]:
     """A snapshot file as a put of `generation` with its payload (meta, data chunks), its bytes checked
-    against the checksum they were saved with. ValueError: not a snapshot file, cut short or corrupt."""
+    against the checksum they were saved with: every byte against its "crc32" (a file written before there was
+    one: against the snapshot's checksum alone). ValueError: not a snapshot file, cut short or corrupt."""
     header = read_header(path)
     with open(path, "rb") as f:
         f.readline(4096)
         meta = f.read(header["meta_bytes"])
+        crc = zlib.crc32(meta)
         left = header["nbytes"] - len(meta)
         chunks = []
         while left > 0:
             chunk = f.read(min(CHUNK_BYTES, left))
             if not chunk:
                 break
+            crc = zlib.crc32(chunk, crc)
             chunks.append(chunk)
             left -= len(chunk)
     if left or len(meta) != header["meta_bytes"]:
         raise ValueError(f"{path} is cut short: {left} of {header['nbytes']} bytes missing")
     chunks = chunks or [b""]
-    if checksum_chunks(memoryview(meta), [memoryview(c) for c in chunks]) != header["checksum"]:
+    if (header.get("crc32", crc) != crc
+            or checksum_chunks(memoryview(meta), [memoryview(c) for c in chunks]) != header["checksum"]):
         raise ValueError(f"{path} is corrupt: its bytes do not match the checksum it was saved with")
     put = PutSnapshot(rank=header["rank"], step=header["step"], generation=generation,
                       checksum=header["checksum"], nbytes=header["nbytes"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from dpagent.checksum import CHECKSUM_BLOCK, checksum_chunks
+from dpagent.checksum import CHECKSUM_BLOCK, CheckPlan, checksum_chunks
 from dpagent.dedup import LocalCopy
 from dpagent.protocol import PutSnapshot, SnapshotStored, chunk_views
 from dpagent.replica_store import ReplicaStore
@@ -17,6 +18,7 @@ from dpagent.lost_save import LostSave, save_store
 from dpagent.protocol import SnapshotFiles
 from dpagent.snapshot_files import (
     newest_saved, rank_file, read_files, read_snapshot, save_held, saved_step, step_folder, store_loaded,
+    write_snapshot,
 )
 
 META = b'{"step": 7}'
@@ -97,6 +99,59 @@ def test_a_damaged_or_cut_file_is_refused_saying_so(tmp_path):
         read_snapshot(path, generation=0)
     results = store_loaded(ReplicaStore(), read_files(folder, 7, [0]), "n0", lambda _: None)
     assert "not a DeadPool snapshot file" in results["0"]
+
+
+def test_a_flipped_byte_in_a_block_the_snapshots_check_plan_leaves_unchecked_is_refused(tmp_path):
+    """A snapshot's checksum may digest only one in `every` of its shared blocks (its check plan, as
+    --snapshot-check 8 makes them): its file is still checked over every byte when read back."""
+    plan = CheckPlan(shared_blocks=8, shared_key=1, every=8, phase=0)  # only block 0 of the 8 is digested
+    meta = json.dumps({"step": 7, "checks": plan.as_json()}).encode()
+    data = os.urandom(8 * CHECKSUM_BLOCK)
+    chunks = chunk_views(data, 2 * CHECKSUM_BLOCK)
+    checksum = checksum_chunks(meta, chunks)
+    path = write_snapshot(step_folder(tmp_path, 7), 0, 7, checksum, meta, chunks)
+    put, _, read = read_snapshot(path, generation=0)
+    assert (put.checksum, b"".join(read)) == (checksum, data)
+    raw = bytearray(path.read_bytes())
+    at = len(raw) - len(data) + 4 * CHECKSUM_BLOCK + 12345  # in block 4, which the plan leaves undigested
+    raw[at] ^= 0x01
+    flipped = raw[len(raw) - len(data):]
+    assert checksum_chunks(meta, chunk_views(bytes(flipped), 2 * CHECKSUM_BLOCK)) == checksum, "the plan misses it"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="is corrupt: its bytes do not match the checksum it was saved with"):
+        read_snapshot(path, generation=0)
+    assert "corrupt" in read_files(step_folder(tmp_path, 7), 7, [0])[0]
+
+
+def test_a_file_written_before_files_had_a_crc32_is_still_read_and_checked(tmp_path):
+    path = write_snapshot(tmp_path, 0, 7, checksum_chunks(META, [b"abc"]), META, [b"abc"])
+    header, _, rest = path.read_bytes().partition(b"\n")
+    old = json.loads(header)
+    del old["crc32"]
+    path.write_bytes(json.dumps(old).encode() + b"\n" + rest)
+    assert read_snapshot(path, generation=0)[2] == [b"abc"]
+    path.write_bytes(json.dumps(old).encode() + b"\n" + rest[:-1] + b"x")
+    with pytest.raises(ValueError, match="corrupt"):
+        read_snapshot(path, generation=0)
+
+
+@pytest.mark.parametrize("change", [{"meta_bytes": None}, {"nbytes": None}, {"rank": "0"}, {"step": True},
+                                    {"crc32": -1}, {"meta_bytes": 10 ** 6}])
+def test_a_header_missing_a_key_or_with_a_wrong_one_is_not_a_whole_snapshot_file(tmp_path, change):
+    path = write_snapshot(tmp_path, 0, 7, checksum_chunks(META, [b"abc"]), META, [b"abc"])
+    header, _, rest = path.read_bytes().partition(b"\n")
+    doc = json.loads(header)
+    for key, value in change.items():
+        if value is None:
+            del doc[key]
+        else:
+            doc[key] = value
+    path.write_bytes(json.dumps(doc).encode() + b"\n" + rest)
+    with pytest.raises(ValueError, match=f"is not a whole DeadPool snapshot file: its header's {next(iter(change))} "):
+        read_snapshot(path, generation=0)
+    assert "not a whole DeadPool snapshot file" in read_files(tmp_path, 7, [0])[0]
+    with pytest.raises(ValueError, match="not a whole DeadPool snapshot file"):
+        saved_step(tmp_path, 1)
 
 
 def test_a_file_the_disk_cannot_take_is_not_left_half_written(tmp_path):
