@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Any, Callable, TextIO
 
 HISTORY_KEEP = 10_000
 
@@ -132,7 +133,7 @@ class EventSink:
         self.history.append(event)
         if self._file:
             try:
-                self._file.write(json.dumps(event) + "\n")
+                self._file.write(user_json(event) + "\n")
                 self._file.flush()
             except OSError as exc:
                 self.close()
@@ -153,6 +154,22 @@ class EventSink:
             with contextlib.suppress(OSError):  # (what is left to flush may not fit either)
                 self._file.close()
             self._file = None
+
+
+def user_json(value: Any) -> str:
+    """JSON for others to read (the events file, --json): a NaN or infinite float (a diverging loss) is null, as
+    JSON has no such numbers and json.dumps' NaN / Infinity break other parsers."""
+    return json.dumps(_finite(value), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def write_line(stream: TextIO, text: str) -> None:

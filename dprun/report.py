@@ -14,7 +14,7 @@ from rich.errors import ConsoleError
 from rich.table import Table
 
 from .dashboard import duration
-from .events import worker_label
+from .events import user_json, worker_label
 from .jobview import JobView, recovery_cost
 
 TAIL_SHOWN = 12
@@ -250,8 +250,8 @@ def run_report(path: Path, plot_file: Path | None, as_json: bool, run: int = -1)
         if plot_file is not None:
             plot(view, events, plot_file)
         if as_json:
-            print(json.dumps({**model, "incidents": incidents(model), "bad_lines": bad, "run": number,
-                              "runs": len(runs)}))
+            print(user_json({**model, "incidents": incidents(model), "bad_lines": bad, "run": number,
+                             "runs": len(runs)}))
         else:
             if len(runs) > 1:
                 begun = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(events[0]["time"]))

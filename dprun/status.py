@@ -15,6 +15,8 @@ from typing import Iterator
 
 import zmq
 
+from .events import user_json
+
 PUBLISH_HWM = 4
 
 
@@ -139,7 +141,7 @@ def attach(endpoint: str, once: bool, as_json: bool, timeout: float) -> int:
         for model in models(endpoint, timeout):
             if model is not None:
                 if as_json:
-                    print(json.dumps(model))
+                    print(user_json(model))
                 else:
                     console.print(render(model, console.width, 10_000))
                 return 0

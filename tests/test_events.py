@@ -101,3 +101,21 @@ def test_a_console_line_is_one_write_so_an_agents_line_cannot_land_inside_it_whe
     sink.emit({"event": "job_finished", "exit_code": 0, "message": "all 2 ranks finished"})
     write_line(console, "dprun: done")
     assert len(raw.chunks) == 2 and all(c.endswith(b"\n") and c.count(b"\n") == 1 for c in raw.chunks), raw.chunks
+
+
+def test_a_diverging_loss_leaves_valid_json_in_the_events_file_and_in_the_reports_json(tmp_path, capsys):
+    from dprun.report import run_report
+
+    def strict(line: str):
+        return json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+
+    path = tmp_path / "events.jsonl"
+    sink = EventSink(path, console=None, job_id="j")
+    sink.emit({"event": "job_started", "generation": 0, "nnodes": 1, "world_size": 1, "spares": 0, "layout": ["n"]})
+    sink.emit({"event": "progress", "generation": 0, "step": 3, "metrics": {"loss": float("nan"),
+                                                                            "tokens": [float("inf"), 2.5]}})
+    sink.close()
+    lines = [strict(line) for line in path.read_text().splitlines()]
+    assert lines[1]["metrics"] == {"loss": None, "tokens": [None, 2.5]}
+    assert run_report(path, None, as_json=True) == 0
+    strict(capsys.readouterr().out)
