@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import psutil
 import zmq
 
 from .events import user_json
@@ -77,14 +78,23 @@ def running_jobs() -> list[dict]:
     for path in sorted(state_dir().glob("*.json")):
         try:
             info = json.loads(path.read_text())
-            os.kill(int(info["pid"]), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            continue
+            alive = _alive_as_recorded(int(info["pid"]), float(info["started"]))
         except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not alive:
+            path.unlink(missing_ok=True)
             continue
         jobs.append(info)
     return jobs
+
+
+def _alive_as_recorded(pid: int, started: float) -> bool:
+    """The process that wrote a record at `started` still runs: not merely its pid, since reused by a process
+    (or a thread: os.kill(tid, 0) succeeds) created after the record, as after a kill -9 of dprun."""
+    try:
+        return psutil.pid_exists(pid) and psutil.Process(pid).create_time() <= started + 1.0
+    except psutil.Error:
+        return False
 
 
 def find_endpoint(endpoint: str | None) -> str:
