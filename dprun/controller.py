@@ -67,7 +67,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.seq = 0
         self.next_ping = now
         self.injected_at: dict[str, float] = {}
-        self.crashed_at: dict[str, float] = {}  # restart mode: node -> its first worker crash held back, this generation
+        self.crashed_at: dict[str, float] = {}  # restart mode: node -> its first held-back crash, this generation
         self.frozen_at: dict[int, str] = {}  # node rank -> node frozen there by fault injection
         self.holders: dict[int, list[str]] = {}  # node rank -> nodes holding its replicas, this generation
         self.last_progress_at = now  # when the newest step last grew (hang detection)
