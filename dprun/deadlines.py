@@ -36,7 +36,7 @@ class Deadlines:
         for node in self.table.nodes.values():
             silent = now - node.last_heard
             if silent > self.spec.heartbeat_timeout and (node.role != FAILED or node.keeps_store):
-                self._node_failed(node.node_id, f"no heartbeat for {silent:.1f} s", now)
+                self._node_failed(node.node_id, f"no heartbeat for {silent:.1f} s", now, since=node.last_heard)
         if self.flush is not None and now >= self.flush.deadline:
             for node_id in sorted(self.flush.waiting):
                 self._node_failed(node_id, f"no answer to a probe within {self.spec.probe_timeout:g} s", now)

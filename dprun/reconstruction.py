@@ -41,9 +41,11 @@ class Reconstruction:
         """A node or a store was lost: planning again is progress, not a retry, and a new situation to probe."""
         self.pending.retries, self.pending.probed_for_lost = 0, False
 
-    def _node_failed(self, node_id: str, cause: str, now: float, agent_alive: bool = False) -> None:
+    def _node_failed(self, node_id: str, cause: str, now: float, agent_alive: bool = False,
+                     since: float | None = None) -> None:
         """Fence the node (its agent told to stop) and plan without it. agent_alive: its agent reported its
-        worker's exit, so its replica store may stay for a save (dprun.files)."""
+        worker's exit, so its replica store may stay for a save (dprun.files). since: when it was last known
+        well (its last heartbeat, for a silent node): the recovery's downtime counts from then."""
         node = self.table.get(node_id)
         if node is not None and node.keeps_store:  # fenced already; now its store is lost too
             self._kept_gone(node_id, cause, now)
@@ -77,9 +79,9 @@ class Reconstruction:
             self._replanned_for_a_loss()
         self.pending.failed.append(node_id)
         self.pending.replan |= was == SPARE
-        # when it failed: when injected, or (restart mode) the first crash in this generation, its or a survivor's
-        for since in [self.injected_at.get(node_id, now), *self.crashed_at.values()]:
-            self.pending.t_fail = min(self.pending.t_fail, since)
+        # when it failed: when injected, last heard, or (restart mode) the generation's first crash, its or another's
+        for began in [self.injected_at.get(node_id, now), now if since is None else since, *self.crashed_at.values()]:
+            self.pending.t_fail = min(self.pending.t_fail, began)
         self._start_flush(now)
 
     def _start_flush(self, now: float) -> None:

@@ -215,6 +215,12 @@ def test_missed_heartbeats_fail_a_frozen_node():
     failed = h.named("node_failed")
     assert [e["node"] for e in failed] == ["b"]
     assert failed[0]["cause"].startswith("no heartbeat")
+    h.pong_all()
+    for node, rank in (("a", 0), ("s", 1)):
+        h.msg(node, p.WorkerReady(node, 1, rank, 0.1, 0.1, "replica"))
+        h.msg(node, p.Progress(node, 1, rank, 1))
+    (done,) = h.named("recovery_complete")
+    assert done["phases"]["detect_s"] > 5.0, "the downtime counts from its last heartbeat, not from the timeout"
 
 
 def test_peer_error_probes_and_fails_the_node_that_does_not_answer():
