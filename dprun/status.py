@@ -78,7 +78,9 @@ def running_jobs() -> list[dict]:
     for path in sorted(state_dir().glob("*.json")):
         try:
             info = json.loads(path.read_text())
-            alive = _alive_as_recorded(int(info["pid"]), float(info["started"]))
+            started = info.get("started")
+            alive = (_alive_as_recorded(int(info["pid"]), float(started)) if started is not None
+                     else _alive_dprun(int(info["pid"])))
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if not alive:
@@ -93,6 +95,15 @@ def _alive_as_recorded(pid: int, started: float) -> bool:
     (or a thread: os.kill(tid, 0) succeeds) created after the record, as after a kill -9 of dprun."""
     try:
         return psutil.pid_exists(pid) and psutil.Process(pid).create_time() <= started + 1.0
+    except psutil.Error:
+        return False
+
+
+def _alive_dprun(pid: int) -> bool:
+    """For a record without "started" (another version's, or written by hand): its pid is a live process (not a
+    thread: psutil tells them apart on Linux) whose command line names dprun."""
+    try:
+        return psutil.pid_exists(pid) and "dprun" in " ".join(psutil.Process(pid).cmdline())
     except psutil.Error:
         return False
 
