@@ -168,6 +168,7 @@ def last_line(text: str, width: int = 200) -> str:
 
 CRASHES = (-signal.SIGABRT, -signal.SIGSEGV)  # the process's own end; a SIGKILL or SIGTERM came from outside
 _RANK_PREFIX = re.compile(r"^(?:\[rank\d+\]: ?)*")  # torch's excepthook puts "[rankN]: " before each line
+_EXCEPTION_NAME = re.compile(r"^(?:\w+\.)*(\w+)(?::|$)")
 
 
 def raised_exception(text: str) -> str:
@@ -180,6 +181,12 @@ def raised_exception(text: str) -> str:
         if body.strip() and not body[0].isspace():  # past the indented frames, source lines and carets
             return line.strip()
     return ""
+
+
+def exception_name(line: str) -> str:
+    """The unqualified class name of an exception line ("[rank0]: a.b.KeyError: 'x'" -> "KeyError"), or ""."""
+    named = _EXCEPTION_NAME.match(_RANK_PREFIX.sub("", line))
+    return named.group(1) if named else ""
 
 
 def crash_exception(tail: str, exitcode: int, width: int = 200) -> str:

@@ -7,18 +7,16 @@ back until it is clear it was not a dead peer's doing (in a plain script, a peer
 from __future__ import annotations
 
 import logging
-import re
 import signal
 import subprocess
 import time
 
-from .output import CRASHES, raised_exception
+from .output import CRASHES, exception_name, raised_exception
 from .protocol import NO_RANK, PeerError, Reconfigure, WorkerExited, WorkerReady
 from .workers import describe_exit, restart_env
 
 log = logging.getLogger("dpagent")
 
-_EXCEPTION_NAME = re.compile(r"^(?:\[rank\d+\]: ?)*(?:\w+\.)*(\w+)(?::|$)")  # "[rank0]: a.b.KeyError: 'x'" -> KeyError
 # errors in the script's code itself: never a dead peer's doing, whatever its peers do
 OWN_ERRORS = ("SyntaxError", "IndentationError", "TabError", "ModuleNotFoundError", "ImportError", "NameError")
 
@@ -29,8 +27,7 @@ def may_be_a_peers_doing(exited: WorkerExited, world_size: int) -> bool:
     signal from outside (SIGKILL, the OOM killer, SIGTERM), or an error in the script's own code (OWN_ERRORS)."""
     if world_size <= 1 or exited.oom_killed or (exited.exitcode < 0 and exited.exitcode not in CRASHES):
         return False
-    named = _EXCEPTION_NAME.match(raised_exception(exited.stderr_tail))
-    return not (named and named.group(1) in OWN_ERRORS)
+    return exception_name(raised_exception(exited.stderr_tail)) not in OWN_ERRORS
 
 
 class RestartMode:

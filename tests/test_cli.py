@@ -344,37 +344,3 @@ def test_a_local_address_of_this_machine_passes():
     assert local_addr_problem("127.0.0.1") is None and local_addr_problem("localhost") is None
     assert local_addr_problem(None) is None
 
-
-def test_status_finds_a_running_job_by_its_record_and_drops_records_whose_pid_is_now_someone_elses(tmp_path,
-                                                                                                 monkeypatch):
-    import json as _json
-    import threading
-
-    import psutil
-
-    from dprun.status import running_jobs
-
-    monkeypatch.setenv("DPRUN_STATE_DIR", str(tmp_path))
-    me = psutil.Process()
-    ready, done, tids = threading.Event(), threading.Event(), []
-
-    def thread():
-        tids.append(threading.get_native_id())
-        ready.set()
-        done.wait(30)
-
-    helper = threading.Thread(target=thread)
-    helper.start()
-    ready.wait(10)
-    try:
-        records = {"live": (me.pid, me.create_time() + 0.5),  # this process, as it wrote its record
-                   "reused": (me.pid, me.create_time() - 3600),  # a dprun of an hour before, killed: pid reused
-                   "thread": (tids[0], me.create_time() - 3600)}  # reused as a thread's id (os.kill accepts it)
-        for name, (pid, started) in records.items():
-            (tmp_path / f"{name}.json").write_text(_json.dumps({"job_id": name, "endpoint": "127.0.0.1:1",
-                                                                "pid": pid, "started": started}))
-        assert [job["job_id"] for job in running_jobs()] == ["live"]
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["live.json"], "stale records are removed"
-    finally:
-        done.set()
-        helper.join(10)
