@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -28,6 +29,8 @@ from typing import Any, Callable
 from .watch import WATCHER
 
 ABORT_MARKER = "dpstate: aborted"
+# In the message of dpstate.holders.HolderGone, which a DDP comm hook's future turns into a RuntimeError
+HOLDER_GONE_MARKER = "closed its connection before it acked"
 
 # Substrings of the messages Gloo / NCCL / c10d put in the RuntimeErrors they raise when a peer is gone.
 _PEER_PATTERNS = (
@@ -42,6 +45,7 @@ _PEER_PATTERNS = (
     "Gloo",
     "NCCL",
     "ProcessGroup",
+    HOLDER_GONE_MARKER,
 )
 
 
@@ -218,14 +222,22 @@ def classify(exc: BaseException, signal: AbortSignal | None = None) -> str | Non
             return "peer"
     except ImportError:  # pragma: no cover
         pass
-    if type(exc).__name__ == "PeerConnectError":  # dpstate.pgroup: a rank died while the group connected
-        return "peer"
+    if type(exc).__name__ in ("PeerConnectError", "HolderGone"):  # dpstate.pgroup: a rank died while the group
+        return "peer"  # connected; dpstate.holders: a replica holder's process died before it acked a snapshot
     if type(exc).__name__ == "GpuPlacementError":  # dpstate.pgroup: a setup error that no recovery mends
         return None
     if (isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)) and any(p in text for p in _PEER_PATTERNS)
             and _raised_by_torch_or_dpstate(exc)):
         return "peer"
     return None
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: message` of an error for a PeerError, without the wrapping that a DDP comm hook's failed future
+    gets (see above): "RuntimeError: Unable to cast X to Tensor" reads "X"."""
+    text = str(exc)
+    unwrapped = re.fullmatch(r"Unable to cast (.*) to Tensor", text, re.DOTALL)
+    return unwrapped.group(1) if unwrapped else f"{type(exc).__name__}: {text}"
 
 
 def _package_dir(origin: str | None) -> str:

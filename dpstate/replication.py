@@ -31,6 +31,7 @@ from .interval import SnapshotPolicy
 from .landing import Landing, enabled_by_env
 from .pgroup import trains_on_gpu
 from .fetch import FETCHED, ReplicationError, Slot, receive_snapshot
+from .holders import HolderLink
 from .send import Delivery
 from .priority import lower_io_threads, lower_priority
 from .profile import PhaseClock, SnapshotStats, write_profile
@@ -333,7 +334,7 @@ class Replicator:
 
     def _run(self) -> None:
         lower_priority(threading.get_native_id())
-        socks: dict[str, zmq.Socket] = {}  # replica endpoint -> our DEALER to it
+        links: dict[str, HolderLink] = {}  # replica endpoint -> our DEALER to it, watched
         local = None  # our DEALER to this node's agent (LocalSnapshot)
         if self.share:
             local = self.ctx.socket(zmq.DEALER)
@@ -351,22 +352,21 @@ class Replicator:
                 endpoints, generation, rank = list(self.endpoints), self.generation, self.rank
                 self._busy, self._active = True, job
             try:
-                for gone in set(socks) - set(endpoints):
-                    socks.pop(gone).close(0)
+                for dropped in set(links) - set(endpoints):
+                    links.pop(dropped).close()
                 for endpoint in endpoints:
-                    if endpoint not in socks:
-                        socks[endpoint] = self.ctx.socket(zmq.DEALER)
-                        socks[endpoint].setsockopt(zmq.LINGER, 0)
-                        socks[endpoint].connect(endpoint)
+                    if endpoint not in links:
+                        links[endpoint] = HolderLink(self.ctx, endpoint)
                 delivery = Delivery(self.codec, self.stats, job.slot, rank, job.step, generation, job.held_at,
                                     on_differs=lambda blocks, step=job.step: self.checks.divergence(rank, step, blocks),
-                                    cancelled=lambda e=epoch: e != self._epoch)
+                                    cancelled=lambda e=epoch: e != self._epoch,
+                                    gone=lambda endpoint: links[endpoint].gone())
                 offered = job.slot.digests is not None if job.tree is None else self.share and not job.slot.share_refused
                 if not offered and job.replicate:  # sent whole: holders make room while we capture, and the
                     reserve = self.codec.encode(delivery.reserve())  # snapshot lands in their oldest copy's memory
                     delivery.reserved = frozenset(e for e in endpoints if e not in job.held_at)
                     for endpoint in delivery.reserved:
-                        socks[endpoint].send_multipart(reserve)
+                        links[endpoint].sock.send_multipart(reserve)
                 if job.tree is not None:
                     if job.event is not None and (copy_stream is None or copy_stream.device.index != job.device):
                         torch.cuda.set_device(job.device)  # this thread's current device: the worker's
@@ -378,7 +378,7 @@ class Replicator:
                 with self._cond:
                     if not job.replicate:  # dropped by a reconfiguration: captured (kept locally), not sent
                         continue
-                ok = delivery.run({e: socks[e] for e in endpoints})
+                ok = delivery.run({e: links[e].sock for e in endpoints})
                 with self._cond:
                     if epoch == self._epoch and ok:
                         self._acked = max(self._acked, job.seq)

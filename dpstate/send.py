@@ -16,6 +16,7 @@ from dpagent import protocol as P
 from dpagent.checksum import CHECKSUM_BLOCK
 
 from .fetch import ReplicationError, Slot
+from .holders import HolderGone
 from .profile import SnapshotStats
 
 
@@ -33,6 +34,7 @@ class Delivery:
     reserved: frozenset = frozenset()  # endpoints sent ReserveSnapshot before the capture
     on_differs: Callable[[list], Any] = lambda blocks: None  # a holder found diverged data parallel blocks
     cancelled: Callable[[], bool] = lambda: False  # a reconfiguration dropped it
+    gone: Callable[[str], bool] = lambda endpoint: False  # the holder's process died (dpstate.holders)
     _full: list = field(default_factory=list)
 
     def reserve(self) -> P.ReserveSnapshot:
@@ -40,7 +42,8 @@ class Delivery:
 
     def run(self, socks: dict[str, Any]) -> bool:
         """Send to every holder in `socks` (endpoint -> DEALER) and wait for their acks; False when cancelled.
-        A refused relabel is answered with the snapshot; ReplicationError after 3 refusals of it."""
+        A refused relabel is answered with the snapshot; ReplicationError after 3 refusals of it; HolderGone
+        where a holder that has not acked went away."""
         slot = self.slot
         put = self._put()
         if slot.digests is not None:
@@ -68,9 +71,13 @@ class Delivery:
         poller = zmq.Poller()
         for sock in waiting:
             poller.register(sock, zmq.POLLIN)
+        endpoint_of = {id(sock): endpoint for endpoint, sock in socks.items()}
         while waiting:
             if self.cancelled():
                 return False
+            gone = next((endpoint_of[id(s)] for s in waiting if self.gone(endpoint_of[id(s)])), None)
+            if gone is not None:
+                raise HolderGone(gone, self.rank, self.step)
             for sock, _ in poller.poll(10):  # 10 ms: a reconfiguration is noticed that fast
                 try:
                     ack, _ = self.codec.decode(sock.recv_multipart())

@@ -20,7 +20,7 @@ import zmq
 from dpagent import protocol as P
 
 from . import snapshot as S
-from .abort import AbortSignal, classify
+from .abort import AbortSignal, classify, describe
 from .control import Control
 from .ddp import DataParallel, sync_from_rank0
 from .gate import SnapshotGate, defers_acks, stall_message
@@ -294,7 +294,7 @@ class Job:
             if error is not None:
                 timeout = self.reconfigure_timeout
                 if not self._abort.is_set():
-                    detail = f"{type(error).__name__}: {error}"[:1000]
+                    detail = describe(error)[:1000]
                     print(f"dpstate: rank {self.rank} generation {self.generation}: {detail}", file=sys.stderr, flush=True)
                     self._send(P.PeerError(node_id=self.node_id, generation=self.generation, rank=self.rank,
                                            detail=detail))

@@ -15,11 +15,14 @@ import zmq
 from dpagent import protocol as P
 from dpagent.replica_store import intact
 from dpstate import snapshot as S
-from dpstate.abort import Aborted, AbortSignal
+from dpstate import holders
+from dpstate.abort import Aborted, AbortSignal, classify
+from dpstate.holders import GONE_AFTER_S, HolderGone
 from dpstate.prefetch import Prefetch
 from dpstate.replication import Replicator, ReplicationError
 from dpstate.state import Tracked
-from conftest import rss_shmem
+from conftest import free_port, rss_shmem
+from e2e import wait_for
 from test_dpstate_harness import TOKEN
 
 pytestmark = pytest.mark.timeout(60)
@@ -321,6 +324,43 @@ def test_corrupt_fetch_is_refused_and_a_missing_ack_is_abortable():
         assert rep.local_steps() == [1]  # captured, just not acked
     finally:
         bad.close()
+
+
+def test_a_holder_whose_process_died_fails_the_wait_for_its_ack_within_seconds():
+    """A rank waiting at the snapshot gate for a dead holder's ack enters no collective that could fail: the
+    socket monitor sees the holder's connection close, and after GONE_AFTER_S without it coming back the wait
+    raises HolderGone, which the rank reports as a peer's failure (before, it waited for the heartbeat timeout)."""
+    bad = BadStore()  # takes the snapshot and never acks it
+    _, _, tracked = state()
+    rep = replicator()
+    rep.configure(0, bad.endpoint, 1)
+    rep.submit(1, tracked.capture(1))
+    wait_for(lambda: bad.puts == 1, 10, "the holder to take the snapshot")
+    bad.close()  # what the kernel does with the sockets of a process that died
+    closed = time.monotonic()
+    with pytest.raises(HolderGone, match=f"at {bad.endpoint} closed its connection before it acked rank 1 step 1"):
+        rep.wait_acked(timeout=10)
+    waited = time.monotonic() - closed
+    assert GONE_AFTER_S - 0.05 <= waited < GONE_AFTER_S + 2, waited
+    assert classify(HolderGone(bad.endpoint, 1, 1)) == "peer"
+    rep.quiesce()  # a recovery: the error is the failure's, and the capture is kept
+    assert rep.local_steps() == [1]
+
+
+def test_a_holder_that_never_answered_yet_is_waited_for(monkeypatch):
+    """Only a connection that was made and then lost counts: a holder not listening yet (its agent still
+    starting) is retried by ZeroMQ and waited for, as before."""
+    monkeypatch.setattr(holders, "GONE_AFTER_S", 0.05)
+    ctx = zmq.Context()
+    link = holders.HolderLink(ctx, f"tcp://127.0.0.1:{free_port()}")
+    try:
+        until = time.monotonic() + 0.5  # ZeroMQ retries the connection every 100 ms meanwhile
+        while time.monotonic() < until:
+            assert not link.gone()
+            time.sleep(0.05)
+    finally:
+        link.close()
+        ctx.term()
 
 
 def test_a_prefetch_serves_the_restore_it_was_started_for_and_nothing_else(replica):

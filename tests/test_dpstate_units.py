@@ -16,7 +16,8 @@ import zmq
 
 import dpstate
 from dpagent import protocol as P
-from dpstate.abort import ABORT_MARKER, Aborted, AbortSignal, classify
+from dpstate.abort import ABORT_MARKER, Aborted, AbortSignal, classify, describe
+from dpstate.holders import HolderGone
 from dpstate.control import Control
 from dpstate.metrics import MAX_METRIC_BYTES, MAX_METRICS_BYTES, sendable_metrics
 from dpstate.session import Job, Step
@@ -106,6 +107,12 @@ def test_classify_tells_aborts_and_peer_errors_from_bugs():
     assert classify(dist.DistStoreError("store gone"), sig) == "peer"
     assert classify(ValueError("bad shape"), sig) is None
     assert classify(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), sig) is None
+    gone = HolderGone("tcp://127.0.0.1:5000", 3, 7)
+    assert classify(gone, sig) == "peer"
+    wrapped = RuntimeError(f"Unable to cast {gone} to Tensor")  # through a DDP comm hook's future (dpstate.ddp)
+    assert classify(wrapped, sig) == "peer"
+    assert describe(wrapped) == str(gone) == describe(gone).removeprefix("HolderGone: ")
+    assert describe(ValueError("bad shape")) == "ValueError: bad shape"
     assert classify(KeyboardInterrupt(), sig) is None
     sig.trigger("reconfigure")
     assert classify(RuntimeError("anything torch raises while aborted"), sig) == "abort"

@@ -10,6 +10,7 @@ import mmap
 import os
 import signal
 import subprocess
+import time
 
 import psutil
 import pytest
@@ -81,13 +82,15 @@ def test_failure_without_spare_stops_within_seconds_naming_the_node(procs, tmp_p
     assert finished["exit_code"] != 0
 
 
-def test_multi_node_mode_survives_a_killed_dprun(procs, tmp_path, reference):
+def _multi_node_job(procs, tmp_path, *flags):
+    """A head (node rank 0: the controller), node rank 1 and a spare as three dprun processes (multi-node mode),
+    training until past step 8; returns (head, node 1's dprun, the spare's, events file, summary file)."""
     token = tmp_path / "token"
     token.write_text("multi-node-test-secret")
     endpoint = f"127.0.0.1:{free_port()}"
     events = tmp_path / "events.jsonl"
     summary = tmp_path / "summary.json"
-    common = ["--rdzv-endpoint", endpoint, "--nnodes", "2", "--spares", "1", "--token-file", token]
+    common = ["--rdzv-endpoint", endpoint, "--nnodes", "2", "--spares", "1", "--token-file", token, *flags]
     script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1", "--summary", summary]  # running at the kill
     head = procs.dprun(*common, "--node-rank", "0", "--events-file", events, *script, cwd=tmp_path,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -98,19 +101,47 @@ def test_multi_node_mode_survives_a_killed_dprun(procs, tmp_path, reference):
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)),
              timeout=90, what="training to pass step 8")
-    victim_tree = [victim.pid] + [c.pid for c in psutil.Process(victim.pid).children(recursive=True)]
-    os.kill(victim.pid, signal.SIGKILL)
+    return head, victim, spare, events, summary
+
+
+def _assert_finished_as_the_reference(head, spare, events, summary, reference) -> list[dict]:
     out, err = head.communicate(timeout=120)
     assert head.returncode == 0, err[-3000:]
     assert spare.wait(timeout=30) == 0
     events_seen = read_events(events)
     assert len([e for e in events_seen if e["event"] == "recovery_complete"]) == 1
-    import json
+    assert json.loads(summary.read_text())["params_sha256"] == reference.summary["params_sha256"]
+    return events_seen
 
-    result = json.loads(summary.read_text())
-    assert result["params_sha256"] == reference.summary["params_sha256"]
+
+def test_multi_node_mode_survives_a_killed_dprun(procs, tmp_path, reference):
+    head, victim, spare, events, summary = _multi_node_job(procs, tmp_path)
+    victim_tree = [victim.pid] + [c.pid for c in psutil.Process(victim.pid).children(recursive=True)]
+    os.kill(victim.pid, signal.SIGKILL)
+    _assert_finished_as_the_reference(head, spare, events, summary, reference)
     wait_for(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                              for pid in victim_tree), timeout=10, what="the killed node's processes to be gone")
+
+
+def test_a_whole_node_lost_at_once_is_caught_by_its_peers_not_by_the_heartbeat_timeout(procs, tmp_path, reference):
+    """Every process of node rank 1 (dprun, agent, worker) stopped, then killed: none can say a word, as when a
+    host dies. Its peer waits at the snapshot gate for the acks of the replica store that died with it, in no
+    collective; the connection's close fails that wait (dpstate.holders), the peer reports it, the controller's
+    probe fails the silent node. Before, only --heartbeat-timeout (here 60 s) noticed, unless the kill found the
+    peer in a collective (about half the runs; Gloo's error then tells it). The gate's wait alone:
+    test_dpstate_replication.py's test_a_holder_whose_process_died_fails_the_wait_for_its_ack_within_seconds."""
+    head, victim, spare, events, summary = _multi_node_job(procs, tmp_path, "--heartbeat-timeout", "60")
+    victim_tree = [victim.pid] + [c.pid for c in psutil.Process(victim.pid).children(recursive=True)]
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in victim_tree:
+            os.kill(pid, sig)
+    killed_at = time.time()
+    events_seen = _assert_finished_as_the_reference(head, spare, events, summary, reference)
+    (failed,) = [e for e in events_seen if e["event"] == "node_failed"]
+    assert failed["node_rank"] == 1 and "no answer to a probe" in failed["cause"], failed
+    assert failed["time"] - killed_at < 10, failed
+    told = [e["detail"] for e in events_seen if e["event"] == "peer_error"]  # (a rank in a collective then: Gloo's)
+    assert told and all("Unable to cast" not in d for d in told), told
 
 
 def _snapshot_buffers(pid: int) -> dict[int, int]:
