@@ -6,6 +6,7 @@ The job token comes from the environment (DP_JOB_TOKEN), never from the command 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -17,9 +18,9 @@ from .memory import reuse_freed_memory
 from .output import OutputSpec, parse_ranks, parse_std
 from .process import LAUNCHER_GONE, set_pdeathsig
 from .protocol import NO_RANK
+from .shutdown import EXIT_USAGE
 from .workers import worker_command
 
-EXIT_USAGE = 2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--register-timeout", type=float, default=300.0, help="exit 4 without a Welcome by then")
     p.add_argument("--python", default=sys.executable, help="interpreter for SCRIPT (default: this one)")
     p.add_argument("--no-python", action="store_true", help="run SCRIPT directly, not through python")
+    p.add_argument("--job-terms", type=json.loads, default={}, help="JSON: what the launcher was told of the job "
+                   "(nnodes, rdzv_id, script), for the controller to check")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         launcher=launcher,
         output=output,
         max_restarts=opts.max_restarts,
+        terms=opts.job_terms,
     )
     try:
         code = Agent(cfg).run()

@@ -80,6 +80,7 @@ class AgentConfig:
     register_timeout: float = 300.0  # no Welcome by then: exit 4
     output: OutputSpec = field(default_factory=OutputSpec)  # log files, console filter (torchrun's -r/-t)
     max_restarts: int = 3  # restart mode: for TORCHELASTIC_MAX_RESTARTS
+    terms: dict = field(default_factory=dict)  # Register.terms: what its launcher was told of the job
     # what the death of the dprun that ran it (LAUNCHER_GONE) means: "controller", the controller's (save at
     # once); "member", this node leaves the job (Leaving; its workers killed); "": none is signalled
     launcher: str = ""
@@ -246,7 +247,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
             )
             self._to_controller(Register(
                 self.cfg.node_id, socket.gethostname(), os.getpid(), self.cfg.nproc, self.cfg.spare,
-                self.cfg.node_rank, self.replica_endpoint,
+                self.cfg.node_rank, self.replica_endpoint, self.cfg.terms,
             ))
             while self.exit_code is None:
                 ready = dict(self.poller.poll(self._poll_timeout_ms()))

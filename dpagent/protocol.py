@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 from .checksum import CHECKSUM_BLOCK
 
-PROTOCOL_VERSION = 16  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
+PROTOCOL_VERSION = 17  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
 #                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...);
 #                      8: check plans (data parallel blocks sampled: dpagent.checksum.CheckPlan);
 #                      9: SnapshotStored.nbytes and Standby (spares reserve snapshot memory while idle);
@@ -59,6 +59,7 @@ PROTOCOL_VERSION = 16  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.sn
 #                      15: WorkerExited.oom_killed (its SIGKILL came from the kernel's OOM killer); AgentExited
 #                          (a member's dprun tells the controller that its agent died)
 #                      16: WorkerExited.step (the newest step that worker made, as its agent heard)
+#                      17: Register.terms (what the node's dprun was told of the job: dprun.admission)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -110,7 +111,9 @@ def _message(cls):
 
 @_message
 class Register:
-    """An agent announces itself. `want_spare` and `node_rank` are hints the controller may honour."""
+    """An agent announces itself. `want_spare` and `node_rank` are hints the controller may honour. `terms`: what
+    its dprun was told of the job ({"nnodes", "rdzv_id", "script"}; empty from a bare dpagent), which the
+    controller checks against its own (dprun.admission)."""
 
     node_id: str
     host: str
@@ -119,6 +122,7 @@ class Register:
     want_spare: bool
     node_rank: int  # NO_RANK when the agent has no preference
     replica_endpoint: str  # tcp:// address of the agent's replica store
+    terms: dict = field(default_factory=dict)
 
 
 @_message

@@ -17,6 +17,7 @@ from .protocol import Leaving, Stop
 
 log = logging.getLogger("dpagent")
 
+EXIT_USAGE = 2  # bad options or set-up, or the controller refused the job's shape this node was started with
 EXIT_CONTROLLER_LOST = 3  # the controller fell silent (or its dprun died) after welcoming this node
 EXIT_NO_CONTROLLER = 4  # no Welcome within --register-timeout: none answered (not started, unreachable)
 EXIT_REFUSED = 5  # the controller refused this node before its Welcome: another job's token or DeadPool version

@@ -22,6 +22,7 @@ from .injection import FaultInjection
 from .deadlines import FORMING_NOTE_EVERY_S, Deadlines
 from .files import FileWork, Files
 from .reconstruction import Reconstruction
+from . import admission
 from .repeats import RepeatedFailures
 from .standby import SpareSizing
 
@@ -217,18 +218,20 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
                 known.last_heard = now
                 self._welcome(known)
             return
+        if (why := admission.refusal(self.spec, msg)) is not None:
+            self._send(sender, p.Stop(reason=why, exit_code=2))
+            self._publish("node_refused", node=sender, host=msg.host, reason=why)
+            return
         forming = self.generation < 0
+        claimed = [(n.node_id, n.want_rank) for n in self.table.nodes.values() if n.role != FAILED] if forming else []
+        for warning in admission.warnings(self.spec, msg, claimed):  # (once formed, a rank goes where room is)
+            self._publish("node_warning", node=sender, warning=warning)
         actives = self.table.count(ACTIVE)
         role = ACTIVE if forming and not msg.want_spare and actives < self.spec.nnodes else SPARE
         node = Node(
             node_id=sender, host=msg.host, pid=msg.pid, nproc=msg.nproc, replica_endpoint=msg.replica_endpoint,
             role=role, registered_at=now, last_heard=now, want_rank=msg.node_rank,
         )
-        if msg.nproc != self.spec.nproc_per_node:
-            self._send(sender, p.Stop(reason=f"node {sender} runs {msg.nproc} workers, the job needs "
-                                      f"{self.spec.nproc_per_node} per node (--nproc-per-node)", exit_code=2))
-            self._drop("wrong nproc")
-            return
         self.table.add(node)
         self._welcome(node)
         self._publish("node_joined", node=sender, host=msg.host, role=role, pid=msg.pid)

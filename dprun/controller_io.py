@@ -36,6 +36,7 @@ class JobSpec:
     files_timeout: float = 600.0  # for the nodes to write or read those files
     restore_wait: float = 120.0  # state that looks lost while a live node restores it: wait so long for it
     snapshots: bool = True  # False: --snapshot-interval off, so the first failure of a training node ends the job
+    command: tuple[str, ...] = ()  # the head's script and arguments, which every node should run (dprun.admission)
 
     @property
     def world_size(self) -> int:

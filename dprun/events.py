@@ -30,6 +30,10 @@ def describe(event: dict) -> str:
     e = event
     if kind == "node_joined":
         return f"node {e['node']} joined as {e['role']} (host {e['host']}, pid {e['pid']})"
+    if kind == "node_refused":
+        return f"refused {e['node']}: {e['reason']}"
+    if kind == "node_warning":
+        return f"warning: {e['warning']}"
     if kind == "launched":
         return f"dprun launched job {e['job']} on {e['host']} (pid {e['pid']}): {' '.join(e['argv'])}"
     if kind == "job_started":

@@ -24,7 +24,7 @@ import zmq
 
 from dpagent import protocol as p
 from dpagent.process import LAUNCHER_STOP
-from dpagent.shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, EXIT_REFUSED
+from dpagent.shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, EXIT_REFUSED, EXIT_USAGE
 from dpagent.snapshot_files import newest_saved
 
 from .controller import JobSpec, NodeGone
@@ -83,7 +83,11 @@ class JobOptions:
         return AgentCommand(nproc_per_node=self.nproc_per_node, script=self.script, no_python=self.no_python,
                             module=self.module, log_dir=self.log_dir, redirects=self.redirects, tee=self.tee,
                             local_ranks_filter=self.local_ranks_filter, max_restarts=self.max_restarts,
-                            register_timeout=self.rdzv_timeout, **kw)
+                            register_timeout=self.rdzv_timeout, terms=self.terms(), **kw)
+
+    def terms(self) -> dict:
+        """What this dprun was told of the job, for the controller to check (dprun.admission)."""
+        return {"nnodes": self.nnodes, "rdzv_id": self.rdzv_id or "", "script": list(self.script)}
 
 
 def uses_dpstate(script: str, module: bool = False, no_python: bool = False) -> bool:
@@ -174,7 +178,7 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
             hang_timeout=opts.hang_timeout, on_spare_exhausted=opts.on_spare_exhausted,
             spare_wait_timeout=opts.spare_wait_timeout, restart_mode=opts.restart_mode,
             max_restarts=opts.max_restarts, save_dir=opts.save_dir, resume_from=opts.resume_from,
-            resume_step=opts.resume_step, snapshots=opts.snapshot_interval != "off",
+            resume_step=opts.resume_step, snapshots=opts.snapshot_interval != "off", command=tuple(opts.script),
         )
         _install_signal_handlers(server)
         if not opts.tui:
@@ -307,6 +311,9 @@ def _run_member(agent: AgentCommand, token: str, opts: JobOptions) -> int:
         print(f"dprun: this node's agent ended: {how}", file=sys.stderr)
     if died:
         _speak_for_dead_agent(agent, token, how)
+    if code == EXIT_USAGE:
+        print("dprun: this node did not join the job: the agent's line above says why (a node the controller "
+              "refused was started with other settings than the head's: make them the same)", file=sys.stderr)
     if code == EXIT_REFUSED:
         print(f"dprun: the controller at {agent.controller} refused this node: give every node the job's token "
               "(DP_JOB_TOKEN or --token-file) and the same DeadPool version (the agent's line above says which "

@@ -42,8 +42,8 @@ class Harness:
     def msg(self, node: str, m):
         return self.feed(Received(node, m))
 
-    def register(self, node: str, spare=False, rank=-1, nproc=1):
-        return self.msg(node, p.Register(node, "h", 1, nproc, spare, rank, f"tcp://{node}:1"))
+    def register(self, node: str, spare=False, rank=-1, nproc=1, **terms):
+        return self.msg(node, p.Register(node, "h", 1, nproc, spare, rank, f"tcp://{node}:1", terms))
 
     def sent_to(self, node: str, kind) -> list:
         return [s.msg for s in self.sent if s.node_id == node and isinstance(s.msg, kind)]
@@ -376,11 +376,48 @@ def test_job_finishes_when_every_active_worker_exits_zero():
     assert h.sent_to("s", p.Stop), "spares are told to stop too"
 
 
-def test_wrong_worker_count_is_refused():
-    h = Harness(spec(nproc_per_node=2))
-    h.register("a", nproc=1)
-    assert h.sent_to("a", p.Stop)[0].exit_code == 2
-    assert len(h.c.table) == 0
+@pytest.mark.parametrize("shape, said", [
+    (dict(nproc=1), "runs 1 workers, the job needs 2 per node (--nproc-per-node)"),
+    (dict(nnodes=3), "was started with --nnodes 3, the job has 2: give every node the same --nnodes"),
+    (dict(rdzv_id="other"), "was started for job 'other' (--rdzv-id), this controller runs job 'j1'"),
+])
+def test_a_node_started_for_another_job_shape_is_refused_and_the_head_says_why(shape, said):
+    h = Harness(spec(nproc_per_node=2, job_id="j1"))
+    h.register("a", **{"nproc": 2, **shape})
+    (stop,) = h.sent_to("a", p.Stop)
+    assert stop.exit_code == 2 and said in stop.reason
+    assert [e["reason"] for e in h.named("node_refused")] == [stop.reason]
+    assert len(h.c.table) == 0 and not h.sent_to("a", p.Welcome)
+
+
+def test_a_node_told_the_same_job_shape_joins_without_a_word():
+    h = Harness(spec(job_id="j1", command=("train.py", "--steps", "40")))
+    h.register("a", rank=0, nnodes=2, rdzv_id="j1", script=["train.py", "--steps", "40"])
+    h.register("b", rank=1, nnodes=2, rdzv_id="", script=["train.py", "--steps", "40"])  # (no --rdzv-id given)
+    h.register("s", spare=True)  # (a bare dpagent: no terms)
+    assert h.c.generation == 0 and not h.named("node_refused") and not h.named("node_warning")
+
+
+def test_a_node_that_runs_other_arguments_joins_with_a_warning_naming_both_commands():
+    h = Harness(spec(command=("train.py", "--steps", "40")))
+    h.register("a", rank=0, script=["train.py", "--steps", "40"])
+    h.register("b", rank=1, script=["train.py", "--steps", "50"])
+    (warning,) = [e["warning"] for e in h.named("node_warning")]
+    assert "node b (host h) runs `train.py --steps 50`, the head `train.py --steps 40`" in warning
+    assert h.c.table.get("b").role == "active"
+
+
+def test_a_node_rank_asked_for_twice_is_warned_about_and_the_second_node_stands_by():
+    h = Harness(spec())
+    h.register("a", rank=0)
+    h.register("b", rank=1)
+    h.register("b2", rank=1)
+    (warning,) = [e["warning"] for e in h.named("node_warning")]
+    assert "node b2 (host h) asked for node rank 1, which node b asked for first" in warning
+    assert h.c.generation == 0 and h.c.layout == ["a", "b"] and h.c.table.get("b2").role == "spare"
+    h.feed(NodeGone("b", "agent process exited"), dt=1.0)
+    h.register("b3", rank=1)  # once formed, a rank is the controller's to give: a node joins as a spare, unwarned
+    assert len(h.named("node_warning")) == 1
 
 
 def test_restart_mode_restarts_every_worker_up_to_max_restarts():

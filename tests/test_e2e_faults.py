@@ -412,3 +412,23 @@ def test_a_node_with_another_token_is_refused_at_once_and_one_nobody_answers_exi
     assert f"dprun: no controller answered at tcp://{nobody} within 3 s" in err, err[-2000:]
     assert re.search(f"no Welcome from tcp://{nobody} yet after [0-9.]+s .*giving up in", err), "said as it waited"
     assert head.poll() is None  # the head still waits for a node with the right token
+
+
+@pytest.mark.timeout(60)
+def test_a_node_started_with_another_nnodes_is_refused_at_once_and_both_ends_say_why(procs, tmp_path):
+    """The right token but --nnodes 3 where the head has 2: as a spare it would leave the head waiting for an
+    active node until --rdzv-timeout. The controller refuses it at its Register (dprun.admission); it exits 2,
+    its agent's line saying which flag to make the same, the head's log naming the refused node."""
+    endpoint, events, head, _ = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "0")
+    member = procs.dprun("--rdzv-endpoint", endpoint, "--node-rank", "2", "--token-file", tmp_path / "token",
+                         "--nnodes", "3", "--rdzv-timeout", "40", TRAIN, "--steps", "5", *TRAIN_ARGS, cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = time.monotonic()
+    _, err = member.communicate(timeout=40)
+    assert member.returncode == 2, err[-2000:]
+    assert time.monotonic() - started < 20, "refused at its Register, not at --rdzv-timeout (40 s)"
+    assert "was started with --nnodes 3, the job has 2: give every node the same --nnodes" in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("dprun: this node did not join the job"), err[-2000:]
+    (refused,) = [e for e in read_events(events) if e["event"] == "node_refused"]
+    assert "--nnodes 3" in refused["reason"]
+    assert head.poll() is None  # the head still waits for its node rank 1
