@@ -13,13 +13,13 @@ raising `ProtocolError`; callers drop and count such messages and carry on.
 Who sends what (the reconstruction protocol of docs/DESIGN.md):
 
 agent -> controller : Register, Heartbeat, Pong, WorkerExited, Leaving, and relayed from workers:
-                      Progress, WorkerReady, PeerError, RestoreFailed, RankFinished; from its replica
+                      Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, Diverged; from its replica
                       store: SnapshotStored
 controller -> agent : Welcome, Reconfigure, Stop, Ping, Inject, Standby (to spares), SaveSnapshots (a job
                       that stops) and LoadSnapshots (one resumed from files)  ->  SnapshotFiles
 agent -> worker     : Reconfigure, Stop, Standby, SaveSnapshots (relayed)
 worker -> agent     : Hello, WorkerStatus (kept by the agent, summarised in its Heartbeat), Progress,
-                      WorkerReady, PeerError, RestoreFailed, RankFinished, SnapshotFiles
+                      WorkerReady, PeerError, RestoreFailed, RankFinished, Diverged, SnapshotFiles
 worker -> replica   : PutSnapshot (+ payload frames: meta, then data in chunks; none with held=True)
                       ->  SnapshotAck
 worker -> replica   : FetchSnapshot  ->  SnapshotData (+ the meta frame when found), then one
@@ -59,7 +59,7 @@ PROTOCOL_VERSION = 17  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.sn
 #                      15: WorkerExited.oom_killed (its SIGKILL came from the kernel's OOM killer); AgentExited
 #                          (a member's dprun tells the controller that its agent died)
 #                      16: WorkerExited.step (the newest step that worker made, as its agent heard)
-#                      17: Register.terms (what the node's dprun was told of the job: dprun.admission)
+#                      17: Register.terms (what the node's dprun was told of the job: dprun.admission); Diverged
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -307,6 +307,18 @@ class RestoreFailed:
     step: int
     source: str
     reason: str
+
+
+@_message
+class Diverged:
+    """A replica holder found `rank`'s data parallel state at `step` unlike its own node's copy (`blocks`: the
+    first blocks that differ): a rank whose parameters drift from its peers' (dpstate.checks). Said once."""
+
+    node_id: str
+    generation: int
+    rank: int
+    step: int
+    blocks: list
 
 
 @_message

@@ -13,7 +13,7 @@ import time
 from .channel import Incoming
 from .output import crash_exception, failure_detail
 from .protocol import (
-    NO_RANK, Hello, PeerError, Progress, RankFinished, RestoreFailed, SnapshotFiles, Stop, WorkerExited,
+    NO_RANK, Diverged, Hello, PeerError, Progress, RankFinished, RestoreFailed, SnapshotFiles, Stop, WorkerExited,
     WorkerReady, WorkerStatus,
 )
 from .replica_server import FilesDone, RelabelChecked
@@ -21,7 +21,7 @@ from .shutdown import SENT_BY_PHASE
 from .workers import WorkerDone, describe_exit, worker_env
 
 log = logging.getLogger("dpagent")
-FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, SnapshotFiles)  # to the controller
+FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, Diverged, SnapshotFiles)  # to the controller
 
 
 class WorkerLink:

@@ -27,7 +27,7 @@ from .repeats import RepeatedFailures
 from .standby import SpareSizing
 
 # what a node says of its workers stands in any generation: how they are, how they ended, that they finished
-ANY_GENERATION = (p.Heartbeat, p.WorkerExited, p.RankFinished)
+ANY_GENERATION = (p.Heartbeat, p.WorkerExited, p.RankFinished, p.Diverged)
 
 PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
 
@@ -85,6 +85,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.recoveries: list[Recovery] = []
         self.restarts = 0
         self.finished_ranks: dict[int, int] = {}  # rank -> its last step, once past job.steps()' final barrier
+        self.diverged: dict[int, int] = {}  # rank -> the step at which a holder found it unlike its peers
         self.all_finished_at: float | None = None  # when the last rank passed it: then the job waits for exits
         self.exit_notes = 0  # how often it said which workers the finished job still waits for
         self.repeats = RepeatedFailures()  # workers' errors by signature: one that follows a rank is the script's
@@ -348,6 +349,20 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         if self.all_finished_at is None and len(self.finished_ranks) == self.spec.world_size:
             self.all_finished_at = now
 
+    def _on_Diverged(self, node: Node, msg: p.Diverged, now: float) -> None:
+        if msg.rank not in self.diverged:
+            self.diverged[msg.rank] = msg.step
+            self._publish("divergence", node=node.node_id, rank=msg.rank, step=msg.step, blocks=msg.blocks)
+
+    def _divergence_note(self) -> str:
+        if not self.diverged:
+            return ""
+        ranks = sorted(self.diverged)
+        named = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+        return (f"; but the parameters or optimizer state of rank(s) {named} differed from a data parallel peer's "
+                f"(first at step {min(self.diverged.values())}): a faulty GPU or memory on one of their nodes, or "
+                "code that changes one rank's copy only; do not trust a model saved from them")
+
     def _on_WorkerExited(self, node: Node, msg: p.WorkerExited, now: float) -> None:
         if node.role == ACTIVE and msg.exitcode == 0:  # finished (its final barrier passed, in any generation)
             node.exited_ok.add(msg.local_rank)
@@ -358,7 +373,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
                 self._failed_after_exits(rec, max(rec.peak_step, self.max_step))
                 return
             if all(len(self.table.nodes[n].exited_ok) == self.spec.nproc_per_node for n in self.layout):
-                self._finish(0, f"all {self.spec.world_size} ranks finished")
+                self._finish(0, f"all {self.spec.world_size} ranks finished{self._divergence_note()}")
             return
         if node.role == SPARE and msg.exitcode == 0:
             return

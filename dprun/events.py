@@ -34,6 +34,10 @@ def describe(event: dict) -> str:
         return f"refused {e['node']}: {e['reason']}"
     if kind == "node_warning":
         return f"warning: {e['warning']}"
+    if kind == "divergence":
+        return (f"rank {e['rank']} on {e['node']}: its parameters or optimizer state at step {e['step']} differ from "
+                "a data parallel peer's (a replica holder compared them): a faulty GPU or memory, or code that "
+                "changes one rank's copy only")
     if kind == "launched":
         return f"dprun launched job {e['job']} on {e['host']} (pid {e['pid']}): {' '.join(e['argv'])}"
     if kind == "job_started":

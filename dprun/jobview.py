@@ -21,7 +21,8 @@ ROLE_ORDER = {"failed": 0, "fenced": 1, "active": 2, "spare": 3, "joining": 4}
 LEVELS = {"node_failed": "error", "worker_exited": "error", "spare_lost": "warn", "fault_injected": "fault",
           "spare_promoted": "promote", "reconfigure": "info", "recovery_complete": "ok", "peer_error": "warn",
           "message_dropped": "warn", "job_started": "info", "restart_rendezvous": "ok", "node_joined": "dim",
-          "fault_skipped": "warn", "saving_state": "warn", "save_retried": "warn", "message_refused": "warn"}
+          "fault_skipped": "warn", "saving_state": "warn", "save_retried": "warn", "message_refused": "warn",
+          "divergence": "error", "node_refused": "warn", "node_warning": "warn"}
 STEPS_ARGS = ("--steps", "--max-steps", "--total-steps", "--num-steps", "--max-iters", "--iters", "--max_steps",
               "--total_steps", "--num_steps", "--max_iters")
 

@@ -87,12 +87,13 @@ class CheckPlanner:
             self._cached = (specs, flags, key)
         return CheckPlan.for_step(shared_nbytes // CHECKSUM_BLOCK, key, self.every, step)
 
-    def divergence(self, rank: int, step: int, blocks: list) -> None:
+    def divergence(self, rank: int, step: int, blocks: list) -> bool:
         """A holder found digested shared blocks of this rank's snapshot that differ from its own node's copy:
-        say so once and digest every block from now on."""
+        say so once (True then) and digest every block from now on."""
         if self.every == 1 and self.diverged:
-            return
+            return False
         self.diverged, self.every = True, 1
         print(f"dpstate: rank {rank}'s parameters or optimizer state at step {step} differ from a data parallel "
               f"peer's (blocks {blocks[:8]}{'...' if len(blocks) > 8 else ''}); is something changing them on one "
               "rank only? Every block of every snapshot is checksummed from now on", file=sys.stderr, flush=True)
+        return True

@@ -87,6 +87,7 @@ class Replicator:
         self.last_capture_s = 0.0
         self.policy = SnapshotPolicy.from_env()
         self.checks = CheckPlanner()  # which blocks are checksummed (data parallel state: sampled)
+        self.on_divergence: Callable[[int, int, list], None] | None = None  # (rank, step, blocks), said once
         self.landing = Landing(enabled=enabled_by_env() and not self.pin)  # optimizer steps into the slots
         self.stats = SnapshotStats()
         self._cond = threading.Condition()
@@ -358,7 +359,7 @@ class Replicator:
                     if endpoint not in links:
                         links[endpoint] = HolderLink(self.ctx, endpoint)
                 delivery = Delivery(self.codec, self.stats, job.slot, rank, job.step, generation, job.held_at,
-                                    on_differs=lambda blocks, step=job.step: self.checks.divergence(rank, step, blocks),
+                                    on_differs=lambda blocks, step=job.step: self._diverged(rank, step, blocks),
                                     cancelled=lambda e=epoch: e != self._epoch,
                                     gone=lambda endpoint: links[endpoint].gone())
                 offered = job.slot.digests is not None if job.tree is None else self.share and not job.slot.share_refused
@@ -391,6 +392,10 @@ class Replicator:
                     if epoch == self._epoch:
                         self._error = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
                         self._cond.notify_all()
+
+    def _diverged(self, rank: int, step: int, blocks: list) -> None:
+        if self.checks.divergence(rank, step, blocks) and self.on_divergence is not None:
+            self.on_divergence(rank, step, blocks)
 
     def _capture(self, job: _Job, stream: Any) -> None:
         """Pack job.tree into its slot: meta first, then the tensors copied, then checksummed.

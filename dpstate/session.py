@@ -97,6 +97,8 @@ class Job:
         self._replicator = None if control is None else Replicator(control.codec, 0, abort, ctx)
         self._snapshot_gate = None if control is None else SnapshotGate(self._replicator)
         self._sources = None if control is None else SnapshotSources(self._replicator, self.node_id, self._send)
+        if self._replicator is not None:
+            self._replicator.on_divergence = self._diverged
         if self._replicator is not None and self._replicator.policy.mode == "auto":
             self._tracked.add(**{POLICY_NAME: self._replicator.policy})  # its decision travels in snapshots
         self.activity = "idle"  # compute, snapshot, recovering, idle: see protocol.WorkerStatus
@@ -278,6 +280,11 @@ class Job:
         self._control.finished = True
         self._send(P.RankFinished(node_id=self.node_id, generation=self.generation, rank=self.rank, step=last))
         self.activity = "idle"
+
+    def _diverged(self, rank: int, step: int, blocks: list) -> None:
+        """(the replicator's thread) For the controller's events and the job's last words."""
+        self._send(P.Diverged(node_id=self.node_id, generation=self.generation, rank=rank, step=step,
+                              blocks=blocks[:16]))
 
     def _send(self, msg: Any) -> None:
         self._control.send(msg)

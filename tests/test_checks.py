@@ -254,6 +254,8 @@ def test_a_data_parallel_peer_sends_only_its_tail_and_a_divergence_is_caught_and
         holder, peer_node, monkeypatch, capfd, caplog):  # noqa: F811 (fixtures)
     monkeypatch.setenv("DP_SNAPSHOT_CHECK", "4")
     local, peer = replicators(monkeypatch, holder, peer_node)
+    reported = []  # what the session sends its controller (protocol.Diverged)
+    peer.on_divergence = lambda *found: reported.append(found)
     ours, theirs = data_parallel(0), data_parallel(1)
 
     shared_snapshot(local, ours, 1)
@@ -290,6 +292,7 @@ def test_a_data_parallel_peer_sends_only_its_tail_and_a_divergence_is_caught_and
     plan = peer.local(seen).plan  # taken while still sampling: every shared block it left unchecked, and the one
     assert peer.stats.blocks_sent - sent == plan.unchecked(plan.shared_blocks).sum() + 1  # that differs, is sent
     assert "differ from a data parallel peer's" in capfd.readouterr().err
+    assert [(rank, step) for rank, step, _ in reported] == [(1, seen)] and block in reported[0][2]
     assert torch.equal(fetch(holder.replica_endpoint, 1, seen).data, peer.local(seen).data)
     # from now on every block is checksummed, so the holder trusts none of it: what its own rank did not
     # digest (it still samples) is sent, the rest compared, and the copy held is the peer's own every time
@@ -302,6 +305,7 @@ def test_a_data_parallel_peer_sends_only_its_tail_and_a_divergence_is_caught_and
         shared_snapshot(peer, theirs, step)
     said = [r for r in caplog.records if "differ from this node's copy" in r.getMessage()]
     assert len(said) == 1 and "(1 snapshot(s) of it so far)" in said[0].getMessage(), [r.getMessage() for r in said]
+    assert len(reported) == 1, "reported to the controller once too"
 
 
 def _flat(tracked: Tracked):

@@ -376,6 +376,19 @@ def test_job_finishes_when_every_active_worker_exits_zero():
     assert h.sent_to("s", p.Stop), "spares are told to stop too"
 
 
+def test_ranks_found_unlike_their_data_parallel_peers_are_said_at_once_and_in_the_job_s_last_words():
+    h = formed()
+    h.msg("b", p.Diverged("b", 0, 1, 5, [3, 4]))
+    h.msg("a", p.Diverged("a", 0, 0, 5, [3]))
+    h.msg("b", p.Diverged("b", 0, 1, 9, [3]))  # (a worker says it once; a restarted one may again)
+    assert [(e["rank"], e["step"], e["blocks"]) for e in h.named("divergence")] == [(1, 5, [3, 4]), (0, 5, [3])]
+    h.msg("a", p.WorkerExited("a", 0, 0, 1, 0))
+    h.msg("b", p.WorkerExited("b", 0, 0, 2, 0))
+    assert h.finish.exit_code == 0
+    assert "of rank(s) 0, 1 differed from a data parallel peer's (first at step 5)" in h.finish.message
+    assert "do not trust a model saved from them" in h.finish.message
+
+
 @pytest.mark.parametrize("shape, said", [
     (dict(nproc=1), "runs 1 workers, the job needs 2 per node (--nproc-per-node)"),
     (dict(nnodes=3), "was started with --nnodes 3, the job has 2: give every node the same --nnodes"),

@@ -22,12 +22,13 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import atexit, os, sys, time, torch, dpstate
+mode = os.environ["BUG"]
 torch.manual_seed(0)
-model = torch.nn.Linear(8, 8)
+width = 1024 if mode == "drift" else 8  # drift: state of several checksum blocks (1 MiB each), to compare
+model = torch.nn.Linear(width, width)
 opt = dpstate.AdamW(model.parameters(), lr=1e-3)
 job = dpstate.init()
 ddp = job.data_parallel(model)
-mode = os.environ["BUG"]
 if mode != "untracked":
     job.track(model=model, optimizer=opt)
 hog = bytearray if mode == "oom" and job.rank == 1 else None  # its appetite at step 5, on every node it runs on
@@ -40,13 +41,16 @@ for step in job.steps(12):
         if step.number == 5 and mode == "hang" and job.rank == 1:
             time.sleep(600)  # waits for what never comes, on every node it runs on
         if step.number == 5 and (job.rank == 1 or mode == "every") and (
-                mode not in ("fixed", "converged", "linger", "oom", "twice")) and (
+                mode not in ("fixed", "converged", "linger", "oom", "twice", "drift")) and (
                 mode in ("always", "every", "crash") or job.generation == 0):
             raise ValueError("bad batch at step 5")
-        loss = ddp(torch.randn(4, 8)).square().mean()
+        loss = ddp(torch.randn(4, width)).square().mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if step.number == 5 and mode == "drift" and job.rank == 1:  # (after the step, as a snapshot's capture
+            with torch.no_grad():  # may overlap the next one's start) one rank's copy only: DDP averages the
+                model.weight.add_(1.0)  # gradients, never the parameters
         step.log(loss=loss.item())
     if mode == "leave" and step.number == 5 and job.rank == 1:
         break  # a rank that stops early on its own: its peers cannot go on
@@ -209,3 +213,18 @@ def test_a_bug_on_every_rank_saves_the_step_before_it_and_the_fixed_script_goes_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert min(e["step"] for e in _named(events, "progress")) == saving["step"] + 1
     assert _named(events, "job_finished")[0]["exit_code"] == 0
+
+
+def test_a_rank_whose_parameters_drift_from_its_peers_is_named_as_it_happens_and_in_the_job_s_last_words(
+        procs, tmp_path):
+    """Rank 1 changes its own copy of the weights at step 5 (as a faulty GPU or a rank-dependent bug would). Each
+    node's replica store compares the other's data parallel snapshot with its own node's: the difference was
+    printed on the worker's stderr only, and the job ended 0 as if nothing were wrong. Now the controller hears
+    it (protocol.Diverged): an event at once, and the job's last line names the ranks and the step."""
+    run, events = _run(procs, tmp_path, "drift", "--spares", "0", "--snapshot-check", "full")
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = _named(events, "divergence")
+    assert {e["rank"] for e in found} == {0, 1} and {e["step"] for e in found} == {5}, found  # (either side's view)
+    (finished,) = _named(events, "job_finished")
+    assert "of rank(s) 0, 1 differed from a data parallel peer's (first at step 5)" in finished["message"], finished
+    assert "differed from a data parallel peer's (first at step 5)" in run.stdout
