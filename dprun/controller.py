@@ -21,7 +21,7 @@ from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .injection import FaultInjection
 from .deadlines import FORMING_NOTE_EVERY_S, Deadlines
 from .files import FileWork, Files
-from .reconstruction import Reconstruction
+from .reconstruction import MORE_SPARES, Reconstruction
 from . import admission
 from .repeats import RepeatedFailures
 from .standby import SpareSizing
@@ -140,6 +140,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
                      f"{self.spec.heartbeat_timeout:g} s) to take the controller for lost and leave")
             if self.spec.save_dir:
                 cause += f", each writing the copies it held to {self.spec.save_dir}"
+            # (more spares would not have helped: keep dprun running instead)
+            message = message.replace(f"; {MORE_SPARES}", "")
             message = message if message.startswith(cause) else f"{cause}; then: {message}"
         message = self._save_first(code, message)
         if message is None:

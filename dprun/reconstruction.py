@@ -12,6 +12,8 @@ from .controller_io import Flush, Recovery
 from .ledger import RestorePlan
 from .nodes import ACTIVE, FAILED, SPARE
 
+MORE_SPARES = "rerun with more --spares"  # the advice of a node failure with no spare left
+
 MAX_REPLANS = 3  # generations planned again in a row with no node lost before the job gives up
 
 
@@ -115,7 +117,7 @@ class Reconstruction:
             names = ", ".join(f"{self.layout[i]} (node rank {i}: {self.table.nodes[self.layout[i]].cause})"
                               for i in failed_slots)
             if self.spec.on_spare_exhausted != "wait":
-                advice = "rerun with more --spares"
+                advice = MORE_SPARES
                 if all(self.table.nodes[self.layout[i]].raised for i in failed_slots):
                     advice = ("if that error is the script's, fix it (a spare would fail the same way); if it is the "
                               "node's, " + advice)

@@ -169,6 +169,8 @@ def final_summary(model: dict, exit_code: int, message: str) -> list[str]:
         if model.get("goodput") is not None:
             line += f"; goodput {model['goodput'] * 100:.0f}%"
         out = [line]
+    elif exit_code > 128:  # a signal's (Slurm's time limit, scancel, Ctrl-C): stopped as asked, not failed
+        out = [f"dprun: job stopped: {message}"]
     else:
         out = [f"dprun: job failed: {message}"]
     details = failure_lines(model)

@@ -32,6 +32,7 @@ def test_nodes_that_do_take_it_for_lost_are_failed_as_before_and_the_end_says_wh
         "long enough for its nodes (--heartbeat-timeout 5 s) to take the controller for lost and leave, each "
         "writing the copies it held to /saved; then: ")
     assert h.finish.message.count("did not run for") == 1
+    assert "no spare left" in h.finish.message and "more --spares" not in h.finish.message, "more would not help"
 
 
 def test_a_short_pause_moves_the_deadlines_on_and_is_not_blamed_for_a_later_failure():

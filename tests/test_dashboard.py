@@ -188,6 +188,12 @@ def test_final_summary_names_the_failed_rank_with_its_stderr():
     assert len(incidents(model)) == 1 and incidents(model)[0]["recovery"] is None
 
 
+def test_final_summary_of_a_job_stopped_by_a_signal_says_stopped_not_failed():
+    model = fold(hot_swap_events()[:4]).model(T0 + 6)
+    said = "dprun received SIGTERM; stopping every node; the state of step 8 is saved in /saved/step-8"
+    assert final_summary(model, 143, said)[0] == f"dprun: job stopped: {said}"
+
+
 def test_a_spare_s_worker_that_ends_is_named_as_such_not_as_rank_none():
     view = fold(hot_swap_events()[:4])
     view.on_event({"event": "worker_exited", "time": T0 + 5, "node": "node2", "local_rank": 0, "rank": None,

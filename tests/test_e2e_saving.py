@@ -75,6 +75,7 @@ def test_sigterm_saves_the_state_before_the_job_stops(procs, tmp_path, sha):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "dprun: job stopped: dprun received SIGTERM" in err, err[-3000:]
     saving = the_save(read_events(events), err[-3000:])
     assert 8 <= saving["step"] < STEPS
     _resumed(procs, tmp_path, saving["folder"], sha)
