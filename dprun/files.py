@@ -155,12 +155,19 @@ class Files:
 
     def _load_first(self) -> None:
         """Forming a resumed job: each node reads its own ranks' files into its replica store; the first
-        generation starts from them once every node answered (`_files_done`)."""
+        generation starts from them once every node answered (`_files_done`). Each node also reads the ranks
+        it is a replica holder of, as it would hold their snapshots: a node lost before its first snapshot
+        reached a peer is restored from the peer's copy. (Such a read that fails leaves that copy out only.)"""
         folder, step = self.spec.resume_from, self.spec.resume_step
         waiting = {rank: self.node_of_rank(rank) for rank in range(self.spec.world_size)}
         self.files = FileWork(False, folder, step, waiting, self.now + self.spec.files_timeout)
+        reads = {node_id: list(self.ranks_of(i)) for i, node_id in enumerate(self.layout)}
         for i, node_id in enumerate(self.layout):
-            self._send(node_id, p.LoadSnapshots(folder, step, list(self.ranks_of(i))))
+            for holder in self.replica_holders(i):
+                if holder != node_id:
+                    reads.setdefault(holder, []).extend(self.ranks_of(i))
+        for node_id, ranks in reads.items():
+            self._send(node_id, p.LoadSnapshots(folder, step, ranks))
 
     def _while_files(self, event, now: float) -> None:
         """Inputs while files are written or read: their answers and what keeps the nodes known alive count;

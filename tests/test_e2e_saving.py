@@ -61,6 +61,13 @@ def test_a_job_out_of_spares_saves_its_state_and_a_resumed_job_ends_where_an_unb
                   steps=fewer)
     assert short.returncode == 0, short.stderr[-3000:]
     assert {e["step"] for e in short.named("progress")} <= {saving["step"]}, "no step trained"
+    # node 1 lost as training starts, before a snapshot of its own could reach node 0: node 0 read its file too
+    # (as its replica holder), and the spare is restored from that copy; before, the job ended "state lost"
+    lost = dprun(procs, tmp_path, "lost", "--nnodes", "2", "--spares", "1", "--resume-from", saving["folder"],
+                 "--inject", "kill-node:1@t=0", steps=STEPS)
+    assert lost.returncode == 0, lost.stderr[-3000:]
+    (recovered,) = lost.named("recovery_complete")
+    assert recovered["restore_step"] >= saving["step"] and lost.summary["params_sha256"] == sha
     assert f"goes on from step {saving['step']}, past the {fewer} steps asked for" in short.stderr, short.stderr
 
 

@@ -72,25 +72,44 @@ def test_without_save_dir_or_with_nothing_saved_yet_the_job_ends_at_once():
 
 def test_a_resumed_job_reads_its_files_into_its_nodes_stores_then_restores_from_them():
     h = _two_nodes(resume_from="/saved/step-4", resume_step=4)
-    assert [(m.ranks, m.step) for m in h.sent_to("a", p.LoadSnapshots)] == [([0], 4)]
-    assert [(m.ranks, m.step) for m in h.sent_to("b", p.LoadSnapshots)] == [([1], 4)]
+    # its own ranks', then its peer's, as that node's replica holder
+    assert [(m.ranks, m.step) for m in h.sent_to("a", p.LoadSnapshots)] == [([0, 1], 4)]
+    assert [(m.ranks, m.step) for m in h.sent_to("b", p.LoadSnapshots)] == [([1, 0], 4)]
     assert not h.sent_to("a", p.Reconfigure), "not before every rank's file is read"
-    for node, rank in (("a", 0), ("b", 1)):
-        h.msg(node, p.SnapshotStored(node, rank, 4, 0))
-        h.msg(node, p.SnapshotFiles(node, 4, {str(rank): ""}))
+    h.msg("a", p.SnapshotStored("a", 0, 4, 0))
+    h.msg("a", p.SnapshotFiles("a", 4, {"0": "", "1": "/saved/step-4/rank-1.dpsnap is corrupt"}))  # (its peer's)
+    h.msg("b", p.SnapshotStored("b", 1, 4, 0))
+    h.msg("b", p.SnapshotFiles("b", 4, {"1": ""}))  # (without rank 0: a peer's copy is not required)
     (rc,) = h.sent_to("a", p.Reconfigure)
     assert rc.generation == 0 and rc.restore_step == 4 and rc.restore_from == {"0": "tcp://a:1"}
     assert h.c.max_step == 4 and h.named("job_started")[0]["resumed_from"] == "/saved/step-4"
 
 
-def test_a_resumed_job_that_loses_a_node_before_its_state_is_on_a_peer_names_its_folder_to_go_on_from():
-    h = Harness(spec(spares=1, resume_from="/saved/step-4", resume_step=4))
+def _resumed_and_started(h: Harness, held_by_peers: bool) -> None:
     h.register("a", rank=0)
     h.register("b", rank=1)
     h.register("s", spare=True)
-    for node, rank in (("a", 0), ("b", 1)):  # each node holds only its own ranks' files
+    for node, rank, holder in (("a", 0, "b"), ("b", 1, "a")):
         h.msg(node, p.SnapshotStored(node, rank, 4, 0))
+        if held_by_peers:
+            h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
         h.msg(node, p.SnapshotFiles(node, 4, {str(rank): ""}))
+
+
+def test_a_resumed_job_that_loses_a_node_before_its_first_snapshot_is_restored_from_the_files_its_peer_read():
+    h = Harness(spec(spares=1, resume_from="/saved/step-4", resume_step=4))
+    _resumed_and_started(h, held_by_peers=True)
+    h.feed(NodeGone("b", "agent process exited"))
+    for _ in range(3):
+        h.pong_all()
+    assert h.finish is None
+    (rc,) = [m for m in h.sent_to("s", p.Reconfigure) if m.generation == 1]
+    assert rc.restore_step == 4 and rc.restore_from == {"1": "tcp://a:1"}
+
+
+def test_a_resumed_job_that_loses_a_node_before_its_state_is_on_a_peer_names_its_folder_to_go_on_from():
+    h = Harness(spec(spares=1, resume_from="/saved/step-4", resume_step=4))
+    _resumed_and_started(h, held_by_peers=False)  # lost before its holder had read its files
     h.feed(NodeGone("b", "agent process exited"))
     for _ in range(3):
         h.pong_all()
