@@ -283,7 +283,8 @@ class WorkerStatus:
     """Worker -> its agent only, every heartbeat interval from the worker's control thread.
 
     activity: "compute" (in the step body), "collective" (waiting on peers), "snapshot" (waiting for a
-    replica ack), "recovering", "idle" (spare, or between steps).
+    replica ack), "finishing" (past its last step, at the final barrier), "recovering", "idle" (spare, or
+    between steps).
     room: bytes a spare's worker has reserved and faulted in for its restore (Standby), 0 if none.
     """
 

@@ -13,6 +13,7 @@ from .repeats import HUNG
 
 FORMING_NOTE_EVERY_S = 15.0  # nodes still missing after this long, and as often again: "waiting_for_nodes"
 EXIT_NOTE_EVERY_S = 30.0  # workers not exited this long after training finished, and as often: "waiting_for_exit"
+WAITING_ON_PEERS = ("collective", "snapshot", "finishing")  # a worker's activity (protocol.WorkerStatus)
 
 
 class Deadlines:
@@ -101,8 +102,22 @@ class Deadlines:
         """Before a generation's first step, start-up (the script's own, a restore) is no hang; but once a rank
         waits in a collective for its peers, the generation's first step has begun, and one that hangs in it is
         caught as in any other step (before, a hang that followed its rank onto the spare hung the job for ever)."""
-        return any(status.get("activity") == "collective" and status.get("age", 0) <= self._status_stale_after()
+        return any(status.get("activity") in ("collective", "finishing")
+                   and status.get("age", 0) <= self._status_stale_after()
                    for node_id in self.layout for status in self.table.nodes[node_id].workers.values())
+
+    def _finished_apart(self) -> str:
+        """Why every rank waits, where some left the training loop and wait at its final barrier while others
+        train on: they were given different step counts ("": not so)."""
+        done, training = [], []
+        for node_id in self.layout:
+            for status in self.table.nodes[node_id].workers.values():
+                (done if status.get("activity") == "finishing" else training).append(status)
+        if not done or not training:
+            return ""
+        return (f"ranks {_ranks(done)} finished their steps (after step {max(s.get('step', 0) for s in done)}) and "
+                f"wait at the end for ranks {_ranks(training)}, which train on: give every node's script the same "
+                "arguments (a different --steps, or a loop condition that differs between ranks)")
 
     def _status_stale_after(self) -> float:
         """A worker status older than this (as its node's heartbeat says) is of a worker that stopped responding."""
@@ -147,12 +162,12 @@ class Deadlines:
                 step = status.get("step") if status and isinstance(status.get("step"), int) else self.max_step
                 if status is None or status.get("age", 0) > stale_after:
                     culprits.setdefault(node_id, (f"rank {rank} stopped responding", rank, step))
-                elif status.get("activity") not in ("collective", "snapshot"):
+                elif status.get("activity") not in WAITING_ON_PEERS:
                     culprits.setdefault(node_id, (f"rank {rank} stuck in {status.get('activity')} after step {step}",
                                                   rank, step))
         if not culprits:
             self._finish(1, f"job hung: no step for {stalled:.0f} s and every rank waits on its peers; "
-                            "check the network, or raise --hang-timeout")
+                            + (self._finished_apart() or "check the network, or raise --hang-timeout"))
             return
         same = None
         for node_id, (why, rank, step) in culprits.items():
@@ -160,3 +175,7 @@ class Deadlines:
             same = same or self.repeats.seen(1, HUNG, node_id, rank, step)  # hung again where the rank went
         if same is not None and not self.finished:
             self._finish(1, same)
+
+
+def _ranks(statuses: list[dict]) -> list:
+    return sorted(status.get("rank") for status in statuses)

@@ -276,6 +276,7 @@ class Job:
                               step=step.number, metrics=metrics, snapshot=snapshot))
 
     def _finish(self, last: int) -> None:
+        self.activity = "finishing"  # at the final barrier: a peer still training past `last` never comes
         self.barrier()  # past the snapshot gate: every rank's last snapshot is held
         self._control.finished = True
         self._send(P.RankFinished(node_id=self.node_id, generation=self.generation, rank=self.rank, step=last))

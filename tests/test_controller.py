@@ -545,6 +545,17 @@ def test_hang_timeout_blames_the_rank_that_is_not_waiting_on_peers():
     assert failed["node"] == "b" and "rank 1 stuck in compute" in failed["cause"]
 
 
+def test_a_hang_of_ranks_that_finished_their_steps_waiting_for_ranks_that_train_on_names_the_step_counts():
+    h = formed(spec(hang_timeout=10.0))
+    h.msg("a", p.Progress("a", 0, 0, 10))
+    for _ in range(25):
+        h.alive({"a": {"0": {"rank": 0, "step": 10, "activity": "finishing", "age": 0.2}},
+                 "b": {"0": {"rank": 1, "step": 10, "activity": "collective", "age": 0.3}}, "s": {}})
+    assert not h.named("node_failed"), "neither rank is stuck on its own"
+    assert h.finish and "ranks [0] finished their steps (after step 10) and wait at the end for ranks [1]" \
+        in h.finish.message and "a different --steps" in h.finish.message
+
+
 def test_hang_timeout_is_not_armed_before_the_first_step_of_a_generation():
     h = formed(spec(hang_timeout=2.0))
     for _ in range(12):  # importing torch, building the model: no step yet, and that is no hang
