@@ -79,6 +79,8 @@ class Reconstruction:
             return
         if self._open_pending(now):  # a failure during recovery: one recovery covers both
             self._replanned_for_a_loss()
+        if not self.pending.failed:  # (one opened by a peer's error, then this node found by the probe: its
+            self.pending.t_detect = now  # detection took the probe, not the planning)
         self.pending.failed.append(node_id)
         self.pending.replan |= was == SPARE
         # when it failed: when injected, last heard, or (restart mode) the generation's first crash, its or another's

@@ -235,6 +235,9 @@ def test_peer_error_probes_and_fails_the_node_that_does_not_answer():
     assert "probe" in h.named("node_failed")[0]["cause"]
     h.pong_all()
     assert h.c.generation == 1
+    # from the peer's error to the node found: detection (it read 0 s, the probe counted as planning)
+    assert h.c.recovery.t_detect - h.c.recovery.t_fail == pytest.approx(1.1)
+    assert h.named("reconfigure")[-1]["decide_s"] == 0.0
 
 
 def test_a_peer_error_with_every_node_alive_plans_the_same_layout_again():
