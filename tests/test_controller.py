@@ -538,22 +538,24 @@ def test_a_corrupt_copy_is_dropped_and_the_next_one_used():
     assert h.named("restore_failed")[0]["reason"] == "checksum mismatch"
 
 
-def test_hang_timeout_blames_the_rank_that_is_not_waiting_on_peers():
+def _hung_for_12_s(step: int, activity_a: str, activity_b: str) -> Harness:
+    """A job that made `step`, then rank 0 (on a) and rank 1 (on b) do these for 12.5 s (--hang-timeout 10)."""
     h = formed(spec(hang_timeout=10.0))
-    h.msg("a", p.Progress("a", 0, 0, 3))
+    h.msg("a", p.Progress("a", 0, 0, step))
     for _ in range(25):
-        h.alive({"a": {"0": {"rank": 0, "step": 3, "activity": "collective", "age": 0.2}},
-                 "b": {"0": {"rank": 1, "step": 3, "activity": "compute", "age": 0.3}}, "s": {}})
+        h.alive({"a": {"0": {"rank": 0, "step": step, "activity": activity_a, "age": 0.2}},
+                 "b": {"0": {"rank": 1, "step": step, "activity": activity_b, "age": 0.3}}, "s": {}})
+    return h
+
+
+def test_hang_timeout_blames_the_rank_that_is_not_waiting_on_peers():
+    h = _hung_for_12_s(3, "collective", "compute")
     (failed,) = h.named("node_failed")
     assert failed["node"] == "b" and "rank 1 stuck in compute" in failed["cause"]
 
 
 def test_a_hang_of_ranks_that_finished_their_steps_waiting_for_ranks_that_train_on_names_the_step_counts():
-    h = formed(spec(hang_timeout=10.0))
-    h.msg("a", p.Progress("a", 0, 0, 10))
-    for _ in range(25):
-        h.alive({"a": {"0": {"rank": 0, "step": 10, "activity": "finishing", "age": 0.2}},
-                 "b": {"0": {"rank": 1, "step": 10, "activity": "collective", "age": 0.3}}, "s": {}})
+    h = _hung_for_12_s(10, "finishing", "collective")
     assert not h.named("node_failed"), "neither rank is stuck on its own"
     assert h.finish and "ranks [0] finished their steps (after step 10) and wait at the end for ranks [1]" \
         in h.finish.message and "a different --steps" in h.finish.message
