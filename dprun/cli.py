@@ -100,7 +100,8 @@ def run(
     heartbeat_timeout: float = typer.Option(
         5.0, "--heartbeat-timeout", help="A node silent this long is failed (frozen, partitioned)."),
     probe_timeout: float = typer.Option(
-        1.0, "--probe-timeout", help="After a peer error, a node that does not answer a probe this fast is failed."),
+        1.0, "--probe-timeout", help="After a peer error, or a connection to the controller closed, a node that "
+                                     "does not answer a probe this fast is failed."),
     hang_timeout: float = typer.Option(
         600.0, "--hang-timeout",
         help="No training step anywhere for this long: the rank that is not waiting on its peers is failed "

@@ -13,7 +13,7 @@ from typing import Any
 from dpagent import protocol as p
 
 from .controller_io import (  # noqa: F401  (re-exported: the controller's inputs and actions)
-    Finish, Flush, JobSpec, NodeGone, Paused, Publish, Received, Recovery, Send, Shutdown, Tick,
+    ConnectionDropped, Finish, Flush, JobSpec, NodeGone, Paused, Publish, Received, Recovery, Send, Shutdown, Tick,
 )
 from .faults import FaultPlan
 from .ledger import INIT, ReplicaLedger
@@ -94,6 +94,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.saved_in = ""  # the step folder that save wrote, once every rank's file is there
         self.now = now  # the time of the input being handled
         self.paused: tuple[float, float] | None = None  # (when, seconds) the controller last stopped running
+        self.dropped_at: float | None = None  # a connection closed then: nodes not heard since are probed
         self._out: list = []
 
     # -- entry point -----------------------------------------------------------------------------
@@ -113,6 +114,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             self._tick(now)
         elif isinstance(event, Paused):
             self._paused(event.seconds, now)
+        elif isinstance(event, ConnectionDropped):
+            self._connection_dropped(now)
         elif isinstance(event, Shutdown):
             self._finish(event.exit_code, event.reason)
         else:

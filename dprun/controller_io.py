@@ -68,6 +68,13 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class ConnectionDropped:
+    """The shell saw a connection to the controller's socket close (its ZeroMQ monitor): a peer's process may have
+    died with its host's kernel still up (killed whole, as Slurm's OOM handling kills a node's tasks), which then
+    closes its connections although none of its processes can say a word."""
+
+
+@dataclass(frozen=True)
 class Paused:
     """The shell's loop did not run for `seconds` (dprun stopped by SIGSTOP or Ctrl-Z, its VM paused, starved of
     CPU): the silence its nodes seem to have kept meanwhile was the controller's own."""

@@ -38,6 +38,8 @@ class Deadlines:
             silent = now - node.last_heard
             if silent > self.spec.heartbeat_timeout and (node.role != FAILED or node.keeps_store):
                 self._node_failed(node.node_id, f"no heartbeat for {silent:.1f} s", now, since=node.last_heard)
+        if self.dropped_at is not None and now >= self.dropped_at + self.spec.probe_timeout:
+            self._dropped_probe_over(now)
         if self.flush is not None and now >= self.flush.deadline:
             for node_id in sorted(self.flush.waiting):
                 self._node_failed(node_id, f"no answer to a probe within {self.spec.probe_timeout:g} s", now)
@@ -46,6 +48,25 @@ class Deadlines:
         self._check_waits(now)
         self._ping_due(now)
         self._fire_faults(now)
+
+    def _connection_dropped(self, now: float) -> None:
+        """A connection to the controller closed: probe every node now (a Ping), and fail those not heard from
+        within --probe-timeout (`_dropped_probe_over`). While training runs: in a recovery every node is probed
+        anyway, and a fenced node's agent closes its own connection as it exits."""
+        if self.generation < 0 or self.pending is not None or self.recovery is not None or self.flush is not None \
+                or self.dropped_at is not None:
+            return
+        self.dropped_at = now
+        self.next_ping = now
+        self._ping_due(now)
+
+    def _dropped_probe_over(self, now: float) -> None:
+        since, self.dropped_at = self.dropped_at, None
+        for node in self.table.live():
+            if node.last_heard < since:
+                self._node_failed(node.node_id, f"a connection to the controller closed and it did not answer a "
+                                                f"probe within {self.spec.probe_timeout:g} s", now,
+                                  since=node.last_heard)
 
     def _paused(self, seconds: float, now: float) -> None:
         """The controller itself did not run for `seconds`: no node is blamed for that silence, nor a rank for

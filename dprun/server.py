@@ -20,7 +20,9 @@ from dpagent import protocol as p
 from dpagent.channel import poll_ms
 from dpagent.liveness import PAUSED_AFTER_S
 
-from .controller import Controller, Finish, JobSpec, NodeGone, Paused, Publish, Received, Send, Shutdown, Tick
+from .controller import (
+    ConnectionDropped, Controller, Finish, JobSpec, NodeGone, Paused, Publish, Received, Send, Shutdown, Tick,
+)
 from .events import EventSink
 from .jobview import JobView, controller_state
 
@@ -66,6 +68,7 @@ class ControllerServer:
                    if exc.errno == errno.EADDRINUSE else exc.strerror)
             raise PortInUse(f"cannot listen on {host}:{port} ({why}); pick a free port") from None
         self.host = host
+        self._monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # a peer's connection closed
         self._inbox_addr = f"inproc://dprun-{uuid.uuid4().hex}"
         self._inbox = self.ctx.socket(zmq.PULL)
         self._inbox.bind(self._inbox_addr)
@@ -89,6 +92,7 @@ class ControllerServer:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._inbox, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         next_tick = ran = time.monotonic()
         while True:
             ready = dict(poller.poll(poll_ms(next_tick, time.monotonic())))
@@ -98,6 +102,10 @@ class ControllerServer:
             if self._inbox in ready:
                 while self._inbox.poll(0):
                     inputs.append(pickle.loads(self._inbox.recv()))
+            if self._monitor in ready:
+                while self._monitor.poll(0):
+                    self._monitor.recv_multipart()  # (which connection it was, ZeroMQ does not say)
+                    inputs.append(ConnectionDropped())
             if time.monotonic() >= next_tick:
                 inputs.append(Tick())
                 next_tick = time.monotonic() + TICK_S
@@ -228,6 +236,7 @@ class ControllerServer:
         self.post(Shutdown(exit_code, reason))
 
     def close(self) -> None:
-        for sock in (self._poster, self._inbox):
+        self.router.disable_monitor()
+        for sock in (self._poster, self._inbox, self._monitor):
             sock.close(0)
         self.router.close()  # lingers up to 2 s so the final Stop messages leave

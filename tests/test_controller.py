@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dpagent import protocol as p
-from dprun.controller import Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
+from dprun.controller import ConnectionDropped, Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
 from dprun.faults import parse_fault
 from dprun.ledger import ReplicaLedger
 
@@ -238,6 +238,40 @@ def test_peer_error_probes_and_fails_the_node_that_does_not_answer():
     # from the peer's error to the node found: detection (it read 0 s, the probe counted as planning)
     assert h.c.recovery.t_detect - h.c.recovery.t_fail == pytest.approx(1.1)
     assert h.named("reconfigure")[-1]["decide_s"] == 0.0
+
+
+def test_a_dropped_connection_probes_every_node_and_fails_the_one_that_does_not_answer():
+    """A node killed whole (its host up): its kernel closes its connections, and none of its processes can say a
+    word. The shell's socket monitor tells of a connection closed (not whose): every node is pinged at once, and
+    one not heard from within --probe-timeout is failed, dated from when it was last heard."""
+    h = formed()
+    h.alive({"a": {}, "b": {}, "s": {}}, dt=0.3)
+    h.feed(ConnectionDropped(), dt=0.1)
+    seq = h.c.seq
+    assert {s.node_id for s in h.sent if isinstance(s.msg, p.Ping) and s.msg.seq == seq} == {"a", "b", "s"}
+    h.msg("a", p.Pong("a", seq))
+    h.msg("s", p.Pong("s", seq))
+    h.feed(Tick(), dt=0.9)
+    assert not h.named("node_failed"), "not before --probe-timeout"
+    h.feed(Tick(), dt=0.2)
+    (failed,) = h.named("node_failed")
+    assert failed["node"] == "b" and "a connection to the controller closed" in failed["cause"]
+    assert h.c.pending.t_fail == 0.0, "dated from its last word (its heartbeat at 0 s), not from the probe (1.5 s)"
+
+
+def test_a_dropped_connection_with_every_node_answering_changes_nothing():
+    h = formed()
+    h.feed(ConnectionDropped(), dt=0.1)  # (a member's dprun that spoke for its dead agent, a status client...)
+    h.feed(ConnectionDropped(), dt=0.1)
+    h.alive({"a": {}, "b": {}, "s": {}}, dt=1.5)
+    assert not h.named("node_failed") and h.c.generation == 0 and h.c.dropped_at is None
+
+
+def test_a_dropped_connection_during_a_recovery_is_left_to_its_probe():
+    h = formed()
+    h.feed(NodeGone("b", "agent process exited"))
+    h.feed(ConnectionDropped(), dt=0.1)  # (b's own connection, as its processes die)
+    assert h.c.dropped_at is None
 
 
 def test_a_peer_error_with_every_node_alive_plans_the_same_layout_again():

@@ -60,8 +60,8 @@ class FaultDriver:
         w.failures += 1
         if fault.kind in ("kill-node", "kill-spare"):
             w.kill_node(node.node_id, observed_by_parent=True)
-        elif fault.kind == "kill-node-silent":
-            w.kill_node(node.node_id, observed_by_parent=False)
+        elif fault.kind == "kill-node-silent":  # half of them with their host's kernel up to close connections
+            w.kill_node(node.node_id, observed_by_parent=False, closes_connections=(fault.pick * 1000) % 1 < 0.5)
         elif fault.kind == "kill-worker":
             w.kill_worker(node.node_id, 0)
         elif fault.kind == LEAVE:

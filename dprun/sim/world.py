@@ -12,7 +12,7 @@ import random
 from typing import Any, Callable
 
 from dpagent import protocol as p
-from dprun.controller import Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
+from dprun.controller import ConnectionDropped, Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
 
 from .nodes import ScriptError, SimNode, SimWorker
 from .schedule import FETCH_TIMEOUT_S
@@ -205,7 +205,10 @@ class World(WorkerSide):
         self.at(self.hb_interval, self._heartbeat, node_id)
         return node_id
 
-    def kill_node(self, node_id: str, observed_by_parent: bool = True) -> None:
+    def kill_node(self, node_id: str, observed_by_parent: bool = True, closes_connections: bool = False) -> None:
+        """Its processes die; its parent (a dprun on its host) tells the controller, or none does (its dprun died
+        too): then its kernel may close its connections (the controller's socket monitor sees one close) or,
+        a host that lost power, not."""
         node = self.nodes[node_id]
         if not node.alive:
             return
@@ -218,6 +221,8 @@ class World(WorkerSide):
         self.log.append(f"{self.now:.3f} kill {node_id}")
         if observed_by_parent:
             self.at(self.rng.uniform(0.0005, 0.005), self._controller_input, NodeGone(node_id, "sim: process died"))
+        elif closes_connections:  # (no draw from rng: seeds found before replay as they were)
+            self.at(0.002, self._controller_input, ConnectionDropped())
         for key in list(self.entered):
             self._check_allreduce(key)
 
