@@ -21,7 +21,7 @@ from .shutdown import SENT_BY_PHASE
 from .workers import WorkerDone, describe_exit, worker_env
 
 log = logging.getLogger("dpagent")
-FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, Diverged, SnapshotFiles)  # to the controller
+FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, Diverged, SnapshotFiles)  # relayed on
 
 
 class WorkerLink:

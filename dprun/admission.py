@@ -37,10 +37,11 @@ def warnings(spec: JobSpec, msg: p.Register, rank_holders: Iterable[tuple[str, i
     for (it goes where the job has room, a spare if none)."""
     said = []
     script = msg.terms.get("script")
-    if isinstance(script, list) and all(isinstance(arg, str) for arg in script) and spec.command and tuple(script) != spec.command:
-        said.append(f"node {msg.node_id} (host {msg.host}) runs `{_shown(script)}`, the head `{_shown(spec.command)}`: "
-                    "every node should run the same script with the same arguments (ranks that disagree on the "
-                    "number of steps wait on each other at the end until --hang-timeout)")
+    if isinstance(script, list) and all(isinstance(arg, str) for arg in script) and spec.command \
+            and tuple(script) != spec.command:
+        said.append(f"node {msg.node_id} (host {msg.host}) runs `{shlex.join(script)}`, the head "
+                    f"`{shlex.join(spec.command)}`: every node should run the same script with the same arguments "
+                    "(ranks that disagree on the number of steps wait on each other at the end until --hang-timeout)")
     if 0 <= msg.node_rank < spec.nnodes:
         for node_id, wanted in rank_holders:
             if wanted == msg.node_rank:
@@ -49,7 +50,3 @@ def warnings(spec: JobSpec, msg: p.Register, rank_holders: Iterable[tuple[str, i
                             "node its own --node-rank)")
                 break
     return said
-
-
-def _shown(command: Iterable[str]) -> str:
-    return shlex.join(command)
