@@ -33,6 +33,7 @@ from .saving import save_local
 from .sources import SnapshotSources, named_sources
 from .standby import RestoreRoom
 from .state import Tracked
+from .uncaught import hint_unwrapped_steps
 from .watch import WATCHER
 
 UNTRACKED = ("no model or optimizer is tracked (job.track(model=..., optimizer=...)), so snapshots hold no "
@@ -76,6 +77,8 @@ class Job:
     def __init__(self, control: Control | None, abort: AbortSignal, ctx: zmq.Context | None):
         self._control, self._abort, self._ctx = control, abort, ctx
         self._standalone = control is None
+        if not self._standalone:
+            hint_unwrapped_steps(lambda: self.rank, abort)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("DP_NPROC_PER_NODE", "1")))
         self.node_id = os.environ.get("DP_NODE_ID", "local")

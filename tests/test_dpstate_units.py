@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from dpstate.holders import HolderGone
 from dpstate.control import Control
 from dpstate.metrics import MAX_METRIC_BYTES, MAX_METRICS_BYTES, sendable_metrics
 from dpstate.session import Job, Step
+from dpstate.uncaught import hint_unwrapped_steps
 from test_dpstate_harness import TOKEN
 
 pytestmark = pytest.mark.timeout(30)
@@ -544,3 +546,16 @@ def test_a_worker_asked_for_every_step_it_holds_writes_each_into_its_step_folder
 def test_a_complex_metric_is_sent_as_text_not_an_error_in_the_step():
     logged = {"z": torch.tensor(1 + 2j), "zs": torch.tensor([1 + 2j, 3j]), "loss": torch.tensor(0.5)}
     assert sendable_metrics(logged) == {"z": "(1+2j)", "zs": "[(1+2j), 3j]", "loss": 0.5}
+
+
+def test_an_uncaught_peer_failure_gets_a_hint_about_with_step_after_its_traceback_and_a_bug_does_not(
+        monkeypatch, capsys):
+    shown = []
+    monkeypatch.setattr("sys.excepthook", lambda *exc: shown.append(exc[1]))
+    hint_unwrapped_steps(lambda: 3, AbortSignal())
+    peer = RuntimeError(f"Unable to cast {ABORT_MARKER}: generation 1 requested (recovery) to Tensor")
+    sys.excepthook(RuntimeError, peer, None)
+    assert shown == [peer], "the traceback first, as before"
+    assert "dpstate: rank 3: this error is a peer's failure" in capsys.readouterr().err
+    sys.excepthook(ValueError, ValueError("bad batch"), None)
+    assert capsys.readouterr().err == "" and len(shown) == 2

@@ -31,6 +31,14 @@ job = dpstate.init()
 ddp = job.data_parallel(model)
 if mode != "untracked":
     job.track(model=model, optimizer=opt)
+if mode == "unwrapped":  # a loop without `with step:`: a peer's failure is an exception like any other
+    for step in job.steps(40):
+        loss = ddp(torch.randn(4, width)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.05)
+    sys.exit(0)
 hog = bytearray if mode == "oom" and job.rank == 1 else None  # its appetite at step 5, on every node it runs on
 if mode == "crash" and job.rank == 1:  # what libstdc++ does when a native thread dies as the interpreter exits
     atexit.register(lambda: (print("terminate called without an active exception", file=sys.stderr), os.abort()))
@@ -228,3 +236,14 @@ def test_a_rank_whose_parameters_drift_from_its_peers_is_named_as_it_happens_and
     (finished,) = _named(events, "job_finished")
     assert "of rank(s) 0, 1 differed from a data parallel peer's (first at step 5)" in finished["message"], finished
     assert "differed from a data parallel peer's (first at step 5)" in run.stdout
+
+
+def test_a_peer_s_failure_that_ends_a_script_without_with_step_says_what_would_have_recovered_it(procs, tmp_path):
+    """A loop that forgets `with step:`: when node 1 dies, rank 0's collective error escapes the loop and ends
+    its process like any bug. It still does (dpstate cannot resume a loop the script left), but after the
+    traceback it says that this error is one dpstate recovers from inside `with step:`, and how to write it."""
+    run, events = _run(procs, tmp_path, "unwrapped", "--spares", "1", "--inject", "kill-node:1@step=3")
+    assert run.returncode == 1, run.stderr[-3000:]
+    said = run.stdout + run.stderr
+    assert "rank 0: this error is a peer's failure (or the job reconfiguring), which dpstate recovers from only " \
+           "inside a step's `with step:` block" in said, said[-3000:]
