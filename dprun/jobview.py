@@ -23,6 +23,8 @@ LEVELS = {"node_failed": "error", "worker_exited": "error", "spare_lost": "warn"
           "message_dropped": "warn", "job_started": "info", "restart_rendezvous": "ok", "node_joined": "dim",
           "fault_skipped": "warn", "saving_state": "warn", "save_retried": "warn", "message_refused": "warn",
           "divergence": "error", "node_refused": "warn", "node_warning": "warn"}
+WARNING_EVENTS = ("node_refused", "node_warning", "divergence")  # what `dprun report` lists under "warnings"
+WARNINGS_KEPT = 20
 STEPS_ARGS = ("--steps", "--max-steps", "--total-steps", "--num-steps", "--max-iters", "--iters", "--max_steps",
               "--total_steps", "--num_steps", "--max_iters")
 
@@ -88,6 +90,7 @@ class JobView:
         self.recoveries: list[dict] = []
         self.failures: list[dict] = []
         self.finished: dict | None = None
+        self.warnings: list[dict] = []  # nodes refused or joined with a warning, ranks found diverged: the first few
         self.restore_point: int | None = None
         self.world_size = 0
         self.status_endpoint = ""
@@ -105,6 +108,8 @@ class JobView:
         handler = getattr(self, f"_ev_{kind}", None)
         if handler is not None:
             handler(e, t)
+        if kind in WARNING_EVENTS and len(self.warnings) < WARNINGS_KEPT:
+            self.warnings.append({"time": t, "event": kind, "text": describe(e)})
         if kind != "progress" and not (kind == "node_joined" and len(self.nodes) > 8):
             self.log.append((t, LEVELS.get(kind, "info"), brief(e)))
 
@@ -287,7 +292,7 @@ class JobView:
             "log": [list(entry) for entry in list(self.log)[-MODEL_LOG:]],
             "recoveries": self.recoveries[-keep:] if keep else list(self.recoveries),
             "failures": self.failures[-keep:] if keep else list(self.failures),
-            "finished": self.finished, "time": now,
+            "finished": self.finished, "warnings": list(self.warnings), "time": now,
         }
 
 

@@ -129,6 +129,10 @@ def print_report(model: dict, console: Console, bad_lines: int = 0) -> None:
                           "rendezvous; lost steps are the script's own (since its last checkpoint)", style="dim")
         for line in failure_lines(model, t0):
             console.print(line, markup=False, highlight=False)
+    if model.get("warnings"):
+        console.print("warnings:")
+        for warning in model["warnings"]:
+            console.print(f"  +{warning['time'] - t0:.1f}s {warning['text']}", markup=False, highlight=False)
     if bad_lines:
         console.print(f"[yellow]{bad_lines} line(s) of the events file were not events and were skipped[/]")
 

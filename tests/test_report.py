@@ -87,6 +87,24 @@ def test_report_of_a_failed_job_says_why_it_ended(tmp_path):
     assert "finished (exit 1)" in text and f"why: {why}" in " ".join(text.split()), text
 
 
+def test_report_lists_nodes_refused_or_warned_of_and_ranks_found_diverged(tmp_path):
+    warned = [
+        {"event": "node_refused", "time": T0 + 0.5, "node": "n9", "host": "h9",
+         "reason": "node n9 (host h9) was started with --nnodes 3, the job has 2: give every node the same --nnodes"},
+        {"event": "node_warning", "time": T0 + 0.6, "node": "node1",
+         "warning": "node node1 (host h) runs `t.py --steps 50`, the head `t.py --steps 40`: ..."},
+        {"event": "divergence", "time": T0 + 9, "node": "node1", "rank": 1, "step": 7, "blocks": [0]},
+    ]
+    proc = report(write(tmp_path / "warned.jsonl", restart_events()[:4] + warned + restart_events()[-1:]))
+    text, err = proc.communicate(timeout=50)
+    assert proc.returncode == 0, err
+    said = " ".join(text.split())
+    assert "warnings: +0.5s refused n9: node n9 (host h9) was started with --nnodes 3" in said, text
+    assert "+0.6s warning: node node1 (host h) runs `t.py --steps 50`" in said, text
+    assert "+9.0s rank 1 on node1: its parameters or optimizer state at step 7 differ from a data parallel peer's" \
+        in said, text
+
+
 def stamped(events: list[dict], job: str) -> list[dict]:
     """Events as dprun now writes them: with the job's id and a sequence number per run."""
     return [{**e, "job": job, "seq": i} for i, e in enumerate(events)]
