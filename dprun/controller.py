@@ -95,6 +95,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.now = now  # the time of the input being handled
         self.paused: tuple[float, float] | None = None  # (when, seconds) the controller last stopped running
         self.dropped_at: float | None = None  # a connection closed then: nodes not heard since are probed
+        self.apart: tuple[float, dict] = (now, {})  # since when ranks wait past the step others finished at
         self._out: list = []
 
     # -- entry point -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from .repeats import HUNG
 FORMING_NOTE_EVERY_S = 15.0  # nodes still missing after this long, and as often again: "waiting_for_nodes"
 EXIT_NOTE_EVERY_S = 30.0  # workers not exited this long after training finished, and as often: "waiting_for_exit"
 WAITING_ON_PEERS = ("collective", "snapshot", "finishing")  # a worker's activity (protocol.WorkerStatus)
+APART_FOR = 6  # heartbeat intervals that ranks stuck past others' last step must stay so (Deadlines._stuck_apart)
 
 
 class Deadlines:
@@ -114,6 +115,8 @@ class Deadlines:
         if self.all_finished_at is not None:
             if rec is None and self.flush is None:
                 self._waiting_for_exit(now)
+        elif rec is None and self.flush is None and not self.spec.restart_mode and self._stuck_apart(now):
+            self._finish(1, f"job hung at its end: {self._finished_apart()}")
         elif (self.spec.hang_timeout > 0 and rec is None and self.flush is None and not self.spec.restart_mode
                 and now - self.last_progress_at > self.spec.hang_timeout
                 and (self.stepped or self._a_rank_waits_on_its_peers())):
@@ -126,6 +129,23 @@ class Deadlines:
         return any(status.get("activity") in ("collective", "finishing")
                    and status.get("age", 0) <= self._status_stale_after()
                    for node_id in self.layout for status in self.table.nodes[node_id].workers.values())
+
+    def _stuck_apart(self, now: float) -> bool:
+        """Ranks past their last step wait at the final barrier while others made that step too, and wait in a
+        collective of the next one that the finished ranks will never join: given different step counts. True
+        once those others' steps have not moved for APART_FOR heartbeat intervals (statuses lag by one)."""
+        finishing, beyond = [], {}
+        for node_id in self.layout:
+            for status in self.table.nodes[node_id].workers.values():
+                if status.get("activity") == "finishing":
+                    finishing.append(status.get("step", 0))
+                elif status.get("activity") == "collective" and status.get("age", 0) <= self._status_stale_after():
+                    beyond[status.get("rank")] = status.get("step", -1)
+        beyond = {rank: step for rank, step in beyond.items() if finishing and step >= max(finishing)}
+        if not beyond or beyond != self.apart[1]:
+            self.apart = (now, beyond)
+            return False
+        return now - self.apart[0] >= APART_FOR * self.spec.heartbeat_interval
 
     def _finished_apart(self) -> str:
         """Why every rank waits, where some left the training loop and wait at its final barrier while others

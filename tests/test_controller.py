@@ -589,10 +589,32 @@ def test_hang_timeout_blames_the_rank_that_is_not_waiting_on_peers():
 
 
 def test_a_hang_of_ranks_that_finished_their_steps_waiting_for_ranks_that_train_on_names_the_step_counts():
-    h = _hung_for_12_s(10, "finishing", "collective")
+    """Rank 0 waits at the final barrier after step 10; rank 1 made step 10 too and waits in a collective of
+    step 11 that rank 0 never joins (other --steps). Both wait on a peer: --hang-timeout blamed no one and said
+    "check the network"; now the job ends once rank 1's step has stood still for 6 heartbeat intervals."""
+    h = formed(spec(hang_timeout=600.0))
+    h.msg("a", p.Progress("a", 0, 0, 10))
+    for _ in range(8):
+        h.alive({"a": {"0": {"rank": 0, "step": 10, "activity": "finishing", "age": 0.2}},
+                 "b": {"0": {"rank": 1, "step": 10, "activity": "collective", "age": 0.3}}, "s": {}})
     assert not h.named("node_failed"), "neither rank is stuck on its own"
-    assert h.finish and "ranks [0] finished their steps (after step 10) and wait at the end for ranks [1]" \
-        in h.finish.message and "a different --steps" in h.finish.message
+    assert h.finish and h.now < 5, "at once, not at --hang-timeout"
+    assert h.finish.message.startswith("job hung at its end: ranks [0] finished their steps (after step 10) and "
+                                       "wait at the end for ranks [1]")
+    assert "a different --steps" in h.finish.message
+
+
+@pytest.mark.parametrize("rank_1", [
+    [{"rank": 1, "step": 9, "activity": "compute", "age": 0.3}] * 8,  # slower: still in the last step
+    [{"rank": 1, "step": 9, "activity": "collective", "age": 0.3}] * 8,  # ... waiting on its last all-reduce
+    [{"rank": 1, "step": 10 + i, "activity": "collective", "age": 0.3} for i in range(8)],  # training on alone
+])
+def test_ranks_that_reach_the_end_apart_but_move_are_no_hang(rank_1):
+    h = formed(spec(hang_timeout=600.0))
+    h.msg("a", p.Progress("a", 0, 0, 10))
+    for status in rank_1:
+        h.alive({"a": {"0": {"rank": 0, "step": 10, "activity": "finishing", "age": 0.2}}, "b": {"0": status}, "s": {}})
+    assert h.finish is None
 
 
 def test_hang_timeout_is_not_armed_before_the_first_step_of_a_generation():
