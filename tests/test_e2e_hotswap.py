@@ -152,8 +152,9 @@ def test_a_spare_lost_whole_is_noticed_within_seconds_and_the_job_goes_on(procs,
     only --heartbeat-timeout (here 60 s) did, and a failure meanwhile counted on a spare that was not there."""
     head, victim, spare, events, summary = _multi_node_job(procs, tmp_path, "--heartbeat-timeout", "60")
     spare_tree = [spare.pid] + [c.pid for c in psutil.Process(spare.pid).children(recursive=True)]
-    for pid in spare_tree:
-        os.kill(pid, signal.SIGKILL)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):  # all stopped first: none lives on to tell (its agent would,
+        for pid in spare_tree:  # once its dprun died: Leaving)
+            os.kill(pid, sig)
     killed_at = time.time()
     wait_for(lambda: any(e["event"] == "spare_lost" for e in read_events(events)), timeout=10,
              what="the spare's loss to be noticed")
