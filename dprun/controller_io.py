@@ -70,8 +70,8 @@ class Tick:
 @dataclass(frozen=True)
 class ConnectionDropped:
     """The shell saw a connection to the controller's socket close (its ZeroMQ monitor): a peer's process may have
-    died with its host's kernel still up (killed whole, as Slurm's OOM handling kills a node's tasks), which then
-    closes its connections although none of its processes can say a word."""
+    died with its host's kernel still up (killed whole: its process group or cgroup), which then closes its
+    connections although none of its processes can say a word."""
 
 
 @dataclass(frozen=True)
