@@ -137,10 +137,12 @@ class Deadlines:
         finishing, beyond = [], {}
         for node_id in self.layout:
             for status in self.table.nodes[node_id].workers.values():
-                if status.get("activity") == "finishing":
-                    finishing.append(status.get("step", 0))
-                elif status.get("activity") == "collective" and status.get("age", 0) <= self._status_stale_after():
-                    beyond[status.get("rank")] = status.get("step", -1)
+                if not _well_formed(status):
+                    continue  # (a buggy agent's: no evidence either way)
+                if status["activity"] == "finishing":
+                    finishing.append(status["step"])
+                elif status["activity"] == "collective" and status.get("age", 0) <= self._status_stale_after():
+                    beyond[status["rank"]] = status["step"]
         beyond = {rank: step for rank, step in beyond.items() if finishing and step >= max(finishing)}
         if not beyond or beyond != self.apart[1]:
             self.apart = (now, beyond)
@@ -152,11 +154,11 @@ class Deadlines:
         train on: they were given different step counts ("": not so)."""
         done, training = [], []
         for node_id in self.layout:
-            for status in self.table.nodes[node_id].workers.values():
-                (done if status.get("activity") == "finishing" else training).append(status)
+            for status in filter(_well_formed, self.table.nodes[node_id].workers.values()):
+                (done if status["activity"] == "finishing" else training).append(status)
         if not done or not training:
             return ""
-        return (f"ranks {_ranks(done)} finished their steps (after step {max(s.get('step', 0) for s in done)}) and "
+        return (f"ranks {_ranks(done)} finished their steps (after step {max(s['step'] for s in done)}) and "
                 f"wait at the end for ranks {_ranks(training)}, which train on: give every node's script the same "
                 "arguments (a different --steps, or a loop condition that differs between ranks)")
 
@@ -219,4 +221,10 @@ class Deadlines:
 
 
 def _ranks(statuses: list[dict]) -> list:
-    return sorted(status.get("rank") for status in statuses)
+    return sorted(status["rank"] for status in statuses)
+
+
+def _well_formed(status) -> bool:
+    """A worker status (protocol.Heartbeat.workers) whose rank, step, activity and age have their types."""
+    return (isinstance(status, dict) and isinstance(status.get("rank"), int) and isinstance(status.get("step"), int)
+            and isinstance(status.get("activity"), str) and isinstance(status.get("age", 0), (int, float)))

@@ -179,6 +179,11 @@ class Reconstruction:
         if not failed_slots and not self.spec.restart_mode and not self._one_more_replan(rec):
             return
         self.unrestored |= {r for i in failed_slots for r in self.ranks_of(i)}
+        if self.spec.nnodes == 1 and len(spares) > len(failed_slots):
+            # a single node's snapshots live on spares: promote one that holds none, so that the holder keeps its
+            # copy through a second loss while the new node restores (simulator seed 2001984)
+            holding = {node_id for held in self.holders.values() for node_id in held}
+            spares.sort(key=lambda spare: spare.node_id in holding)
         for i in failed_slots:
             spare = spares.pop(0)
             self.table.set_role(spare, ACTIVE)

@@ -758,6 +758,28 @@ def test_out_of_spares_with_wait_policy_gives_up_after_its_timeout():
     assert h.finish and h.finish.exit_code == 1 and "no node joined as a spare" in h.finish.message
 
 
+def test_a_single_node_s_replacement_is_a_spare_that_holds_no_copy_so_a_second_loss_is_survived():
+    """One node, two spares: its snapshots live on the first spare. Promoting that holder left the state on
+    the new node alone until its first snapshot reached the other spare; its loss then was "state lost"
+    (simulator seed 2001984). The other spare is promoted and fetches from the holder, which keeps its copy."""
+    h = Harness(spec(nnodes=1, spares=2))
+    h.register("a", rank=0)
+    h.register("s1", spare=True)
+    h.register("s2", spare=True)
+    assert h.c.holders == {0: ["s1"]}
+    for step in (1, 2):
+        h.msg("s1", p.SnapshotStored("s1", 0, step, 0))
+        h.msg("a", p.Progress("a", 0, 0, step, snapshot=True))
+    h.feed(NodeGone("a", "killed"))
+    h.pong_all()
+    (rc,) = h.sent_to("s2", p.Reconfigure)
+    assert rc.generation == 1 and rc.restore_step == 2 and rc.restore_from == {"0": "tcp://s1:1"}
+    h.feed(NodeGone("s2", "killed"), dt=0.1)  # lost while it restores
+    h.pong_all()
+    (again,) = h.sent_to("s1", p.Reconfigure)[-1:]
+    assert h.finish is None and again.generation == 2 and again.restore_step == 2
+
+
 def test_a_survivor_whose_holder_died_with_its_last_reports_restores_a_step_its_ring_still_holds():
     """Simulator seed 217749: one node + a spare that holds its snapshots. Snapshots every step; the spare
     dies with its reports of steps 32 and 33 in flight. Rank 0 reported Progress(33) and may be at step 34,
