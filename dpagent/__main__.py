@@ -22,7 +22,6 @@ from .shutdown import EXIT_USAGE
 from .workers import worker_command
 
 
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dpagent",

@@ -21,7 +21,7 @@ from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .injection import FaultInjection
 from .deadlines import FORMING_NOTE_EVERY_S, Deadlines
 from .files import FileWork, Files
-from .reconstruction import MORE_SPARES, Reconstruction
+from .reconstruction import Reconstruction
 from . import admission
 from .repeats import RepeatedFailures
 from .standby import SpareSizing
@@ -137,15 +137,18 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
     def _drop(self, why: str) -> None:
         self.dropped[why] = self.dropped.get(why, 0) + 1
 
+    def _paused_lately(self) -> bool:
+        """dprun itself did not run lately, for long enough that its nodes may have taken it for lost: a job that
+        ends now ends for that (`_finish` says so first), not for what its nodes then did."""
+        return self.paused is not None and self.now - self.paused[0] <= 2 * self.spec.heartbeat_timeout
+
     def _finish(self, code: int, message: str) -> None:
-        if code != 0 and self.paused is not None and self.now - self.paused[0] <= 2 * self.spec.heartbeat_timeout:
+        if code != 0 and self._paused_lately():
             cause = (f"dprun itself did not run for {self.paused[1]:.1f} s (stopped with SIGSTOP or Ctrl-Z, its "
                      f"machine paused, or starved of CPU), long enough for its nodes (--heartbeat-timeout "
                      f"{self.spec.heartbeat_timeout:g} s) to take the controller for lost and leave")
             if self.spec.save_dir:
                 cause += f", each writing the copies it held to {self.spec.save_dir}"
-            # (more spares would not have helped: keep dprun running instead)
-            message = message.replace(f"; {MORE_SPARES}", "")
             message = message if message.startswith(cause) else f"{cause}; then: {message}"
         message = self._save_first(code, message)
         if message is None:

@@ -135,14 +135,11 @@ class Deadlines:
         collective of the next one that the finished ranks will never join: given different step counts. True
         once those others' steps have not moved for APART_FOR heartbeat intervals (statuses lag by one)."""
         finishing, beyond = [], {}
-        for node_id in self.layout:
-            for status in self.table.nodes[node_id].workers.values():
-                if not _well_formed(status):
-                    continue  # (a buggy agent's: no evidence either way)
-                if status["activity"] == "finishing":
-                    finishing.append(status["step"])
-                elif status["activity"] == "collective" and status.get("age", 0) <= self._status_stale_after():
-                    beyond[status["rank"]] = status["step"]
+        for status in self._statuses():
+            if status["activity"] == "finishing":
+                finishing.append(status["step"])
+            elif status["activity"] == "collective" and status.get("age", 0) <= self._status_stale_after():
+                beyond[status["rank"]] = status["step"]
         beyond = {rank: step for rank, step in beyond.items() if finishing and step >= max(finishing)}
         if not beyond or beyond != self.apart[1]:
             self.apart = (now, beyond)
@@ -153,14 +150,19 @@ class Deadlines:
         """Why every rank waits, where some left the training loop and wait at its final barrier while others
         train on: they were given different step counts ("": not so)."""
         done, training = [], []
-        for node_id in self.layout:
-            for status in filter(_well_formed, self.table.nodes[node_id].workers.values()):
-                (done if status["activity"] == "finishing" else training).append(status)
+        for status in self._statuses():
+            (done if status["activity"] == "finishing" else training).append(status)
         if not done or not training:
             return ""
         return (f"ranks {_ranks(done)} finished their steps (after step {max(s['step'] for s in done)}) and "
                 f"wait at the end for ranks {_ranks(training)}, which train on: give every node's script the same "
                 "arguments (a different --steps, or a loop condition that differs between ranks)")
+
+    def _statuses(self) -> list[dict]:
+        """The training nodes' worker statuses, as their heartbeats said; a buggy agent's malformed ones left out
+        (no evidence either way)."""
+        return [status for node_id in self.layout for status in self.table.nodes[node_id].workers.values()
+                if _well_formed(status)]
 
     def _status_stale_after(self) -> float:
         """A worker status older than this (as its node's heartbeat says) is of a worker that stopped responding."""

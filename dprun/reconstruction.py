@@ -12,8 +12,6 @@ from .controller_io import Flush, Recovery
 from .ledger import RestorePlan
 from .nodes import ACTIVE, FAILED, SPARE
 
-MORE_SPARES = "rerun with more --spares"  # the advice of a node failure with no spare left
-
 MAX_REPLANS = 3  # generations planned again in a row with no node lost before the job gives up
 
 
@@ -119,11 +117,13 @@ class Reconstruction:
             names = ", ".join(f"{self.layout[i]} (node rank {i}: {self.table.nodes[self.layout[i]].cause})"
                               for i in failed_slots)
             if self.spec.on_spare_exhausted != "wait":
-                advice = MORE_SPARES
+                advice = "; rerun with more --spares"
                 if all(self.table.nodes[self.layout[i]].raised for i in failed_slots):
-                    advice = ("if that error is the script's, fix it (a spare would fail the same way); if it is the "
-                              "node's, " + advice)
-                self._finish(1, f"node failure with no spare left: {names}; {advice}")
+                    advice = ("; if that error is the script's, fix it (a spare would fail the same way); if it is "
+                              "the node's, rerun with more --spares")
+                elif self._paused_lately():  # its nodes left for dprun's own pause (the end says so first):
+                    advice = ""  # more spares would not have helped
+                self._finish(1, f"node failure with no spare left: {names}{advice}")
                 return
             if rec.waiting_since is None:
                 rec.waiting_since = now

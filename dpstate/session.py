@@ -101,10 +101,10 @@ class Job:
         self._snapshot_gate = None if control is None else SnapshotGate(self._replicator)
         self._sources = None if control is None else SnapshotSources(self._replicator, self.node_id, self._send)
         if self._replicator is not None:
-            self._replicator.on_divergence = self._diverged
-        if self._replicator is not None and self._replicator.policy.mode == "auto":
-            self._tracked.add(**{POLICY_NAME: self._replicator.policy})  # its decision travels in snapshots
-        self.activity = "idle"  # compute, snapshot, recovering, idle: see protocol.WorkerStatus
+            self._replicator.on_divergence = self._diverged  # (told to the controller: protocol.Diverged)
+            if self._replicator.policy.mode == "auto":
+                self._tracked.add(**{POLICY_NAME: self._replicator.policy})  # its decision travels in snapshots
+        self.activity = "idle"  # compute, snapshot, finishing, recovering, idle: see protocol.WorkerStatus
         if control is not None:
             control.status = self._status
             self._room = RestoreRoom(self._replicator, self.local_rank)  # a spare makes room for its restore
