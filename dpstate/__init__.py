@@ -13,6 +13,7 @@ from .pgroup import local_device
 from .replication import ReplicationError
 from .joining import init
 from .optim import AdamW
+from .parallel import Parts, StalePartsError
 from .session import Job, Step
 from .snapshot import SnapshotError
 
@@ -23,8 +24,10 @@ __all__ = [
     "Aborted",
     "DataParallel",
     "Job",
+    "Parts",
     "ReplicationError",
     "SnapshotError",
+    "StalePartsError",
     "Step",
     "classify",
     "init",

@@ -5,7 +5,6 @@ Generation G lives under PrefixStore(f"dp/gen{G}/"); ranks first meet at an abor
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import sys
@@ -13,6 +12,9 @@ import sys
 import torch.distributed as dist
 
 from .abort import AbortSignal
+from .mesh import MeshLayout, build_mesh
+from .severing import GroupConnections
+from .torch_private import keep_groups_alive, name_groups_for, reset_group_names
 
 
 def default_backend() -> str:
@@ -53,7 +55,9 @@ class GpuPlacementError(RuntimeError):
 
 
 class GroupManager:
-    """Owns the TCPStore client (made once) and the default group of the current generation."""
+    """Owns the TCPStore client (made once), the default group of the current generation and the sub-groups of
+    its DeviceMesh, and the connections of them all: severed when a newer generation is asked for, where
+    sever_on_abort is set (a job with a mesh: dpstate.severing says why)."""
 
     def __init__(self, backend: str | None = None, timeout_s: float | None = None):
         self.backend = backend or default_backend()
@@ -61,6 +65,9 @@ class GroupManager:
         self.connect_timeout = datetime.timedelta(seconds=float(os.environ.get("DP_CONNECT_TIMEOUT", "10")))
         self.generation: int | None = None
         self.leaked = 0  # old groups kept alive on purpose (see destroy)
+        self.connections = GroupConnections()
+        self.sever_on_abort = False
+        self._abort: AbortSignal | None = None
         self._store: dist.Store | None = None
         self._endpoint: str | None = None
         self._hooks: tuple = (None, None)  # sys.excepthook before the last init_process_group, and torch's after
@@ -79,6 +86,7 @@ class GroupManager:
     def build(self, generation: int, store_endpoint: str, rank: int, world_size: int, abort: AbortSignal) -> None:
         """Destroy the old group, wait (abortably) until every rank of `generation` arrived, build the new one."""
         self.destroy()
+        self._abort = abort
         store = dist.PrefixStore(f"dp/gen{generation}/", self._store_for(store_endpoint))
         # Every rank checks in; init_process_group only starts once all are there, so a rank that died
         # before arriving leaves us in this abortable loop rather than in Gloo's blocking rendezvous.
@@ -98,13 +106,14 @@ class GroupManager:
         # torch names the default group by a process-wide counter that a failed init_process_group leaves
         # incremented (measured, torch 2.13), and the name is part of every connect key: without this reset
         # a rank whose last connect failed waits for keys its peers never write.
-        dist.distributed_c10d._world.group_count = 0
+        reset_group_names()
         # NCCL with the device named connects its communicator here (eagerly) rather than in the first collective
         device = local_device()
         eager = {"device_id": device} if self.backend == "nccl" and device.type == "cuda" else {}
         try:
-            self._init(self.backend, store=store, rank=rank, world_size=world_size,
-                       timeout=min(self.connect_timeout, self.timeout), **eager)
+            with self.connections.recording():
+                self._init(self.backend, store=store, rank=rank, world_size=world_size,
+                           timeout=min(self.connect_timeout, self.timeout), **eager)
         except Exception as exc:
             if abort.is_set():
                 raise abort.error() from exc
@@ -115,7 +124,29 @@ class GroupManager:
             raise PeerConnectError(f"generation {generation}: could not connect to every rank within "
                                    f"{self.connect_timeout.total_seconds():g} s (DP_CONNECT_TIMEOUT): {exc}") from exc
         dist.distributed_c10d._set_pg_timeout(self.timeout)
+        name_groups_for(generation)
         self.generation = generation
+
+    def build_mesh(self, layout: MeshLayout, device_type: str):
+        """The DeviceMesh of `layout` over this generation's group (dpstate.mesh), its connections recorded."""
+        try:
+            with self.connections.recording():
+                mesh = build_mesh(layout, device_type, self.backend, min(self.connect_timeout, self.timeout),
+                                  self.timeout)
+        except Exception as exc:
+            if self._abort is not None and self._abort.is_set():
+                raise self._abort.error() from exc
+            raise PeerConnectError(f"generation {self.generation}: could not build the mesh {layout.describe()} "
+                                   f"within {self.connect_timeout.total_seconds():g} s (DP_CONNECT_TIMEOUT): "
+                                   f"{exc}") from exc
+        self.on_abort()  # asked for while the mesh was built: its connections too
+        return mesh
+
+    def on_abort(self) -> None:
+        """(any thread; an AbortSignal callback) A newer generation was asked for: sever the connections of the
+        current one, which releases a collective that waits on them."""
+        if self.sever_on_abort and self._abort is not None and self._abort.superseded():
+            self.connections.sever()
 
     def build_local(self) -> None:
         """A one-process group (no agent): lets DDP and torch.distributed calls work unchanged."""
@@ -136,7 +167,7 @@ class GroupManager:
     def destroy(self) -> None:
         """Drop the default group; returns at once even when its Gloo thread is stuck on a frozen peer.
 
-        The old group is deliberately leaked (its Python handle made immortal): measured with torch 2.13,
+        The old groups (the mesh's too) are deliberately leaked (their Python handles made immortal): measured with torch 2.13,
         ProcessGroupGloo's destructor joins its worker threads, so destroying a group with an op stuck on a
         frozen peer blocks until that peer exits or the op times out, and a destructor that runs after the
         peer closed its sockets (e.g. at interpreter exit) aborts the process ("terminate called after
@@ -152,8 +183,7 @@ class GroupManager:
                 except Exception:
                     pass
             if pg is not None:
-                ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
-                self.leaked += 1
+                self.leaked += keep_groups_alive()
             if dist.is_initialized():
                 dist.destroy_process_group()
         self.generation = None

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,10 @@ from .ddp import DataParallel, sync_from_rank0
 from .gate import SnapshotGate, defers_acks, stall_message
 from .pgroup import GroupManager, default_backend, local_device
 from .interval import POLICY_NAME, SnapshotPolicy
+from .mesh import MeshLayout
 from .metrics import sendable_metrics
 from .optim import AdamW
+from .parallel import Build, Parts
 from .replication import Replicator, ReplicationError, Slot
 from .saving import save_local
 from .sources import SnapshotSources, named_sources
@@ -93,6 +95,8 @@ class Job:
         self._groups = GroupManager(self.backend)
         self._tracked = Tracked()
         self._proxies: list[DataParallel] = []
+        self._parts: Parts | None = None  # job.parallelize(): rebuilt with every generation's groups
+        self._step_hooks: dict[int, Any] = {}  # id(optimizer) -> its snapshot gate hook (see track)
         self._started = False  # steps() restored or snapshotted a state: the in-memory one is no longer fresh
         self._rebuild_s = 0.0
         self._last_step = 0  # the newest step completed in this generation's timeline
@@ -106,6 +110,7 @@ class Job:
                 self._tracked.add(**{POLICY_NAME: self._replicator.policy})  # its decision travels in snapshots
         self.activity = "idle"  # compute, snapshot, finishing, recovering, idle: see protocol.WorkerStatus
         if control is not None:
+            abort.add_callback(self._groups.on_abort)
             control.status = self._status
             self._room = RestoreRoom(self._replicator, self.local_rank)  # a spare makes room for its restore
             control.on_standby = self._room.on_message
@@ -127,6 +132,26 @@ class Job:
         self._tracked.replicate(module)  # its DDP is over every rank: snapshots share its state (dpstate.checks)
         return proxy
 
+    def parallelize(self, dims: Mapping[str, int], build: Build) -> Parts:
+        """A sharded or 3D-parallel job: build(mesh) makes the model, optimizer and pipeline schedule on a
+        DeviceMesh of `dims` (sizes of pp, dp_replicate, dp_shard, dp, tp; their product the world size), anew in
+        every generation, and the state is restored into them. Read them from the Parts returned in each step."""
+        if self._parts is not None:
+            raise RuntimeError("dpstate: job.parallelize() was called already: call it once, right after init()")
+        layout = MeshLayout.parse(dims, self.world_size)
+        warning = layout.tp_span_warning(self.local_world_size)
+        if warning and self.local_rank == 0:
+            print(warning, file=sys.stderr, flush=True)
+        self._parts = Parts(layout, build)
+        self._groups.sever_on_abort = not self._standalone
+        try:
+            self._build_parts(self.generation)
+        except Exception as exc:
+            if self._standalone or (classify(exc, self._abort) is None and not self._abort.stopped):
+                raise
+            self._recover(exc, newer_than=self.generation, restore=False)  # builds them in the next generation
+        return self._parts
+
     def track(self, **objects: Any) -> None:
         """Objects (with state_dict/load_state_dict) that every snapshot holds; optimizers get a pre-step hook
         that makes sure the step passed the snapshot gate (see _gate)."""
@@ -134,7 +159,7 @@ class Job:
         self._tracked.add(**new)
         for obj in new.values():
             if isinstance(obj, torch.optim.Optimizer) and not self._standalone:
-                obj.register_step_pre_hook(self._pre_step)
+                self._step_hooks[id(obj)] = obj.register_step_pre_hook(self._pre_step)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce over the current generation; raises Aborted when a reconfiguration comes."""
@@ -187,7 +212,7 @@ class Job:
             if number - 1 > total_steps:  # (--resume-from a longer run's save)
                 warnings.warn(f"dpstate: the job goes on from step {number - 1}, past the {total_steps} steps asked "
                               "for: there is nothing left to train", stacklevel=2)
-        lands = self._replicator.landing.enabled and any(  # an optimizer step writes the snapshot buffers
+        lands = self._replicator.landing.enabled and self._parts is None and any(  # an optimizer step writes the snapshot buffers
             isinstance(o, AdamW) and o.lands() for o in self._tracked.objects.values())
         self._snapshot_gate.defers = self._replicator.policy.defers = defers_acks(lands, self.device)
         while True:
@@ -246,7 +271,7 @@ class Job:
                 self.barrier()
             else:
                 self._gate()
-        if isinstance(optimizer, AdamW) and not gate.defers:  # past the gate: the older buffer may take the state
+        if isinstance(optimizer, AdamW) and not gate.defers and self._parts is None:  # past the gate: the older buffer may take the state
             optimizer.landing = self._replicator.land()
 
     def _after_step(self, step: Step) -> None:
@@ -336,6 +361,7 @@ class Job:
             t0 = time.perf_counter()
             for proxy in self._proxies:
                 proxy.drop()
+            self._retire_parts()
             self._groups.destroy()  # first: an NCCL abort is what frees a copy stream waiting on a stuck kernel
             self._replicator.quiesce()
             if old_rank != self.rank:
@@ -343,6 +369,8 @@ class Job:
             if not restore:  # the script runs before it restores (a spare in init): fetch meanwhile
                 self._sources.prefetch(reconf, self.rank)
             self._groups.build(reconf.generation, reconf.store_endpoint, self.rank, self.world_size, self._abort)
+            if self._parts is not None:
+                self._build_parts(reconf.generation)
             self._rebuild_s = time.perf_counter() - t0
         if not restore:
             return
@@ -364,6 +392,24 @@ class Job:
         self._send(P.WorkerReady(node_id=self.node_id, generation=self.generation, rank=self.rank,
                                  rebuild_s=self._rebuild_s, restore_s=restore_s, restored_from=self.restored_from))
         self._ungated_barrier()  # a fresh start's step 0 is sent meanwhile too
+
+    def _build_parts(self, generation: int) -> None:
+        """This generation's mesh and the parts build(mesh) makes on it, tracked in place of the old ones."""
+        assert self._parts is not None
+        self._parts.build(self._groups.build_mesh(self._parts.layout, self.device.type), generation)
+        self.track(**self._parts.stateful())
+
+    def _retire_parts(self) -> None:
+        """The parts of the generation that ends leave the snapshots and become unusable (dpstate.parallel)."""
+        if self._parts is None:
+            return
+        stateful = self._parts.stateful()
+        for obj in stateful.values():
+            hook = self._step_hooks.pop(id(obj), None)
+            if hook is not None:
+                hook.remove()
+        self._tracked.remove(*stateful)
+        self._parts.retire()
 
     def _apply(self, reconf: P.Reconfigure) -> None:
         self.generation, self.restore_step = reconf.generation, reconf.restore_step

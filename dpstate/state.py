@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .checks import replicated_keys
+from .shards import local_shards, module_state_like, optimizer_state_like
 
 
 def _clone_tensors(obj: Any) -> Any:
@@ -91,6 +92,11 @@ class Tracked:
                 raise ValueError(f"track(): the name {name!r} is already tracked")
             self.objects[name] = obj
 
+    def remove(self, *names: str) -> None:
+        """Stop tracking `names` (the parts of a generation that ended: their successors are added next)."""
+        for name in names:
+            self.objects.pop(name, None)
+
     def modules(self) -> list[nn.Module]:
         return [o for o in self.objects.values() if isinstance(o, nn.Module)]
 
@@ -115,12 +121,13 @@ class Tracked:
         for name, obj in self.objects.items():
             sd = obj.state_dict()
             if isinstance(obj, nn.Module):
+                sd = local_shards(sd)  # a sharded parameter's snapshot is its own shard
                 params = {n for n, _ in obj.named_parameters(remove_duplicate=False)}
                 for key in list(sd):
                     if key not in params:  # buffers and extra state may change in the next forward
                         sd[key] = _clone_tensors(sd[key])
             elif isinstance(obj, torch.optim.Optimizer):
-                sd = {k: (v if k == "state" else _clone_tensors(v)) for k, v in sd.items()}
+                sd = {k: (local_shards(v) if k == "state" else _clone_tensors(v)) for k, v in sd.items()}
             else:
                 sd = _clone_tensors(sd)
             states[name] = sd
@@ -139,8 +146,11 @@ class Tracked:
             sd = tree["state"][name]
             try:
                 if isinstance(obj, torch.optim.Optimizer):
+                    sd = optimizer_state_like(sd, obj)
                     sd = dict(sd, state=_into_live_state(sd.get("state", {}), obj.state_dict().get("state", {})))
-                elif not isinstance(obj, nn.Module):
+                elif isinstance(obj, nn.Module):
+                    sd = module_state_like(sd, obj.state_dict())
+                else:
                     sd = _clone_tensors(sd)
                 obj.load_state_dict(sd)
             except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
