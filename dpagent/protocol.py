@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 from .checksum import CHECKSUM_BLOCK
 
-PROTOCOL_VERSION = 17  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
+PROTOCOL_VERSION = 18  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
 #                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...);
 #                      8: check plans (data parallel blocks sampled: dpagent.checksum.CheckPlan);
 #                      9: SnapshotStored.nbytes and Standby (spares reserve snapshot memory while idle);
@@ -60,6 +60,7 @@ PROTOCOL_VERSION = 17  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.sn
 #                          (a member's dprun tells the controller that its agent died)
 #                      16: WorkerExited.step (the newest step that worker made, as its agent heard)
 #                      17: Register.terms (what the node's dprun was told of the job: dprun.admission); Diverged
+#                      18: WorkerReady.mesh (a sharded or 3D-parallel job's layout: dpstate.parallel)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -266,6 +267,7 @@ class WorkerReady:
     rebuild_s: float
     restore_s: float
     restored_from: str = ""  # "local", "replica", "init" or "" for a fresh start
+    mesh: str = ""  # the layout of job.parallelize ("pp=2 x dp=2 x tp=2"), "" for a data parallel or plain job
 
 
 @_message

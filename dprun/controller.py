@@ -85,6 +85,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.recoveries: list[Recovery] = []
         self.restarts = 0
         self.finished_ranks: dict[int, int] = {}  # rank -> its last step, once past job.steps()' final barrier
+        self.mesh = ""  # the layout of a sharded or 3D-parallel job, as its workers said (WorkerReady.mesh)
         self.diverged: dict[int, int] = {}  # rank -> the step at which a holder found it unlike its peers
         self.all_finished_at: float | None = None  # when the last rank passed it: then the job waits for exits
         self.exit_notes = 0  # how often it said which workers the finished job still waits for
@@ -306,6 +307,9 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             self._start_flush(now)
 
     def _on_WorkerReady(self, node: Node, msg: p.WorkerReady, now: float) -> None:
+        if msg.mesh and msg.mesh != self.mesh:  # said once: each rank's snapshots hold its own shards, whole
+            self.mesh = msg.mesh
+            self._publish("mesh", layout=msg.mesh)
         self.unrestored.discard(msg.rank)
         self.restores_answered.add(msg.rank)
         self._restore_news(now)

@@ -224,6 +224,8 @@ def replica_lines(m: dict, width: int) -> list[Text]:
     head = Text("replicas ", style="bold")
     head.append(f"restore point: step {point} on all {m.get('world_size', '?')} ranks" if point is not None
                 else "restore point: - (no complete snapshot yet)")
+    if m.get("mesh"):
+        head.append(f"; mesh {m['mesh']}: shards held whole", style="dim")
     lines = [head]
     if not actives:
         return lines

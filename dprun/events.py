@@ -38,6 +38,9 @@ def describe(event: dict) -> str:
         return (f"rank {e['rank']} on {e['node']}: its parameters or optimizer state at step {e['step']} differ from "
                 "a data parallel peer's (a replica holder compared them): a faulty GPU or memory, or code that "
                 "changes one rank's copy only")
+    if kind == "mesh":
+        return (f"mesh {e['layout']}: sharded state, each node's replicas hold its ranks' shards whole (nothing "
+                "kept by reference to a peer's copy)")
     if kind == "launched":
         return f"dprun launched job {e['job']} on {e['host']} (pid {e['pid']}): {' '.join(e['argv'])}"
     if kind == "job_started":

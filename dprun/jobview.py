@@ -90,6 +90,7 @@ class JobView:
         self.recoveries: list[dict] = []
         self.failures: list[dict] = []
         self.finished: dict | None = None
+        self.mesh = ""  # a sharded or 3D-parallel job's layout (its "mesh" event)
         self.warnings: list[dict] = []  # nodes refused or joined with a warning, ranks found diverged: the first few
         self.restore_point: int | None = None
         self.world_size = 0
@@ -122,6 +123,9 @@ class JobView:
     def _ev_node_joined(self, e: dict, t: float) -> None:
         node = self._node(e["node"])
         node.host, node.pid, node.role = e.get("host", ""), e.get("pid", 0), e.get("role", "spare")
+
+    def _ev_mesh(self, e: dict, t: float) -> None:
+        self.mesh = str(e.get("layout", ""))
 
     def _ev_job_started(self, e: dict, t: float) -> None:
         self.generation, self.state = 0, "training"
@@ -288,7 +292,7 @@ class JobView:
             "goodput": self.goodput(now), "nproc_per_node": self.nproc, "nnodes": self.nnodes,
             "spares": self.spares, "world_size": self.world_size or self.nnodes * self.nproc,
             "counts": counts, "nodes": [_row(n, self.nproc, now) for n in rows],
-            "restore_point": self.restore_point, "status_endpoint": self.status_endpoint,
+            "restore_point": self.restore_point, "status_endpoint": self.status_endpoint, "mesh": self.mesh,
             "log": [list(entry) for entry in list(self.log)[-MODEL_LOG:]],
             "recoveries": self.recoveries[-keep:] if keep else list(self.recoveries),
             "failures": self.failures[-keep:] if keep else list(self.failures),

@@ -129,6 +129,9 @@ def print_report(model: dict, console: Console, bad_lines: int = 0) -> None:
                           "rendezvous; lost steps are the script's own (since its last checkpoint)", style="dim")
         for line in failure_lines(model, t0):
             console.print(line, markup=False, highlight=False)
+    if model.get("mesh"):
+        console.print(f"mesh {model['mesh']}: sharded state; each node's replicas hold its ranks' shards whole",
+                      markup=False, highlight=False)
     if model.get("warnings"):
         console.print("warnings:")
         for warning in model["warnings"]:

@@ -140,7 +140,7 @@ class Job:
             raise RuntimeError("dpstate: job.parallelize() was called already: call it once, right after init()")
         layout = MeshLayout.parse(dims, self.world_size)
         warning = layout.tp_span_warning(self.local_world_size)
-        if warning and self.local_rank == 0:
+        if warning and self.rank == 0:
             print(warning, file=sys.stderr, flush=True)
         self._parts = Parts(layout, build)
         self._groups.sever_on_abort = not self._standalone
@@ -390,7 +390,8 @@ class Job:
         # restored: said before the barrier, which a failure elsewhere can hold up (the controller, planning
         # for that failure, then knows this rank's state is here, not only on the replicas it came from)
         self._send(P.WorkerReady(node_id=self.node_id, generation=self.generation, rank=self.rank,
-                                 rebuild_s=self._rebuild_s, restore_s=restore_s, restored_from=self.restored_from))
+                                 rebuild_s=self._rebuild_s, restore_s=restore_s, restored_from=self.restored_from,
+                                 mesh=self._parts.layout.describe() if self._parts is not None else ""))
         self._ungated_barrier()  # a fresh start's step 0 is sent meanwhile too
 
     def _build_parts(self, generation: int) -> None:

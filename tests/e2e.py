@@ -45,12 +45,14 @@ def controller_up(head, events: Path, timeout: float = 60) -> None:
 
 
 def dprun(procs, tmp: Path, name: str, *options: str, steps: int = 40, timeout: float = 150, env=None,
-          train_args: tuple = ()) -> Run:
-    """Runs `dprun OPTIONS train_gpt.py ... TRAIN_ARGS train_args` to its end (killed at `timeout`)."""
+          train_args: tuple = (), script: str = TRAIN, script_args: list | None = None) -> Run:
+    """Runs `dprun OPTIONS script ... script_args train_args` (train_gpt.py with TRAIN_ARGS by default) to its
+    end (killed at `timeout`)."""
     events = tmp / f"{name}.events.jsonl"
     summary = tmp / f"{name}.summary.json"
     start = time.monotonic()
-    proc = procs.dprun(*options, "--events-file", events, TRAIN, "--steps", steps, *TRAIN_ARGS, *train_args,
+    script_args = TRAIN_ARGS if script_args is None else script_args
+    proc = procs.dprun(*options, "--events-file", events, script, "--steps", steps, *script_args, *train_args,
                        "--summary", summary, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                        cwd=tmp, env=env)
     try:

@@ -1,0 +1,173 @@
+"""A job's DeviceMesh with real processes over a real TCPStore: a collective waiting on a frozen peer is released
+by severing the old generation's connections; group names never repeat across generations; sharded state
+captured in one generation loads bit for bit into parts built anew in the next.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from conftest import REPO
+
+WAITER = textwrap.dedent("""
+    import os, signal, sys, threading, time, torch, torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from dpstate.abort import AbortSignal
+    from dpstate.mesh import MeshLayout
+    from dpstate.pgroup import GroupManager
+    endpoint, rank, sever = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "sever"
+    groups, abort = GroupManager(backend="gloo", timeout_s=60), AbortSignal()
+    abort.add_callback(groups.on_abort)
+    groups.sever_on_abort = sever
+    abort.enter(0)
+    groups.build(0, endpoint, rank, 2, abort)
+    mesh = groups.build_mesh(MeshLayout.parse({"tp": 2}, 2), "cpu")
+    def partial_sum():
+        return DTensor.from_local(torch.ones(4), mesh["tp"], [Partial()]).redistribute(mesh["tp"], [Replicate()])
+    partial_sum()  # both ranks once: DTensor's first op is slow
+    store = dist.TCPStore(endpoint.split(":")[0], int(endpoint.split(":")[1]), is_master=False)
+    store.set(f"built{rank}", "1")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its peer's all-reduce waits on it
+        os._exit(0)
+    store.wait(["built1"])
+    def newer_generation():
+        store.wait(["abort"], datetime.timedelta(seconds=60))
+        abort.request(1, "test")
+    import datetime
+    threading.Thread(target=newer_generation, daemon=True).start()
+    store.set("waiting", "1")
+    t0 = time.monotonic()
+    try:
+        partial_sum()
+        print("completed", flush=True)
+    except RuntimeError as exc:
+        print(f"released after {time.monotonic() - t0:.3f} s: {str(exc)[:120]}", flush=True)
+    os._exit(0)  # the groups are leaked on purpose; skip their destructors
+""")
+
+
+@pytest.fixture
+def store():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=60))
+    yield master
+    del master
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sever", [True, False])
+@pytest.mark.timeout(120)
+def test_a_tensor_parallel_collective_waiting_on_a_frozen_peer_is_released(procs, store, sever):
+    endpoint = f"127.0.0.1:{store.port}"
+    mode = "sever" if sever else "keep"
+    ranks = [procs.popen([sys.executable, "-c", WAITER, endpoint, str(r), mode], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=REPO) for r in (0, 1)]
+    store.wait(["waiting"], datetime.timedelta(seconds=90))
+    deadline = time.monotonic() + 30
+    while not _stopped(ranks[1].pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _stopped(ranks[1].pid)
+    store.set("abort", "1")
+    if sever:
+        out, err = ranks[0].communicate(timeout=30)
+        match = re.search(r"released after ([\d.]+) s: (.*)", out)
+        assert match, out + err[-2000:]
+        assert float(match.group(1)) < 5.0, out
+        assert "Connection closed by peer" in match.group(2) or "Connection reset" in match.group(2), out
+    else:  # the control: without severing nothing releases it (Gloo's abort does not)
+        with pytest.raises(subprocess.TimeoutExpired):
+            ranks[0].communicate(timeout=3)
+
+
+GENERATIONS = textwrap.dedent("""
+    import os, sys, torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from dpstate.abort import AbortSignal
+    from dpstate.mesh import MeshLayout
+    from dpstate.parallel import Parts, StalePartsError
+    from dpstate.pgroup import GroupManager
+    from dpstate.state import Tracked
+    torch.manual_seed(1)  # the state trained in generation 1 differs from a fresh build's
+
+    def build(mesh):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    groups, abort = GroupManager(backend="gloo", timeout_s=60), AbortSignal()
+    layout = MeshLayout.parse({"dp": 1, "tp": 1}, 1)
+    parts, tracked = Parts(layout, build), Tracked()
+    names = {}
+    for generation in (1, 2):
+        if parts.generation >= 0:
+            tracked.remove(*parts.stateful())
+            old_model, old_mesh = parts.model, parts.mesh
+            parts.retire()
+            groups.destroy()
+        groups.build(generation, sys.argv[1], 0, 1, abort)
+        parts.build(groups.build_mesh(layout, "cpu"), generation)
+        tracked.add(**parts.stateful())
+        names[generation] = sorted(parts.mesh[d].get_group().group_name for d in layout.names)
+        if generation == 1:
+            for _ in range(2):
+                parts.model(torch.randn(4, 8)).square().mean().backward()
+                parts.optimizer.step()
+            tree = tracked.capture(1)
+            trained = {k: v.to_local().clone() for k, v in parts.model.state_dict().items()}
+            moments = [s["exp_avg"].to_local().clone() for s in parts.optimizer.state.values()]
+    print("names", names[1], names[2], flush=True)
+    fresh_equal = all(torch.equal(trained[k], v.to_local()) for k, v in parts.model.state_dict().items())
+    tracked.restore(tree)
+    print("fresh build equal to the trained state:", fresh_equal, flush=True)
+    print("restored equal:", all(torch.equal(trained[k], v.to_local()) for k, v in parts.model.state_dict().items()),
+          all(torch.equal(m, s["exp_avg"].to_local()) for m, s in zip(moments, parts.optimizer.state.values())),
+          len(moments) == len(parts.optimizer.state) == 4, flush=True)
+    parts.model(torch.randn(4, 8)).square().mean().backward()
+    parts.optimizer.step()  # the restored optimizer state is on the new mesh
+    for what, use in (("model", lambda: old_model(torch.randn(4, 8))), ("mesh", lambda: old_mesh["tp"]),
+                      ("mesh", lambda: old_mesh.get_group())):
+        try:
+            use()
+            print(f"old {what} used", flush=True)
+        except StalePartsError as exc:
+            print(f"old {what}: {exc}", flush=True)
+    os._exit(0)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_parts_rebuilt_in_a_new_generation_load_the_old_ones_shards(procs, store):
+    proc = procs.popen([sys.executable, "-c", GENERATIONS, f"127.0.0.1:{store.port}"], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, cwd=REPO)
+    out, err = proc.communicate(timeout=100)
+    assert proc.returncode == 0, err[-3000:]
+    names = re.search(r"names (\[.*?\]) (\[.*?\])", out)
+    assert names and not set(eval(names.group(1))) & set(eval(names.group(2))), out
+    assert "fresh build equal to the trained state: False" in out, out
+    assert "restored equal: True True True" in out, out + err[-3000:]
+    assert "old model used" not in out and "old mesh used" not in out, out
+    assert "old model: dpstate: this model was built for generation 1, which ended" in out, out
+    assert out.count("old mesh: dpstate: this DeviceMesh belongs to a generation that ended") == 2, out
