@@ -1,0 +1,113 @@
+"""End to end: sharded and 3D-parallel jobs (examples/train_gpt_3d.py: FSDP2, tensor and pipeline parallelism on
+a DeviceMesh) lose a node, killed (SIGKILL) or frozen (SIGSTOP) while its peers wait in a pipeline send/recv or a
+tensor-parallel all-reduce; a spare takes its ranks, and the run ends bit for bit as the failure-free one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO, Processes
+from e2e import dprun
+
+pytestmark = pytest.mark.slow
+TRAIN_3D = str(REPO / "examples" / "train_gpt_3d.py")
+MODEL = ["--seed", "0", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+         "--batch-size", "4", "--microbatches", "2", "--log-every", "0"]
+LAYOUTS = {  # name: (dims, the mesh as dprun reports it)
+    "3d": (["--pp", "2", "--dp", "2", "--tp", "2"], "pp=2 x dp=2 x tp=2"),
+    "dp-pp": (["--pp", "2", "--dp", "2"], "pp=2 x dp=2 x tp=1"),
+    "fsdp-tp": (["--dp", "2", "--tp", "2"], "pp=1 x dp=2 x tp=2"),
+}
+STEPS = {"3d": 30, "dp-pp": 16, "fsdp-tp": 16}
+FAST = ["--heartbeat-interval", "0.25", "--heartbeat-timeout", "2"]
+
+
+def run_layout(procs, tmp_path, layout: str, name: str, *options: str, timeout: float = 240):
+    dims, _ = LAYOUTS[layout]
+    return dprun(procs, tmp_path, name, *options, steps=STEPS[layout], timeout=timeout, script=TRAIN_3D,
+                 script_args=[*MODEL, *dims])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """params_sha256 of each layout's failure-free run, run once on first use (a rank's shards depend on its
+    place in the mesh, not on how many workers a node runs)."""
+    known: dict[str, str] = {}
+
+    def sha(layout: str) -> str:
+        if layout not in known:
+            procs = Processes()
+            try:
+                run = run_layout(procs, tmp_path_factory.mktemp(layout), layout, "reference", "--nnodes", "2",
+                                 "--nproc-per-node", "4" if layout == "3d" else "2")
+            finally:
+                procs.kill_all()
+            assert run.returncode == 0, run.stderr[-3000:]
+            assert run.summary["final_step"] == STEPS[layout] and not run.named("node_failed")
+            known[layout] = run.summary["params_sha256"]
+        return known[layout]
+
+    return sha
+
+
+def _recovered(run, layout: str, reference, generation: int = 1):
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.summary["final_step"] == STEPS[layout], run.summary
+    assert run.summary["params_sha256"] == reference(layout), "the recovered run diverged"
+    assert [e["generation"] for e in run.named("recovery_complete")] == [generation]
+    assert [e["layout"] for e in run.named("mesh")] == [LAYOUTS[layout][1]]
+    return run.named("recovery_complete")[0]
+
+
+def test_a_3d_job_loses_the_node_holding_ranks_4_and_5(procs, tmp_path, reference):
+    run = run_layout(procs, tmp_path, "3d", "kill", "--nnodes", "4", "--nproc-per-node", "2", "--spares", "1",
+                     "--inject", "kill-node:2@step=10")
+    done = _recovered(run, "3d", reference)
+    (failed,) = run.named("node_failed")
+    assert failed["node_rank"] == 2, failed
+    assert set(done["phases"]) >= {"detect_s", "rebuild_s", "restore_s", "total_s"}
+
+
+@pytest.mark.parametrize("layout", ["dp-pp", "fsdp-tp"])
+@pytest.mark.parametrize("node", [0, 1])
+def test_each_node_of_a_sharded_job_is_replaced(procs, tmp_path, reference, layout, node):
+    run = run_layout(procs, tmp_path, layout, f"kill{node}", "--nnodes", "2", "--nproc-per-node", "2",
+                     "--spares", "1", "--inject", f"kill-node:{node}@step=6")
+    _recovered(run, layout, reference)
+    assert [e["node_rank"] for e in run.named("node_failed")] == [node]
+
+
+def test_a_frozen_pipeline_stage_releases_the_stage_waiting_on_it(procs, tmp_path, reference):
+    """Node 1 holds the second stage: the first waits for its gradients in a pipeline recv when it freezes."""
+    run = run_layout(procs, tmp_path, "dp-pp", "freeze-pp", "--nnodes", "2", "--nproc-per-node", "2",
+                     "--spares", "1", *FAST, "--inject", "freeze-node:1@step=6")
+    done = _recovered(run, "dp-pp", reference)
+    (failed,) = run.named("node_failed")
+    assert failed["node"] == "node1" and "heartbeat" in failed["cause"], failed
+    assert done["phases"]["total_s"] < 30, done  # released at once, not at the collective timeout (600 s)
+
+
+def test_a_frozen_tensor_parallel_peer_releases_the_rank_waiting_on_it(procs, tmp_path, reference):
+    """One worker per node: each tensor parallel group spans two nodes (dprun warns), and rank 0 waits in an
+    all-reduce with rank 1 on the node that freezes."""
+    run = run_layout(procs, tmp_path, "fsdp-tp", "freeze-tp", "--nnodes", "4", "--nproc-per-node", "1",
+                     "--spares", "1", *FAST, "--inject", "freeze-node:1@step=6")
+    done = _recovered(run, "fsdp-tp", reference)
+    assert done["phases"]["total_s"] < 30, done
+    assert "tensor parallel groups of 2 ranks span nodes of 1 worker(s)" in run.stderr
+    assert run.stderr.count("span nodes") == 1, "said once, by rank 0"
+
+
+def test_two_nodes_lost_together_with_two_replicas(procs, tmp_path, reference):
+    run = run_layout(procs, tmp_path, "dp-pp", "pair", "--nnodes", "4", "--nproc-per-node", "1", "--spares", "2",
+                     "--replicas", "2", "--inject", "kill-node:1@step=6", "--inject", "kill-node:2@step=6")
+    _recovered(run, "dp-pp", reference)
+    assert {e["node_rank"] for e in run.named("node_failed")} == {1, 2}
+
+
+def test_the_promoted_spare_killed_during_its_restore_is_replaced_by_the_next(procs, tmp_path, reference):
+    run = run_layout(procs, tmp_path, "fsdp-tp", "promote", "--nnodes", "2", "--nproc-per-node", "2",
+                     "--spares", "2", "--inject", "kill-node:1@step=6", "--inject", "kill-node:1@during-recovery")
+    _recovered(run, "fsdp-tp", reference, generation=2)
+    assert sorted(e["spare"] for e in run.named("spare_promoted")) == ["node2", "node3"]
