@@ -2,6 +2,7 @@
 
 Every run gets its own session (process group) and temporary folder; whatever is left of the tree is killed
 when the run ends, also on Ctrl-C or an exception. Nothing here imports torch (the benchmark drivers stay light).
+A run that fails is said with its cause and left out of every figure (Failures); the benchmark then exits 1.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ class RunResult:
     procs: dict[int, ProcInfo]
     t_start: float  # Unix time the command was started
     machine_busy_s: float = 0.0  # CPU seconds the whole machine was busy during the run
+    timed_out: bool = False  # killed at run()'s timeout (returncode -9)
 
     @property
     def own_cpu_s(self) -> float:
@@ -227,10 +229,11 @@ def run(name: str, cmd: Sequence[str], *, folder: Path, env: dict[str, str] | No
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    timed_out = False
     try:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        code = -9
+        code, timed_out = -9, True
         print(f"  {name}: timed out after {timeout:.0f} s", file=sys.stderr)
     finally:
         wall = time.perf_counter() - t0
@@ -243,7 +246,7 @@ def run(name: str, cmd: Sequence[str], *, folder: Path, env: dict[str, str] | No
     output = (folder / "output.log").read_text(errors="replace")
     if code != 0 and not quiet:
         print(output[-3000:], file=sys.stderr)
-    return RunResult(name, code, wall, folder, output, procs, t_start, busy)
+    return RunResult(name, code, wall, folder, output, procs, t_start, busy, timed_out)
 
 
 class Workdir:
@@ -263,6 +266,80 @@ class Workdir:
     def close(self) -> None:
         if not self.keep:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ failures
+
+
+def tail(text: str, lines: int = 25) -> str:
+    """The last `lines` non-empty lines of a run's output: where its error is."""
+    return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
+
+
+def file_tail(path: Path, lines: int = 25) -> str:
+    try:
+        return tail(path.read_text(errors="replace"), lines)
+    except OSError:
+        return ""
+
+
+def exit_cause(returncode: int) -> str:
+    """`exit code 1`, or `killed by SIGKILL` for a negative return code."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class Failures:
+    """The runs of a benchmark that failed. A failed run measured nothing: a 0, a NaN or a default in its place
+    reads as a result (a goodput of 0.0 was once all a failed run said). So each is said when it fails (which
+    run, why: the exception, or the exit code and the tail of its output), its folder is kept, it gets no figure
+    in the JSON or the tables, and main() ends with `return failures.exit_code()`: the list again, and 1."""
+
+    def __init__(self, benchmark: str, work: Workdir | None = None):
+        self.benchmark = benchmark
+        self.work = work
+        self.runs: list[dict] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.runs)
+
+    def add(self, run: str, cause: str, output: str = "", folder: Path | None = None) -> None:
+        """Record that `run` failed because of `cause`; `output`: the tail of what it printed, shown with it."""
+        entry: dict = {"run": run, "cause": cause}
+        if output:
+            entry["output_tail"] = output
+        if folder is not None and self.work is not None:
+            self.work.keep = True  # its logs are the rest of the story
+            entry["folder"] = str(folder)
+        self.runs.append(entry)
+        print(f"  {run}: FAILED: {cause}" + (f" (kept: {folder})" if "folder" in entry else ""), file=sys.stderr)
+        if output:
+            print("    | " + output.replace("\n", "\n    | "), file=sys.stderr)
+        sys.stderr.flush()
+
+    def check(self, res: RunResult) -> bool:
+        """True when `res` succeeded; else record its failure (timeout or exit code, tail of its output)."""
+        if res.returncode == 0 and not res.timed_out:
+            return True
+        cause = "timed out" if res.timed_out else exit_cause(res.returncode)
+        self.add(res.name, f"{cause} after {res.wall_s:.0f} s", tail(res.output), res.folder)
+        return False
+
+    def as_json(self) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "output_tail"} for r in self.runs]
+
+    def exit_code(self) -> int:
+        """0 when every run succeeded; else list the failures (after the tables, where they are read) and 1."""
+        if not self.runs:
+            return 0
+        print(f"\n{self.benchmark}: {len(self.runs)} run(s) FAILED and have no figures above:", file=sys.stderr)
+        for r in self.runs:
+            print(f"  {r['run']}: {r['cause']}", file=sys.stderr)
+        return 1
 
 
 # ------------------------------------------------------------------------------------------------ numbers

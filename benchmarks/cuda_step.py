@@ -88,7 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         token = "cuda-step-benchmark-token"
         holder = subprocess.Popen([sys.executable, str(HERE / "_replica_holder.py"), token, "1"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
-        rep.configure(0, holder.stdout.readline().strip(), 0)
+        endpoint = holder.stdout.readline().strip()
+        if not endpoint.startswith("tcp://"):
+            # configured with "" the replicator would keep snapshots local: figures without the replication
+            holder.stdin.close()
+            code = holder.wait(30)
+            print(f"cuda_step: FAILED: the replica holder did not start ({C.exit_cause(code)}; its error is above); "
+                  "nothing measured", file=sys.stderr)
+            return 1
+        rep.configure(0, endpoint, 0)
     gate = SnapshotGate(rep)
     gate.defers = True  # torch's AdamW steps in place: acks are waited for at snapshot steps (dpstate.gate)
     opt.register_step_pre_hook(lambda *_: gate.wait())  # the snapshot gate (at once when none in flight)

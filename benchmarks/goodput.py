@@ -3,6 +3,7 @@
 disk checkpoints every k steps (a worker killed, every worker restarts and resumes from the checkpoint).
 
     python benchmarks/goodput.py [--minutes 10] [--every 60] [--systems deadpool,torchrun] [--json PATH] [--quick]
+                                 [--data TEXT_FILE]
 
 Goodput = useful step time / wall time = (steps done by the end x the run's normal step time) / wall time;
 the normal step time is the median time between consecutive steps of the same run. Each system runs alone,
@@ -12,7 +13,12 @@ DeadPool runs in multi-node mode (a dprun per node on loopback) with one spare a
 (--dp-interval to change); after each failure a new node joins as the spare, as a scheduler would replace
 the machine. torchrun: --max-restarts 1000, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, checkpoints every 50 steps.
 
-JSON: {"goodput": {"deadpool", "torchrun"}, "failures": {...}, "final_step": {...}, "step_s": {...}, ...}.
+A system's run fails when its launcher ends early, when no training step (or too few to time one) is done by
+the end, or on any error of the driver: it is said with its cause and the tail of its log, it gets no figure
+(not a goodput of 0), and the benchmark exits 1.
+
+JSON: {"goodput": {"deadpool", "torchrun"}, "failures": {...}, "final_step": {...}, "step_s": {...}, ...,
+"failed": [{"run", "cause", "folder"}] (systems whose run failed: absent from the figures)}.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 from recovery import RECOVERY_MODEL  # noqa: E402
+
+SYSTEMS = ("deadpool", "torchrun")
+LOGS = {"deadpool": "head.log", "torchrun": "torchrun.log"}  # the launcher's log: where a run's error shows
 
 
 def _popen(cmd, folder: Path, env: dict, log_name: str) -> subprocess.Popen:
@@ -62,7 +71,8 @@ def _trained(folder: Path) -> bool:
 
 def _script(args, folder: Path) -> list[str]:
     model = C.SMALL_MODEL if args.quick else RECOVERY_MODEL
-    return [str(C.TRAIN), "--steps", "1000000", "--seed", "0", *model, "--log-every", "0",
+    data = ["--data", str(Path(args.data).resolve())] if args.data else []
+    return [str(C.TRAIN), "--steps", "1000000", "--seed", "0", *model, *data, "--log-every", "0",
             "--timings", str(folder / "timings.jsonl")]
 
 
@@ -88,7 +98,7 @@ def run_deadpool(args, folder: Path) -> dict:
     try:
         while time.time() < deadline:
             if head.poll() is not None:
-                raise RuntimeError(f"the head dprun ended early ({head.returncode}); see {folder}/head.log")
+                raise RuntimeError(f"the head dprun ended early ({C.exit_cause(head.returncode)})")
             if time.time() < next_fail or not _trained(folder):
                 time.sleep(0.2)
                 continue
@@ -149,12 +159,16 @@ def run_torchrun(args, folder: Path) -> dict:
     try:
         while time.time() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"torchrun ended early ({proc.returncode}); see {folder}/torchrun.log")
+                raise RuntimeError(f"torchrun ended early ({C.exit_cause(proc.returncode)})")
             if time.time() < next_fail or not _trained(folder):
                 time.sleep(0.2)
                 continue
             next_fail += args.every
-            for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                children = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue  # torchrun just ended: the poll above says how
+            for child in children:
                 try:
                     if "train_gpt" in " ".join(child.cmdline()) and child.environ().get("RANK") == "1":
                         child.kill()
@@ -170,13 +184,18 @@ def run_torchrun(args, folder: Path) -> dict:
 
 
 def goodput_of(run: dict, wall_s: float) -> dict:
+    """The run's goodput; a RuntimeError when it has none to give: without a step, or without two consecutive
+    ones to time a step by, the job did not train (it failed, or was still starting on a busy host), and a
+    goodput of 0 would read as a measurement."""
     steps = [r for r in run["timings"] if "step" in r and "event" not in r]
     if not steps:
-        return {"goodput": 0.0, "final_step": 0, "step_s": None}
+        raise RuntimeError(f"no training step done in {wall_s:.0f} s")
     deltas = [b["t"] - a["t"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
     step_s = C.median(deltas)
+    if not step_s:
+        raise RuntimeError(f"no two consecutive steps to time a step by in {wall_s:.0f} s ({len(steps)} steps)")
     final = steps[-1]["step"]
-    return {"goodput": final * step_s / wall_s if step_s else 0.0, "final_step": final, "step_s": step_s,
+    return {"goodput": final * step_s / wall_s, "final_step": final, "step_s": step_s,
             "steps_run": len(steps), "recomputed_steps": len(steps) - final}
 
 
@@ -184,19 +203,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=None, help="wall time of each system's run (10; --quick 1)")
     ap.add_argument("--every", type=float, default=None, help="seconds between failures (60; --quick 25)")
-    ap.add_argument("--systems", default="deadpool,torchrun")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     ap.add_argument("--ckpt-every", type=int, default=None, help="torchrun's checkpoint interval (50; --quick 20)")
     ap.add_argument("--dp-interval", default="auto", help="DeadPool's --snapshot-interval")
     ap.add_argument("--quick", action="store_true", help="small model, 1 minute per system, a failure every 25 s")
+    ap.add_argument("--data", default=None, help="the training text (examples/train_gpt.py --data)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args(argv)
     for key, full, quick in (("minutes", 10.0, 1.0), ("every", 60.0, 25.0), ("ckpt_every", 50, 20)):
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
+    systems = [s for s in args.systems.split(",") if s]
+    if not systems or set(systems) - set(SYSTEMS):
+        ap.error(f"--systems: comma-separated, of {', '.join(SYSTEMS)}")
     C.install_cleanup()
     work = C.Workdir("goodput", keep=args.keep)
-    systems = [s for s in args.systems.split(",") if s]
+    failures = C.Failures("goodput", work)
     print(f"goodput: {args.minutes:g} min per system, a failure every {args.every:g} s; folders under {work.path}",
           flush=True)
     out: dict = {"benchmark": "goodput", "machine": C.machine(), "minutes": args.minutes, "every_s": args.every,
@@ -208,13 +231,14 @@ def main(argv: list[str] | None = None) -> int:
             busy0, t_start = C.machine_busy_s(), time.time()
             try:
                 run = run_deadpool(args, folder) if system == "deadpool" else run_torchrun(args, folder)
-            except Exception as exc:  # keep the logs; count what it did until then
-                work.keep = True
-                print(f"  {system}: {exc} (the run's folder is kept)", file=sys.stderr, flush=True)
-                out.setdefault("errors", {})[system] = str(exc)
-                run = {"wall_s": time.time() - t_start, "failures": [],
-                       "timings": C.RunResult("", 0, 0, folder, "", {}, 0).timings()}
-            g = goodput_of(run, run["wall_s"])
+                g = goodput_of(run, run["wall_s"])
+            except Exception as exc:  # said with the tail of its launcher's log; no figure for it
+                log = C.file_tail(folder / LOGS[system])
+                # how busy the machine was: a job on a host busy with others may still be starting at the end
+                busy = max(0.0, (C.machine_busy_s() - busy0) / ((time.time() - t_start) * (os.cpu_count() or 1)))
+                failures.add(system, f"{type(exc).__name__}: {exc} (the machine's CPUs {busy:.0%} busy meanwhile"
+                             + ("" if log else f"; {LOGS[system]} is empty") + ")", log, folder)
+                continue
             others = max(0.0, (C.machine_busy_s() - busy0) / ((time.time() - t_start) * (os.cpu_count() or 1)))
             out["goodput"][system] = g["goodput"]
             out["final_step"][system] = g["final_step"]
@@ -227,12 +251,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{g.get('recomputed_steps', 0)} steps recomputed", flush=True)
     finally:
         work.close()
+    out["failed"] = failures.as_json()
     C.write_json(args.json, out)
     print()
     print(C.table(["system", "goodput", "final step", "s/step", "failures"],
                   [[s, f"{out['goodput'][s]:.1%}", out["final_step"][s], C.fmt(out["step_s"][s], ".3f"),
-                    out["failures"][s]] for s in systems]))
-    return 0
+                    out["failures"][s]] if s in out["goodput"] else [s, "FAILED", "-", "-", "-"]
+                   for s in systems]))
+    return failures.exit_code()
 
 
 if __name__ == "__main__":

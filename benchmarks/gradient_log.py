@@ -4,7 +4,8 @@ step's all-reduced gradient (copied into shared memory, or by reference) or copy
 
 A gradient log (the whole state every K steps, each step's gradient in between, replayed through the optimizer
 on restore) would snapshot a third of the bytes of AdamW's state per step; this measures whether that is cheaper
-here before anyone builds it (docs/performance.md). Prints a table; `--json PATH` writes the numbers.
+here before anyone builds it (docs/performance.md). Prints a table; `--json PATH` writes the numbers. A run that
+fails is said with its exit code and the tail of its output, and the benchmark exits 1 without figures.
 """
 
 from __future__ import annotations
@@ -42,38 +43,38 @@ def main() -> int:
     C.install_cleanup()
     steps, runs, model = (60, 1, SMALL) if args.quick else (args.steps, args.runs, [])
     work = C.Workdir("gradlog", args.keep)
+    failures = C.Failures("gradient_log", work)
     modes = ("gradient", "gradient_after", "whole", "by_reference")
     results = []
     try:
         folder = work.new("alone")
         out = folder / "alone.json"
         run = C.run("alone", [sys.executable, WORKER, "--alone-steps", 6 if args.quick else 12, "--out", out, *model],
-                    folder=folder, env={"OMP_NUM_THREADS": "1"}, quiet=False)
-        if run.returncode != 0:
-            print(f"gradient_log: the run alone failed (exit {run.returncode})", file=sys.stderr)
-            return 1
+                    folder=folder, env={"OMP_NUM_THREADS": "1"})
+        if not failures.check(run):
+            return failures.exit_code()
         alone_ms = json.loads(out.read_text())
         for i in range(runs):
             folder = work.new(f"run{i}")
             out = folder / "steps.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER,
                    "--steps", steps, "--out", out, *model]
-            run = C.run(f"run{i}", cmd, folder=folder, env={"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
-                        quiet=False)
-            if run.returncode != 0:
-                print(f"gradient_log: run {i} failed (exit {run.returncode})", file=sys.stderr)
-                return 1
+            run = C.run(f"run{i}", cmd, folder=folder, env={"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+            if not failures.check(run):
+                return failures.exit_code()
             got = json.loads(out.read_text())
             plain = C.median(s["s"] for s in got["steps"][6:] if s["mode"] == "plain")
             results.append({"grad_bytes": got["grad_bytes"], "state_bytes": got["state_bytes"],
                             "plain_step_s": plain, "added_ms": {m: window_ms(got["steps"], m, 10) for m in modes}})
     finally:
         work.close()
+    def cell(added: float | None, plain_s: float) -> str:  # "-" where no window of a mode was measured
+        return "-" if added is None else f"{added:+.1f} ({added / 10 / plain_s:+.2f} %)"
+
     rows = []
     for i, r in enumerate(results):
         rows.append([f"run {i}", C.fmt(r["plain_step_s"] * 1000, ".0f")] +
-                    [f"{C.fmt(r['added_ms'][m], '+.1f')} ({C.fmt(r['added_ms'][m] / 10 / r['plain_step_s'], '+.2f')} %)"
-                     for m in modes])
+                    [cell(r["added_ms"][m], r["plain_step_s"]) for m in modes])
     print(f"state {C.mb(results[0]['state_bytes'])} MB, gradient {C.mb(results[0]['grad_bytes'])} MB per rank; "
           "ms added by a step of each kind, the plain step after it included, against 2 plain steps (medians):")
     print(C.table(["", "plain step ms", "gradient copied", "... after the step", "whole state copied",

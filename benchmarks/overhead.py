@@ -21,6 +21,8 @@ JSON: {"throughput": {"off", "per_step", "auto", "torchrun", "alternate"} (token
 the optimizer step after a snapshot takes longer), "overhead_auto", "overhead_auto_paired", "auto_interval",
 "auto_max_lost_steps", "auto_cost", "auto_cost_bound", "profile", "peak_rss", "runs": [...]}.
 torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see DESIGN.md) and the same thread settings.
+A run that fails (exit code, timeout) is said with the tail of its output and left out of every figure ("failed":
+[{"run", "cause", "folder"}] in the JSON); the benchmark then exits 1.
 """
 
 from __future__ import annotations
@@ -181,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c for c in args.configs.split(",") if c]
     C.install_cleanup()
     work = C.Workdir("overhead", keep=args.keep)
+    failures = C.Failures("overhead", work)
     print(f"overhead: {len(configs)} configurations x {args.reps} repetitions, {args.steps} steps each, "
           f"{'small' if args.quick else '108 MB-state'} model, 2 nodes; folders under {work.path}", flush=True)
     runs: list[dict] = []
@@ -192,15 +195,12 @@ def main(argv: list[str] | None = None) -> int:
                 folder = work.new(f"r{rep}-{config}")
                 cmd, env = command(config, args, folder)
                 res = C.run(f"{config}#{rep}", cmd, folder=folder, env=env, timeout=args.timeout)
-                results[(rep, config)] = res
                 summary = res.json_file("stats.json")
                 print(f"  rep {rep} {config:9s} rc {res.returncode} wall {res.wall_s:6.1f} s"
                       + (f"  ({summary.get('snapshot_policy')})" if summary and summary.get("snapshot_policy")
                          else ""), flush=True)
-                if res.returncode != 0:
-                    work.keep = True  # keep its logs
-                    print(res.output[-2500:], file=sys.stderr)
-                    print(f"  (kept: {res.folder})", file=sys.stderr)
+                if failures.check(res):  # a failed run's partial timings would pass for a measurement
+                    results[(rep, config)] = res
         # the measurement windows of each repetition: auto's from its decision (the same steps in every run of
         # the repetition, compared with off's); the others' from the first step whose snapshot goes into a
         # buffer written before (both buffers' pages faulted in) to the end
@@ -210,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             auto_lo, auto_hi = auto_window(auto.json_file("stats.json") if auto else None, args.steps,
                                            first_decision)
             for config in configs:
-                res = results[(rep, config)]
+                res = results.get((rep, config))
+                if res is None:  # failed: no figures
+                    continue
                 summary = {**(res.json_file("summary.json") or {}), **(res.json_file("stats.json") or {})}
                 lo, hi = (auto_lo, auto_hi) if config == "auto" else (STEADY_FROM, args.steps)
                 timings = res.timings()
@@ -239,15 +241,19 @@ def main(argv: list[str] | None = None) -> int:
                     "paired_optimizer_s": (paired_optimizer_s(timings, STEADY_FROM, args.steps)
                                            if config.startswith("alternate") else None),
                 })
-        state_guess = C.median(r["state_bytes"] for r in runs if r["state_bytes"]) or 1e6
-        print("  measuring the limits (memcpy, loopback TCP) ...", flush=True)
-        limits = _limits.measure(int(state_guess))
+        # the floor is for the state the runs reported: without one (every run failed) there is none to measure
+        state_guess = C.median(r["state_bytes"] for r in runs if r["state_bytes"])
+        limits = None
+        if state_guess:
+            print("  measuring the limits (memcpy, loopback TCP) ...", flush=True)
+            limits = _limits.measure(int(state_guess))
     finally:
         work.close()
 
-    tokens = tokens or 0
     by = lambda config, key: [r[key] for r in runs if r["config"] == config and r[key] is not None]  # noqa: E731
-    throughput = {c: (C.median(by(c, "steps_per_s")) or 0) * tokens or None for c in configs}
+    # None, not 0, where no run of a configuration measured a rate (or none told the tokens per step)
+    rates = {c: C.median(by(c, "steps_per_s")) for c in configs}
+    throughput = {c: rates[c] * tokens if rates[c] is not None and tokens else None for c in configs}
 
     def overhead(config: str) -> float | None:
         key = "auto_window_steps_per_s" if config == "auto" else "steps_per_s"  # off over the same steps
@@ -263,12 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     # The least a per-step snapshot can cost on this host: copy the state once and move it over loopback TCP
     # (both ends' CPU), on every node, while training keeps every core busy; as a fraction of a step.
     off_step = C.median(r["median_step_s"] for r in runs if r["config"] == "off")
-    per_node_cpu = state_guess / limits["memcpy_Bps"] + limits["tcp_cpu_s"]
-    floor = {"memcpy_Bps": limits["memcpy_Bps"], "tcp_Bps": limits["tcp_Bps"], "tcp_cpu_s": limits["tcp_cpu_s"],
-             "cpu_s_per_snapshot_per_node": per_node_cpu, "step_s_off": off_step,
-             "overhead_per_step_floor": (per_node_cpu * 2 / (os.cpu_count() or 1) / off_step
-                                         if off_step and (os.cpu_count() or 1) <= 2 else
-                                         per_node_cpu / off_step if off_step else None)}
+    floor: dict = {}
+    if limits:
+        per_node_cpu = state_guess / limits["memcpy_Bps"] + limits["tcp_cpu_s"]
+        floor = {"memcpy_Bps": limits["memcpy_Bps"], "tcp_Bps": limits["tcp_Bps"], "tcp_cpu_s": limits["tcp_cpu_s"],
+                 "cpu_s_per_snapshot_per_node": per_node_cpu, "step_s_off": off_step,
+                 "overhead_per_step_floor": (per_node_cpu * 2 / (os.cpu_count() or 1) / off_step
+                                             if off_step and (os.cpu_count() or 1) <= 2 else
+                                             per_node_cpu / off_step if off_step else None)}
     state = C.median(r["state_bytes"] for r in runs if r["state_bytes"])
     profiles = [r["profile"] for r in runs if r.get("profile")]
     peak = {}
@@ -327,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "floor": floor,
         "peak_rss": peak,
         "runs": runs,
+        "failed": failures.as_json(),
     }
     C.write_json(args.json, result)
 
@@ -337,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         lo_hi = C.spread(rates)
         ov = None if config == "off" else overhead(config)
         rows.append([config, C.fmt(throughput[config], ".0f"),
-                     "-" if not lo_hi else f"{lo_hi[0] * tokens:.0f}..{lo_hi[1] * tokens:.0f}",
+                     "-" if not lo_hi or not tokens else f"{lo_hi[0] * tokens:.0f}..{lo_hi[1] * tokens:.0f}",
                      "-" if ov is None else f"{ov:+.1%}",
                      C.mb(peak[config].get("worker")), C.mb(peak[config].get("agent"))])
     print(C.table(["config", "tokens/s", "range", "overhead", "worker MB", "agent MB"], rows))
@@ -391,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
           + " of its CPUs during the runs (median)")
     if agent_cpu.get("off") is not None and agent_cpu.get("per_step") is not None:
         print(f"agents' CPU seconds per run: {agent_cpu['off']:.1f} (off) vs {agent_cpu['per_step']:.1f} (per step)")
-    return 0 if all(r["returncode"] == 0 for r in runs) else 1
+    return failures.exit_code()
 
 
 if __name__ == "__main__":

@@ -22,8 +22,12 @@ Extras (DeadPool only, once each; --no-extras skips them): a whole node killed (
 node frozen (freeze-node, SIGSTOP): its time from the freeze to the first step, against heartbeat timeout + 1 s.
 torchft: measured when `import torchft` works here (pip install torchft-nightly); else reported as unavailable.
 
+A run that fails (exit code, timeout) is said with the tail of its output and left out of every figure, the
+failure-free step times and the floor included; the benchmark then exits 1.
+
 JSON: {"lost_s": {"deadpool", "torchrun", "torchft"}, "lost_timeline_s": {...}, "floor_s",
-"deadpool_detect_to_step_s", "breakdown": {...}, "floor": {...}, "extras": {...}, "runs": [...]}.
+"deadpool_detect_to_step_s", "breakdown": {...}, "floor": {...}, "extras": {...}, "runs": [...],
+"failed": [{"run", "cause", "folder"}]}.
 """
 
 from __future__ import annotations
@@ -191,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = ["deadpool", "torchrun"] + (["torchft"] if torchft else [])
     C.install_cleanup()
     work = C.Workdir("recovery", keep=args.keep)
+    failures = C.Failures("recovery", work)
     print(f"recovery: worker rank 1 killed at step {args.kill_at} of {args.steps}; torchrun checkpoints every "
           f"{args.ckpt_every} steps; {args.reps} repetitions; folders under {work.path}", flush=True)
     plan = [(s, f) for s in systems for f in ("none", "kill-worker")]
@@ -202,35 +207,28 @@ def main(argv: list[str] | None = None) -> int:
                 folder = work.new(f"r{rep}-{system}-{fault}")
                 cmd, env = command(system, fault, args, folder)
                 res = C.run(f"{system}/{fault}#{rep}", cmd, folder=folder, env=env, timeout=args.timeout)
-                results.append((rep, system, fault, res))
                 print(f"  rep {rep} {system:8s} {fault:11s} rc {res.returncode} wall {res.wall_s:6.1f} s", flush=True)
-                if res.returncode != 0:
-                    work.keep = True  # keep its logs
-                    print(res.output[-2500:], file=sys.stderr)
-                    print(f"  (kept: {res.folder})", file=sys.stderr)
+                if failures.check(res):  # a failed run's partial timeline would pass for a measurement
+                    results.append((rep, system, fault, res))
         extras_runs = []
         if not args.no_extras:
             for fault in ("kill-node", "freeze-node"):
                 folder = work.new(f"extra-deadpool-{fault}")
                 cmd, env = command("deadpool", fault, args, folder)
                 res = C.run(f"deadpool/{fault}", cmd, folder=folder, env=env, timeout=args.timeout)
-                extras_runs.append((fault, res))
                 print(f"  extra    deadpool {fault:11s} rc {res.returncode} wall {res.wall_s:6.1f} s", flush=True)
-                if res.returncode != 0:
-                    work.keep = True  # keep its logs
-                    print(res.output[-2500:], file=sys.stderr)
-                    print(f"  (kept: {res.folder})", file=sys.stderr)
+                if failures.check(res):
+                    extras_runs.append((fault, res))
         state = None
         for *_, res in results:
             summary = res.json_file("stats.json")
             if summary and summary.get("state_bytes"):
                 state = summary["state_bytes"]
                 break
-        print("  measuring the floor (process group rebuild, loopback transfer of the state) ...", flush=True)
-        limits = _limits.measure(int(state or 1e6))
-        rows = []
-        for rep, system, fault, res in results:
-            rows.append({"rep": rep, "system": system, "fault": fault})
+        limits = None  # the floor moves the state the runs reported: without one (every run failed), no floor
+        if state:
+            print("  measuring the floor (process group rebuild, loopback transfer of the state) ...", flush=True)
+            limits = _limits.measure(int(state))
         # normal step time of each system: its failure-free runs
         step_s = {s: C.median(analyse(r, s, "none", None).get("step_s") for _, s2, f, r in results
                               if s2 == s and f == "none") for s in systems}
@@ -254,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             clean = [r for r in runs if r["rep"] == rep and r["system"] == system and r["fault"] == "none"]
             bad = [r for r in runs if r["rep"] == rep and r["system"] == system and r["fault"] == "kill-worker"]
-            if clean and bad and clean[0]["returncode"] == 0 and bad[0]["returncode"] == 0:
+            if clean and bad:  # both succeeded (failed runs are not in runs)
                 diffs.append(bad[0]["wall_s"] - clean[0]["wall_s"])
         lost[system] = C.median(diffs)
         lost_timeline[system] = C.median(r.get("lost_timeline_s") for r in faulty(system))
@@ -267,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     lost_timeline.setdefault("torchft", None)
     # one step of training itself: the failure-free step without snapshots (torchrun's; DeadPool's carries the
     # per-step snapshot, which on a host whose cores are busy costs a large part of a step: benchmarks/overhead.py)
-    plain_step = step_s.get("torchrun") or step_s["deadpool"] or 0
-    floor = limits["pg_rebuild_s"] + limits["tcp_s"] + plain_step
+    plain_step = step_s.get("torchrun") or step_s.get("deadpool")
+    floor = limits["pg_rebuild_s"] + limits["tcp_s"] + plain_step if limits and plain_step else None
     d2s = breakdown["deadpool"].get("detect_to_step_s")
     result = {
         "benchmark": "recovery", "machine": C.machine(), "steps": args.steps, "kill_at": args.kill_at,
@@ -280,10 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         "detect_to_step_over_floor": d2s / floor if d2s and floor else None,
         "breakdown": breakdown, "step_s": step_s,
         "floor": {"pg_rebuild_s": limits["pg_rebuild_s"], "state_transfer_s": limits["tcp_s"],
-                  "step_s": plain_step, "tcp_Bps": limits["tcp_Bps"], "memcpy_Bps": limits["memcpy_Bps"]},
+                  "step_s": plain_step, "tcp_Bps": limits["tcp_Bps"], "memcpy_Bps": limits["memcpy_Bps"]}
+        if limits else {},
         "torchft": (f"measured with {args.torchft_python}" if torchft else
                     "not measured: no torchft here (pip install torchft-nightly, then --torchft-python)"),
         "extras": extras, "heartbeat_timeout_s": args.heartbeat_timeout, "runs": runs,
+        "failed": failures.as_json(),
     }
     if "freeze-node" in extras:
         f = extras["freeze-node"]
@@ -310,18 +310,18 @@ def main(argv: list[str] | None = None) -> int:
     if not torchft:
         rows.append(["torchft", "-", "-", result["torchft"]])
     print(C.table(["system", "lost_s", "timeline", "breakdown (s)"], rows))
-    print(f"floor {floor:.2f} s = process group {limits['pg_rebuild_s'] * 1000:.0f} ms + state "
-          f"{(state or 0) / 1e6:.0f} MB over loopback {limits['tcp_s'] * 1000:.0f} ms + one step "
-          f"{C.fmt(plain_step, '.2f')} s (no snapshots); DeadPool detect -> first step {C.fmt(d2s, '.2f')} s "
-          f"({C.fmt(result['detect_to_step_over_floor'], '.2f')} x floor)")
+    if floor is not None:
+        print(f"floor {floor:.2f} s = process group {limits['pg_rebuild_s'] * 1000:.0f} ms + state "
+              f"{state / 1e6:.0f} MB over loopback {limits['tcp_s'] * 1000:.0f} ms + one step "
+              f"{plain_step:.2f} s (no snapshots); DeadPool detect -> first step {C.fmt(d2s, '.2f')} s "
+              f"({C.fmt(result['detect_to_step_over_floor'], '.2f')} x floor)")
     if result["ratio_torchrun_over_deadpool"]:
         print(f"torchrun loses {result['ratio_torchrun_over_deadpool']:.1f}x more time per failure (timeline)")
     for fault, a in extras.items():
         print(f"extra {fault}: fail -> first step {C.fmt(a.get('fail_to_step_s'), '.2f')} s (detect "
               f"{C.fmt(a.get('detect_s'), '.2f')} s, detect -> step {C.fmt(a.get('detect_to_step_s'), '.2f')} s)"
               + (f"; limit heartbeat timeout + 1 = {args.heartbeat_timeout + 1:.1f} s" if fault == "freeze-node" else ""))
-    ok = all(r["returncode"] == 0 for r in runs) and all(a["returncode"] == 0 for a in extras.values())
-    return 0 if ok else 1
+    return failures.exit_code()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ state / loopback TCP bandwidth.
 JSON: {"sizes": [{"mb", "capture_s", "replicate_s", "restore_s", "capture_GBps", "replicate_GBps",
 "restore_GBps", "memcpy_GBps", "tcp_GBps", "capture_ratio", "replicate_ratio", "restore_ratio", and the
 first repetition's "replicate_s_cold", "restore_s_cold", "replicate_cold_ratio", "restore_cold_ratio"}],
-"recovery": [{"mb", "detect_s", "rebuild_s", "restore_s", "total_s", "restore_at_tcp_s"}], "skipped": [...]}.
+"recovery": [{"mb", "detect_s", "rebuild_s", "restore_s", "total_s", "restore_at_tcp_s"}], "skipped": [...],
+"failed": [{"run", "cause"}]}. A size whose run fails (the worker's or holder's exit, a recovery's exit code) is
+said with the tail of its output and has no row; the benchmark then exits 1.
 """
 
 from __future__ import annotations
@@ -141,21 +143,24 @@ def part1_once(mb: float, timeout: float, reps: int) -> dict:
     try:
         endpoint = holder.stdout.readline().strip()
         if not endpoint.startswith("tcp://"):
-            raise RuntimeError("the replica holder did not start")
+            time.sleep(0.5)  # an empty line: it is exiting (its error went to stderr)
+            code = holder.poll()
+            raise RuntimeError("the replica holder did not start"
+                               + (f" ({C.exit_cause(code)})" if code is not None else f": it printed {endpoint!r}"))
         peak: dict[int, int] = {}
         proc = subprocess.Popen([sys.executable, __file__, "--worker", str(mb), endpoint, token, str(reps)],
-                                stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
         C._LIVE.add(proc.pid)
         try:
-            out, _ = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(timeout=timeout)
         finally:
             for pid in (proc.pid, holder.pid):
                 peak[pid] = C._status_kb(pid, "VmHWM:") * 1024 if pid == holder.pid else 0
             C._kill_group(proc.pid)
             C._LIVE.discard(proc.pid)
         if proc.returncode != 0:
-            raise RuntimeError(f"scaling worker failed for {mb} MB (exit {proc.returncode})")
+            raise RuntimeError(f"the scaling worker failed ({C.exit_cause(proc.returncode)}):\n{C.tail(err)}")
         result = json.loads(out.strip().splitlines()[-1])
         result["holder_peak_rss"] = peak[holder.pid]
         return result
@@ -169,12 +174,16 @@ def part1_once(mb: float, timeout: float, reps: int) -> dict:
         C._LIVE.discard(holder.pid)
 
 
-def part2(mb: float, work: C.Workdir, steps: int, kill_at: int, timeout: float) -> dict:
+def part2(mb: float, work: C.Workdir, steps: int, kill_at: int, timeout: float,
+          failures: C.Failures) -> dict | None:
+    """A real recovery at `mb` MB per node; None when the run failed (said, and recorded in `failures`)."""
     folder = work.new(f"recovery-{mb:g}MB")
     cmd = [sys.executable, "-m", "dprun", "--nnodes", "2", "--spares", "1", "--no-tui", "--events-file",
            "events.jsonl", "--inject", f"kill-node:1@step={kill_at}", str(HERE / "_state_trainer.py"),
            "--mb", str(mb), "--steps", str(steps), "--timings", "timings.jsonl", "--summary", "summary.json"]
-    res = C.run(f"recovery {mb} MB", cmd, folder=folder, env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
+    res = C.run(f"recovery {mb:g} MB", cmd, folder=folder, env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
+    if not failures.check(res):  # its events may hold a recovery, but not one of a run that worked
+        return None
     out: dict = {"mb": mb, "returncode": res.returncode, "peak_rss": res.peak_rss_by_role()}
     done = next((e for e in res.events() if e["event"] == "recovery_complete"), None)
     failed = next((e for e in res.events() if e["event"] == "node_failed"), None)
@@ -184,8 +193,6 @@ def part2(mb: float, work: C.Workdir, steps: int, kill_at: int, timeout: float) 
                    restore_s=ph["restore_s"], total_s=ph["total_s"], lost_steps=done.get("lost_steps"))
         if failed:
             out["detect_to_step_s"] = done["time"] - failed["time"]
-    if res.returncode != 0:
-        print(res.output[-2000:], file=sys.stderr)
     return out
 
 
@@ -209,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     rec_sizes = [float(x) for x in args.recovery_sizes.split(",") if x]
     C.install_cleanup()
     work = C.Workdir("scaling", keep=args.keep)
+    failures = C.Failures("scaling", work)
     print(f"scaling: sizes {sizes} MB ({args.reps} repetitions each), recoveries at {rec_sizes} MB", flush=True)
     rows, skipped, recoveries = [], [], []
     try:
@@ -219,8 +227,13 @@ def main(argv: list[str] | None = None) -> int:
                                                  f"{mem_available() / 1e9:.1f} GB available"})
                 print(f"  {mb:g} MB: skipped ({skipped[-1]['why']})", flush=True)
                 continue
-            limits = _limits.measure(int(min(mb, 512) * 1e6))
-            r = part1(mb, args.reps, args.timeout)
+            try:
+                limits = _limits.measure(int(min(mb, 512) * 1e6))
+                r = part1(mb, args.reps, args.timeout)
+            except Exception as exc:  # this size measured nothing: said, no row; the other sizes go on
+                cause, _, output = f"{type(exc).__name__}: {exc}".partition("\n")
+                failures.add(f"{mb:g} MB", cause, output)
+                continue
             nbytes = r["bytes"]
             r.update(memcpy_GBps=limits["memcpy_Bps"] / 1e9, tcp_GBps=limits["tcp_Bps"] / 1e9,
                      capture_GBps=nbytes / r["capture_s"] / 1e9, replicate_GBps=nbytes / r["replicate_s"] / 1e9,
@@ -235,18 +248,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['memcpy_GBps']:.2f}), replicate {r['replicate_s']:.3f} s ({r['replicate_GBps']:.2f} GB/s, "
                   f"TCP {r['tcp_GBps']:.2f}), restore {r['restore_s']:.3f} s ({r['restore_GBps']:.2f} GB/s); first "
                   f"repetition: replicate {r['replicate_s_cold']:.3f} s, restore {r['restore_s_cold']:.3f} s", flush=True)
-        tcp = C.median(r["tcp_GBps"] for r in rows) or 1.0
+        tcp = C.median(r["tcp_GBps"] for r in rows)  # None without a row of part 1: no bandwidth measured
         for mb in rec_sizes:
-            rec = part2(mb, work, steps=30, kill_at=15, timeout=args.timeout)
-            rec["restore_at_tcp_s"] = mb * 1e6 / (tcp * 1e9)
+            rec = part2(mb, work, steps=30, kill_at=15, timeout=args.timeout, failures=failures)
+            if rec is None:
+                continue
+            rec["restore_at_tcp_s"] = mb * 1e6 / (tcp * 1e9) if tcp else None
             recoveries.append(rec)
             print(f"  recovery {mb:6g} MB: rc {rec['returncode']}, restore {C.fmt(rec.get('restore_s'), '.3f')} s "
-                  f"(state over loopback TCP alone: {rec['restore_at_tcp_s']:.3f} s), total "
+                  f"(state over loopback TCP alone: {C.fmt(rec['restore_at_tcp_s'], '.3f')} s), total "
                   f"{C.fmt(rec.get('total_s'), '.2f')} s", flush=True)
     finally:
         work.close()
     result = {"benchmark": "scaling", "machine": C.machine(), "reps": args.reps, "quick": args.quick,
-              "sizes": rows, "skipped": skipped, "recovery": recoveries}
+              "sizes": rows, "skipped": skipped, "recovery": recoveries, "failed": failures.as_json()}
     C.write_json(args.json, result)
     print()
     print(C.table(["MB", "capture s", "GB/s", "/memcpy", "replicate s", "GB/s", "/TCP", "restore s", "GB/s", "/TCP"],
@@ -261,9 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(C.table(["MB", "detect s", "rebuild s", "restore s", "at TCP limit s", "total s"],
                       [[f"{r['mb']:g}", C.fmt(r.get("detect_s"), ".3f"), C.fmt(r.get("rebuild_s"), ".3f"),
-                        C.fmt(r.get("restore_s"), ".3f"), f"{r['restore_at_tcp_s']:.3f}",
+                        C.fmt(r.get("restore_s"), ".3f"), C.fmt(r["restore_at_tcp_s"], ".3f"),
                         C.fmt(r.get("total_s"), ".3f")] for r in recoveries]))
-    return 0 if all(r["returncode"] == 0 for r in recoveries) else 1
+    return failures.exit_code()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Smoke tests of benchmarks/ (tiny settings: they check the runs work and the JSON keeps its contract, not the
 numbers), and of what the torchrun baseline needs from examples/train_gpt.py: it runs unmodified under plain
 torchrun (env:// group, no snapshots) with the same result as under dprun, and resumes from its disk
-checkpoints after `torchrun --max-restarts` restarts the workers."""
+checkpoints after `torchrun --max-restarts` restarts the workers. And that a benchmark whose run fails says
+why, gives that run no figure and exits 1."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +21,8 @@ pytestmark = [pytest.mark.slow]
 BENCH = REPO / "benchmarks"
 
 
-def bench(procs, tmp_path, name: str, *args: str, timeout: float = 150) -> dict:
+def run_bench(procs, tmp_path, name: str, *args: str, timeout: float = 150) -> tuple[int, str, Path]:
+    """benchmarks/{name}.py with `args`: its exit status, its output (stdout and stderr), the path of its JSON."""
     out = tmp_path / f"{name}.json"
     proc = procs.popen([sys.executable, str(BENCH / f"{name}.py"), *args, "--json", str(out)], cwd=tmp_path,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -27,8 +30,15 @@ def bench(procs, tmp_path, name: str, *args: str, timeout: float = 150) -> dict:
         text, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         procs.kill_all()
-        raise AssertionError(f"benchmarks/{name}.py did not finish in {timeout} s") from None
-    assert proc.returncode == 0, text[-4000:]
+        text, _ = proc.communicate(timeout=30)  # what it printed until then: which run it was in, how far
+        raise AssertionError(f"benchmarks/{name}.py did not finish in {timeout} s; its output:\n{text[-4000:]}") \
+            from None
+    return proc.returncode, text, out
+
+
+def bench(procs, tmp_path, name: str, *args: str, timeout: float = 150) -> dict:
+    code, text, out = run_bench(procs, tmp_path, name, *args, timeout=timeout)
+    assert code == 0, text[-4000:]  # the end of the output lists the runs that failed, with their causes
     return json.loads(out.read_text())
 
 
@@ -107,6 +117,29 @@ def test_goodput_quick(procs, tmp_path):
     assert set(got["goodput"]) == {"deadpool", "torchrun"}
     assert all(0 < v <= 1.05 for v in got["goodput"].values()), got["goodput"]
     assert got["failures"]["deadpool"] >= 1 and got["failures"]["torchrun"] >= 1
+
+
+@pytest.mark.timeout(150)
+def test_goodput_failed_runs_say_why_and_give_no_figure(procs, tmp_path):
+    """A run that fails is no goodput of 0.0: the benchmark names the system and the cause, shows the tail of its
+    log, keeps its folder, writes no figure for it and exits 1. The training text does not exist: DeadPool's job
+    ends early with the workers' FileNotFoundError; torchrun restarts its workers until the run's time is up,
+    without a step (how a run on a host too busy to start training in time ends, too)."""
+    missing = tmp_path / "no-such-text.txt"
+    for system, minutes, cause in (("deadpool", "2", "RuntimeError: the head dprun ended early (exit code "),
+                                   ("torchrun", "0.3", "RuntimeError: no training step done in ")):
+        code, text, out = run_bench(procs, tmp_path, "goodput", "--quick", "--systems", system, "--minutes", minutes,
+                                    "--every", "5", "--data", str(missing), timeout=140)
+        assert code == 1, text[-4000:]
+        assert f"{system}: FAILED: {cause}" in text, text[-4000:]
+        assert "0.0%" not in text and "goodput 0" not in text, text[-4000:]
+        got = json.loads(out.read_text())
+        assert got["goodput"] == got["final_step"] == got["step_s"] == got["details"] == {}, got
+        (failed,) = got["failed"]
+        assert failed["run"] == system and failed["cause"].startswith(cause), failed
+        assert Path(failed["folder"]).is_dir()  # kept, with the logs
+        if system == "deadpool":  # its end came from the workers' error, shown from the tail of its log
+            assert "FileNotFoundError" in text and str(missing) in text, text[-4000:]
 
 
 def test_gradient_log_quick(procs, tmp_path):
