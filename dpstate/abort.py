@@ -207,7 +207,20 @@ class AbortSignal:
 
 
 def classify(exc: BaseException, signal: AbortSignal | None = None) -> str | None:
-    """'abort' (caused by our signal), 'peer' (a collective or store failed), or None (a bug to propagate)."""
+    """'abort' (caused by our signal), 'peer' (a collective or store failed), or None (a bug to propagate). An
+    error that torch wrapped in its own (pipelining's "[Stage 0] failed to run forward") is what it wraps."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        kind = _classify_one(link, signal)
+        if kind is not None:
+            return kind
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def _classify_one(exc: BaseException, signal: AbortSignal | None) -> str | None:
     if not isinstance(exc, Exception):
         return None
     text = str(exc)
@@ -224,7 +237,7 @@ def classify(exc: BaseException, signal: AbortSignal | None = None) -> str | Non
         pass
     if type(exc).__name__ in ("PeerConnectError", "HolderGone"):  # dpstate.pgroup: a rank died while the group
         return "peer"  # connected; dpstate.holders: a replica holder's process died before it acked a snapshot
-    if type(exc).__name__ == "GpuPlacementError":  # dpstate.pgroup: a setup error that no recovery mends
+    if type(exc).__name__ in ("GpuPlacementError", "StalePartsError"):  # setup errors that no recovery mends
         return None
     if (isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)) and any(p in text for p in _PEER_PATTERNS)
             and _raised_by_torch_or_dpstate(exc)):
@@ -233,8 +246,15 @@ def classify(exc: BaseException, signal: AbortSignal | None = None) -> str | Non
 
 
 def describe(exc: BaseException) -> str:
-    """`Type: message` of an error for a PeerError, without the wrapping that a DDP comm hook's failed future
-    gets (see above): "RuntimeError: Unable to cast X to Tensor" reads "X"."""
+    """`Type: message` of an error for a PeerError: the link of its chain that classify() recognised (not torch's
+    wrapper around it), without the wrapping that a DDP comm hook's failed future gets (see above): "RuntimeError:
+    Unable to cast X to Tensor" reads "X"."""
+    link: BaseException | None = exc
+    seen: set[int] = set()
+    while link is not None and id(link) not in seen and _classify_one(link, None) is None:
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    exc = link if link is not None and id(link) not in seen else exc
     text = str(exc)
     unwrapped = re.fullmatch(r"Unable to cast (.*) to Tensor", text, re.DOTALL)
     return unwrapped.group(1) if unwrapped else f"{type(exc).__name__}: {text}"

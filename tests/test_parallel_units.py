@@ -147,3 +147,22 @@ def test_the_mesh_is_an_event_once_and_shows_in_the_dashboard_and_the_report():
     out = io.StringIO()
     print_report(model, Console(file=out, width=200))
     assert "mesh dp=2: sharded state; each node's replicas hold its ranks' shards whole" in out.getvalue()
+
+
+def test_an_error_that_pipelining_wraps_is_classified_by_what_it_wraps():
+    """torch.distributed.pipelining raises RuntimeError("[Stage 0] failed to run forward: ...") from the
+    collective's error: a peer's failure all the same (it once ended a survivor's script)."""
+    import torch.distributed as dist
+
+    from dpstate.abort import classify, describe
+
+    try:
+        try:
+            raise dist.DistNetworkError("Connection reset by peer")
+        except Exception as inner:
+            raise RuntimeError("\n            [Stage 0] failed to run forward:\n            args: ()") from inner
+    except RuntimeError as wrapped:
+        assert classify(wrapped) == "peer"
+        assert describe(wrapped) == "DistNetworkError: Connection reset by peer"
+    assert classify(RuntimeError("[Stage 0] failed to run forward")) is None
+    assert classify(StalePartsError("dpstate: this model was built for generation 0 ...")) is None
