@@ -20,7 +20,6 @@ LAYOUTS = {  # name: (dims, the mesh as dprun reports it)
     "fsdp-tp": (["--dp", "2", "--tp", "2"], "pp=1 x dp=2 x tp=2"),
 }
 STEPS = {"3d": 30, "dp-pp": 16, "fsdp-tp": 16}
-FAST = ["--heartbeat-interval", "0.25", "--heartbeat-timeout", "2"]
 
 
 def run_layout(procs, tmp_path, layout: str, name: str, *options: str, timeout: float = 240):
@@ -81,7 +80,7 @@ def test_each_node_of_a_sharded_job_is_replaced(procs, tmp_path, reference, layo
 def test_a_frozen_pipeline_stage_releases_the_stage_waiting_on_it(procs, tmp_path, reference):
     """Node 1 holds the second stage: the first waits for its gradients in a pipeline recv when it freezes."""
     run = run_layout(procs, tmp_path, "dp-pp", "freeze-pp", "--nnodes", "2", "--nproc-per-node", "2",
-                     "--spares", "1", *FAST, "--inject", "freeze-node:1@step=6")
+                     "--spares", "1", "--inject", "freeze-node:1@step=6")
     done = _recovered(run, "dp-pp", reference)
     (failed,) = run.named("node_failed")
     assert failed["node"] == "node1" and "heartbeat" in failed["cause"], failed
@@ -92,7 +91,7 @@ def test_a_frozen_tensor_parallel_peer_releases_the_rank_waiting_on_it(procs, tm
     """One worker per node: each tensor parallel group spans two nodes (dprun warns), and rank 0 waits in an
     all-reduce with rank 1 on the node that freezes."""
     run = run_layout(procs, tmp_path, "fsdp-tp", "freeze-tp", "--nnodes", "4", "--nproc-per-node", "1",
-                     "--spares", "1", *FAST, "--inject", "freeze-node:1@step=6")
+                     "--spares", "1", "--inject", "freeze-node:1@step=6")
     done = _recovered(run, "fsdp-tp", reference)
     assert done["phases"]["total_s"] < 30, done
     assert "tensor parallel groups of 2 ranks span nodes of 1 worker(s)" in run.stderr
