@@ -68,6 +68,8 @@ class GroupManager:
         self.connections = GroupConnections()
         self.sever_on_abort = False
         self._abort: AbortSignal | None = None
+        self._gen_store: dist.Store | None = None  # the current generation's prefix (see build); None: local
+        self._rank, self._world_size = 0, 1
         self._store: dist.Store | None = None
         self._endpoint: str | None = None
         self._hooks: tuple = (None, None)  # sys.excepthook before the last init_process_group, and torch's after
@@ -90,16 +92,8 @@ class GroupManager:
         store = dist.PrefixStore(f"dp/gen{generation}/", self._store_for(store_endpoint))
         # Every rank checks in; init_process_group only starts once all are there, so a rank that died
         # before arriving leaves us in this abortable loop rather than in Gloo's blocking rendezvous.
-        if store.add(f"arrived/{rank}", 1) != 1:
-            raise RuntimeError(f"rank {rank} arrived twice for generation {generation}")
-        arrived = store.add("arrived", 1)
-        delay = 0.001
-        while arrived < world_size:
-            abort.sleep(delay)
-            delay = min(delay * 2, 0.02)
-            arrived = store.add("arrived", 0)
-        if arrived > world_size:
-            raise RuntimeError(f"{arrived} ranks arrived for generation {generation} of world size {world_size}")
+        self._gen_store, self._rank, self._world_size = store, rank, world_size
+        self._arrive("arrived", generation, abort)
         # Connecting cannot be aborted, and a rank that arrived then died (a failure during recovery) would
         # hold everyone here for the whole collective timeout: connect under a short timeout, then set the
         # long one. A failed connect is a peer failure: the caller reports it and waits for the next plan.
@@ -127,8 +121,28 @@ class GroupManager:
         name_groups_for(generation)
         self.generation = generation
 
+    def _arrive(self, key: str, generation: int, abort: AbortSignal) -> None:
+        """Count this rank in under `key` of the generation's store and wait, abortably, for every other."""
+        store, rank, world_size = self._gen_store, self._rank, self._world_size
+        assert store is not None
+        if store.add(f"{key}/{rank}", 1) != 1:
+            raise RuntimeError(f"rank {rank} arrived twice at {key} for generation {generation}")
+        arrived = store.add(key, 1)
+        delay = 0.001
+        while arrived < world_size:
+            abort.sleep(delay)
+            delay = min(delay * 2, 0.02)
+            arrived = store.add(key, 0)
+        if arrived > world_size:
+            raise RuntimeError(f"{arrived} ranks arrived at {key} for generation {generation} of world size "
+                               f"{world_size}")
+
     def build_mesh(self, layout: MeshLayout, device_type: str):
-        """The DeviceMesh of `layout` over this generation's group (dpstate.mesh), its connections recorded."""
+        """The DeviceMesh of `layout` over this generation's group (dpstate.mesh), its connections recorded.
+        Ranks first meet at an abortable count, as for the group: a promoted spare reaches its
+        job.parallelize() only after its script went on from init(), later than the survivors by any time."""
+        if self._gen_store is not None and self._abort is not None and self.generation is not None:
+            self._arrive("mesh-arrived", self.generation, self._abort)
         try:
             with self.connections.recording():
                 mesh = build_mesh(layout, device_type, self.backend, min(self.connect_timeout, self.timeout),
@@ -151,6 +165,7 @@ class GroupManager:
     def build_local(self) -> None:
         """A one-process group (no agent): lets DDP and torch.distributed calls work unchanged."""
         self.destroy()
+        self._gen_store = None
         self._init(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
         self.generation = 0
 

@@ -86,10 +86,10 @@ def test_a_tensor_parallel_collective_waiting_on_a_frozen_peer_is_released(procs
     assert _stopped(ranks[1].pid)
     store.set("abort", "1")
     if sever:
-        out, err = ranks[0].communicate(timeout=30)
+        out, err = ranks[0].communicate(timeout=60)
         match = re.search(r"released after ([\d.]+) s: (.*)", out)
         assert match, out + err[-2000:]
-        assert float(match.group(1)) < 5.0, out
+        assert float(match.group(1)) < 10.0, out  # (milliseconds on a quiet host)
         assert "Connection closed by peer" in match.group(2) or "Connection reset" in match.group(2), out
     else:  # the control: without severing nothing releases it (Gloo's abort does not)
         with pytest.raises(subprocess.TimeoutExpired):
