@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO, Processes
 from e2e import dprun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a layout's first test runs its reference too
 TRAIN_3D = str(REPO / "examples" / "train_gpt_3d.py")
 MODEL = ["--seed", "0", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
          "--batch-size", "4", "--microbatches", "2", "--log-every", "0"]
