@@ -153,3 +153,16 @@ def procs():
 @pytest.fixture
 def port():
     return free_port()
+
+
+@pytest.fixture
+def store():
+    """A TCPStore master on a free loopback port, for workers that build process groups over it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=60))
+    yield master
+    del master

@@ -6,12 +6,10 @@ with a replacement, must connect (torch's default-group counter survives a faile
 
 from __future__ import annotations
 
-import datetime
 import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch.distributed as dist
 
 RANK = textwrap.dedent("""
@@ -32,13 +30,6 @@ RANK = textwrap.dedent("""
     import os; os._exit(0)  # the groups are leaked on purpose; skip their destructors
 """)
 
-
-@pytest.fixture
-def store():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=30))
-    yield master
-    del master
 
 
 def test_a_rank_whose_connect_timed_out_joins_the_next_generation(procs, store):

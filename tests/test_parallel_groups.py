@@ -14,7 +14,6 @@ import time
 
 import psutil
 import pytest
-import torch.distributed as dist
 
 from conftest import REPO
 
@@ -55,13 +54,6 @@ WAITER = textwrap.dedent("""
     os._exit(0)  # the groups are leaked on purpose; skip their destructors
 """)
 
-
-@pytest.fixture
-def store():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=60))
-    yield master
-    del master
 
 
 def _stopped(pid: int) -> bool:
