@@ -65,14 +65,14 @@ def _stopped(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sever", [True, False])
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # seconds on a quiet host; minutes when it is starved
 def test_a_tensor_parallel_collective_waiting_on_a_frozen_peer_is_released(procs, store, sever):
     endpoint = f"127.0.0.1:{store.port}"
     mode = "sever" if sever else "keep"
     ranks = [procs.popen([sys.executable, "-c", WAITER, endpoint, str(r), mode], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, cwd=REPO) for r in (0, 1)]
-    store.wait(["waiting"], datetime.timedelta(seconds=90))
-    deadline = time.monotonic() + 30
+    store.wait(["waiting"], datetime.timedelta(seconds=180))
+    deadline = time.monotonic() + 60
     while not _stopped(ranks[1].pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _stopped(ranks[1].pid)
