@@ -143,7 +143,8 @@ class Job:
         if warning and self.rank == 0:
             print(warning, file=sys.stderr, flush=True)
         self._parts = Parts(layout, build)
-        self._groups.sever_on_abort = not self._standalone
+        # (Gloo: NCCL's own sockets are not ours to cut; its communicators are aborted in destroy())
+        self._groups.sever_on_abort = not self._standalone and self.backend == "gloo"
         try:
             self._build_parts(self.generation)
         except Exception as exc:

@@ -5,9 +5,14 @@ tensor-parallel all-reduce; a spare takes its ranks, and the run ends bit for bi
 
 from __future__ import annotations
 
-import pytest
+import json
+import subprocess
+import sys
 
-from conftest import REPO, Processes
+import pytest
+import torch
+
+from conftest import REPO, Processes, free_port
 from e2e import dprun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a layout's first test runs its reference too
@@ -110,3 +115,27 @@ def test_the_promoted_spare_killed_during_its_restore_is_replaced_by_the_next(pr
                      "--spares", "2", "--inject", "kill-node:1@step=6", "--inject", "kill-node:1@during-recovery")
     _recovered(run, "fsdp-tp", reference, generation=2)
     assert sorted(e["spare"] for e in run.named("spare_promoted")) == ["node2", "node3"]
+
+
+def test_the_same_job_under_torchrun_ends_as_under_dprun(procs, tmp_path, reference):
+    """torchrun's env:// group: job.parallelize builds the same mesh on it (no snapshots, one generation)."""
+    summary = tmp_path / "torchrun.json"
+    proc = procs.popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), TRAIN_3D,
+                        "--steps", str(STEPS["fsdp-tp"]), *MODEL, *LAYOUTS["fsdp-tp"][0], "--summary", summary],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(summary.read_text())["params_sha256"] == reference("fsdp-tp")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+def test_a_one_node_job_on_the_gpu_hot_swaps_its_spare(procs, tmp_path):
+    """The same code on CUDA with NCCL (dpstate.local_device()): one GPU, so one rank and one spare on it."""
+    runs = {name: dprun(procs, tmp_path, name, "--nnodes", "1", "--spares", "1", *inject, steps=12,
+                        script=TRAIN_3D, script_args=MODEL, timeout=300)
+            for name, inject in (("reference", ()), ("swap", ("--inject", "kill-node:0@step=5")))}
+    for run in runs.values():
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert runs["swap"].named("recovery_complete") and "on cuda" in runs["swap"].stdout + runs["swap"].stderr
+    assert runs["swap"].summary["params_sha256"] == runs["reference"].summary["params_sha256"]
