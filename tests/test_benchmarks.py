@@ -169,3 +169,27 @@ def test_cuda_step_on_the_cpu(procs, tmp_path):
     assert auto["lag_steps"] >= 0 and auto["max_lost_steps"] == 2 * auto["interval"]  # acks at snapshot steps
     skipped = bench(procs, tmp_path, "cuda_step")
     assert skipped["device"] is None and skipped["skipped"] == "no CUDA device"
+
+
+@pytest.mark.timeout(600)
+def test_parallel_quick(procs, tmp_path):
+    """The sharded / 3D-parallel benchmark on its smoke layout (2 nodes x 2, pp 2 dp 1 tp 2), its recovery and
+    mesh parts (the overhead and memory parts take as long again; docs/performance.md has their figures): every
+    figure measured (a number, not a 0 or None standing in for a run that failed), 3D and DDP side by side."""
+    got = bench(procs, tmp_path, "parallel", "--quick", "--parts", "mesh,recovery", timeout=540)
+    assert got["failed"] == [], got["failed"]
+    rec = got["recovery"]
+    for kind in ("3d", "ddp"):
+        assert set(rec["phases"][kind]) == {"detect_s", "decide_s", "rebuild_s", "restore_s", "total_s"}, rec
+        assert all(isinstance(v, float) and v >= 0 for v in rec["phases"][kind].values()), rec["phases"]
+        assert rec["total_s"][kind] > 0 and rec["phases"][kind]["rebuild_s"] > 0
+        assert rec["state_bytes_per_node"][kind] > 0 and rec["snapshot_bytes_per_node"][kind] > 0
+    assert rec["ratio_total_3d_over_ddp"] == pytest.approx(rec["total_s"]["3d"] / rec["total_s"]["ddp"])
+    assert 0.5 < rec["state_match"] < 2, rec["state_match"]  # the DDP model holds about the 3D job's state per node
+    assert rec["build_s"]["survivors_max"] > 0 and rec["build_s"]["spare"] > 0
+    assert 0 < rec["build_share_of_rebuild"] <= 1.05
+    assert all(v is not None for v in rec["rebuild_steps_s"]["survivors_max"].values()), rec["rebuild_steps_s"]
+    mesh = got["mesh_rebuild"]
+    assert len(mesh["per_generation"]) == mesh["generations"] == 3
+    assert mesh["median_s"] > 0 and mesh["max_s"] >= mesh["median_s"]
+    assert all(v > 0 for v in mesh["phases_median_of_max_s"].values()), mesh
