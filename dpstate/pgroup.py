@@ -1,4 +1,5 @@
-"""Builds and destroys the default process group of each generation over one TCPStore client.
+"""Builds and destroys the default process group of each generation over one TCPStore client, and the groups
+of its DeviceMesh (job.parallelize).
 
 Generation G lives under PrefixStore(f"dp/gen{G}/"); ranks first meet at an abortable arrival count.
 """
@@ -182,10 +183,10 @@ class GroupManager:
     def destroy(self) -> None:
         """Drop the default group; returns at once even when its Gloo thread is stuck on a frozen peer.
 
-        The old groups (the mesh's too) are deliberately leaked (their Python handles made immortal): measured with torch 2.13,
-        ProcessGroupGloo's destructor joins its worker threads, so destroying a group with an op stuck on a
-        frozen peer blocks until that peer exits or the op times out, and a destructor that runs after the
-        peer closed its sockets (e.g. at interpreter exit) aborts the process ("terminate called after
+        The old groups (the mesh's too) are deliberately leaked (their Python handles made immortal): measured
+        with torch 2.13, ProcessGroupGloo's destructor joins its worker threads, so destroying a group with an
+        op stuck on a frozen peer blocks until that peer exits or the op times out, and a destructor that runs
+        after the peer closed its sockets (e.g. at interpreter exit) aborts the process ("terminate called after
         throwing an instance of 'gloo::IoException'", exit -6). A leaked group costs its threads and sockets.
         NCCL: its communicators are aborted first, as a stuck kernel would block (tests/test_cuda_gpu.py builds,
         aborts and rebuilds NCCL groups on a GPU).

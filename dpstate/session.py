@@ -213,8 +213,8 @@ class Job:
             if number - 1 > total_steps:  # (--resume-from a longer run's save)
                 warnings.warn(f"dpstate: the job goes on from step {number - 1}, past the {total_steps} steps asked "
                               "for: there is nothing left to train", stacklevel=2)
-        lands = self._replicator.landing.enabled and self._parts is None and any(  # an optimizer step writes the snapshot buffers
-            isinstance(o, AdamW) and o.lands() for o in self._tracked.objects.values())
+        lands = self._replicator.landing.enabled and self._parts is None and any(  # (an optimizer step writes
+            isinstance(o, AdamW) and o.lands() for o in self._tracked.objects.values())  # the snapshot buffers)
         self._snapshot_gate.defers = self._replicator.policy.defers = defers_acks(lands, self.device)
         while True:
             try:
@@ -272,7 +272,8 @@ class Job:
                 self.barrier()
             else:
                 self._gate()
-        if isinstance(optimizer, AdamW) and not gate.defers and self._parts is None:  # past the gate: the older buffer may take the state
+        # past the gate: the older buffer may take the state (not a sharded job's: its parameters are DTensors)
+        if isinstance(optimizer, AdamW) and not gate.defers and self._parts is None:
             optimizer.landing = self._replicator.land()
 
     def _after_step(self, step: Step) -> None:

@@ -139,3 +139,14 @@ def test_a_one_node_job_on_the_gpu_hot_swaps_its_spare(procs, tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
     assert runs["swap"].named("recovery_complete") and "on cuda" in runs["swap"].stdout + runs["swap"].stderr
     assert runs["swap"].summary["params_sha256"] == runs["reference"].summary["params_sha256"]
+
+
+def test_the_example_runs_alone_as_one_process(procs, tmp_path):
+    """Plain `python examples/train_gpt_3d.py`: world 1, every dim 1 (FSDP2 on a one-rank mesh), no snapshots."""
+    summary = tmp_path / "alone.json"
+    proc = procs.popen([sys.executable, TRAIN_3D, "--steps", "3", *MODEL, "--summary", summary],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    got = json.loads(summary.read_text())
+    assert got["final_step"] == 3 and got["world_size"] == 1 and len(got["params_sha256"]) == 64
