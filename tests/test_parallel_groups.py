@@ -33,14 +33,15 @@ WAITER = textwrap.dedent("""
     def partial_sum():
         return DTensor.from_local(torch.ones(4), mesh["tp"], [Partial()]).redistribute(mesh["tp"], [Replicate()])
     partial_sum()  # both ranks once: DTensor's first op is slow
-    store = dist.TCPStore(endpoint.split(":")[0], int(endpoint.split(":")[1]), is_master=False)
+    host, port = endpoint.split(":")[0], int(endpoint.split(":")[1])
+    store = dist.TCPStore(host, port, is_master=False)
     store.set(f"built{rank}", "1")
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its peer's all-reduce waits on it
         os._exit(0)
     store.wait(["built1"])
-    def newer_generation():
-        store.wait(["abort"], datetime.timedelta(seconds=60))
+    def newer_generation():  # (a client of its own: one TCPStore client serves one request at a time)
+        dist.TCPStore(host, port, is_master=False).wait(["abort"], datetime.timedelta(seconds=120))
         abort.request(1, "test")
     import datetime
     threading.Thread(target=newer_generation, daemon=True).start()
