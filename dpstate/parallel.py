@@ -62,13 +62,6 @@ class _StaleMesh:
         return id(self)
 
 
-def _in(part: Any, retired: weakref.WeakSet) -> bool:
-    try:
-        return part in retired
-    except TypeError:
-        return False
-
-
 class Parts:
     """This generation's parts by name (parts.model, parts.optimizer, parts.schedule, parts["scheduler"]...)
     and its mesh. Read them in each step: a recovery replaces every one of them."""
@@ -111,7 +104,7 @@ class Parts:
             raise
         parts = self._named(made)
         for name, part in parts.items():
-            if _in(part, self._retired):
+            if part in self._retired:  # (False for what takes no weak reference)
                 raise RuntimeError(f"dpstate: build(mesh) returned the {name} of an earlier generation again: make "
                                    "the model, optimizer and schedule inside build(mesh), anew in every generation")
         self.mesh, self._parts, self.generation = mesh, parts, generation
@@ -140,16 +133,16 @@ class Parts:
                 self._retired.add(part)
             except TypeError:  # no weak references to it: it cannot be told apart later either
                 pass
+            stale = _raiser(_stale_message(name, generation))
             if isinstance(part, nn.Module):
-                hook = _raiser(_stale_message(name, generation))
                 for module in part.modules():  # every one: FSDP2's own hooks would all-gather over old groups
-                    module.register_forward_pre_hook(lambda _m, _a, _hook=hook: _hook(), prepend=True)
+                    module.register_forward_pre_hook(stale, prepend=True)
             elif isinstance(part, torch.optim.Optimizer):
-                part.register_step_pre_hook(lambda *_a, _hook=_raiser(_stale_message(name, generation)): _hook())
+                part.register_step_pre_hook(stale)
             elif callable(getattr(part, "step", None)):  # a pipeline schedule (its stage holds old groups)
                 for method in ("step", "eval"):
                     if callable(getattr(part, method, None)):
-                        setattr(part, method, _raiser(_stale_message(name, generation)))
+                        setattr(part, method, stale)
         if self.mesh is not None:
             try:
                 self.mesh.__class__ = type("RetiredDeviceMesh", (_StaleMesh, type(self.mesh)), {})
