@@ -371,6 +371,8 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
                 self._to_workers(msg)
         elif isinstance(msg, Stop):
             self._begin_shutdown(msg.exit_code, f"stop from controller: {msg.reason}", "stop", msg)
+        elif isinstance(msg, SaveSnapshots) and msg.background:  # written on a thread; training goes on
+            self.replica.files(msg)
         elif isinstance(msg, SaveSnapshots):  # the job stops (its Stop follows); its state outlives it
             self._job_stopping = True
             if msg.local:  # the workers write their own copies

@@ -23,13 +23,15 @@ class LostSave:
 
     directory: str
     waiting: set[int]  # global ranks of this node's live workers that have not answered yet
+    world_size: int  # the job's (for the manifests: dpagent.save_manifest)
+    writer: str  # this node's id, which names its manifest parts
     written: dict[str, list[int]] = field(default_factory=dict)  # "rank R (held)" / "(own)" -> steps
     errors: list[str] = field(default_factory=list)
     warned: bool = False  # told that a second signal cuts it short
 
     def request(self) -> SaveSnapshots:
         """To this node's workers: every step each holds, each into directory/step-S."""
-        return SaveSnapshots(self.directory, NO_RANK, sorted(self.waiting), local=True)
+        return SaveSnapshots(self.directory, NO_RANK, sorted(self.waiting), local=True, world_size=self.world_size)
 
     def answered(self, msg: SnapshotFiles) -> None:
         for rank, error in msg.results.items():
@@ -57,12 +59,14 @@ def save_store(store: ReplicaStore, save: LostSave) -> None:
     """Write every copy `store` holds into save.directory/step-S, but those a file already exists for (another
     node holding the same copy wrote it: files are written whole or not at all) and those gone stale (kept by
     reference to this node's own snapshot, which its worker has written over since)."""
+    by_step: dict[int, list[int]] = {}
     for rank in store.ranks():
         for step in store.steps(rank):
-            folder = step_folder(save.directory, step)
-            if store.get(rank, step) is None or rank_file(folder, rank).exists():
-                continue
-            error = save_held(store, folder, step, [rank])[str(rank)]
+            if store.get(rank, step) is not None and not rank_file(step_folder(save.directory, step), rank).exists():
+                by_step.setdefault(step, []).append(rank)
+    for step, ranks in sorted(by_step.items()):
+        results = save_held(store, step_folder(save.directory, step), step, ranks, save.world_size, save.writer)
+        for rank, error in sorted(results.items()):
             if error:
                 save.errors.append(error)
             else:

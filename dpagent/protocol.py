@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 from .checksum import CHECKSUM_BLOCK
 
-PROTOCOL_VERSION = 18  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
+PROTOCOL_VERSION = 19  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
 #                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...);
 #                      8: check plans (data parallel blocks sampled: dpagent.checksum.CheckPlan);
 #                      9: SnapshotStored.nbytes and Standby (spares reserve snapshot memory while idle);
@@ -61,6 +61,8 @@ PROTOCOL_VERSION = 18  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.sn
 #                      16: WorkerExited.step (the newest step that worker made, as its agent heard)
 #                      17: Register.terms (what the node's dprun was told of the job: dprun.admission); Diverged
 #                      18: WorkerReady.mesh (a sharded or 3D-parallel job's layout: dpstate.parallel)
+#                      19: Welcome.world_size, SaveSnapshots.world_size/background/keep (background saves, manifests: --save-every),
+#                          LoadSnapshots.generation (a running job restored from disk)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 NO_RANK = -1  # node_rank / step value meaning "none"
@@ -348,6 +350,7 @@ class Welcome:
     heartbeat_timeout: float
     prespawn: bool = True  # start workers now (dpstate scripts wait in init()); False: only on Reconfigure
     save_dir: str = ""  # the job's --save-dir: where this node writes its copies should it lose the controller
+    world_size: int = 0  # the job's ranks (the manifests of what this node saves name it)
 
 
 @_message
@@ -404,7 +407,7 @@ class Standby:
 
 @_message
 class SaveSnapshots:
-    """The job is stopping: write the snapshots of `ranks` at `step` as files in `directory`
+    """The job is stopping, or with `background`, saves as it trains: write the snapshots of `ranks` at `step` as files in `directory`
     (dpagent.snapshot_files): those this node's replica store holds, or with `local`, relayed to the node's
     workers, their own local copies (a rank whose every replica died with its holder). Each answers with
     SnapshotFiles. `step` NO_RANK (from an agent that lost its controller, to its workers): every step each
@@ -414,6 +417,9 @@ class SaveSnapshots:
     step: int
     ranks: list[int]
     local: bool = False
+    world_size: int = 0  # the job's, for the manifest part written after the files (dpagent.save_manifest)
+    background: bool = False  # a save while training goes on (--save-every): no worker is stopped for it
+    keep: int = 0  # background: then prune `directory`'s parent to its newest `keep` complete steps (0: do not)
 
 
 @_message
@@ -424,6 +430,7 @@ class LoadSnapshots:
     directory: str
     step: int
     ranks: list[int]
+    generation: int = 0  # the copies' generation: 0 for a resumed job, the new one for a recovery from disk
 
 
 @_message

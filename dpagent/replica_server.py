@@ -18,6 +18,7 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import zmq
@@ -30,6 +31,7 @@ from .protocol import (FetchSnapshot, LoadSnapshots, LocalSnapshot, OfferSnapsho
                        SaveSnapshots, SnapshotAck, SnapshotBlocks, SnapshotChunk, SnapshotData, SnapshotFiles,
                        SnapshotReserved, SnapshotStored, SnapshotWants)
 from .replica_store import ReplicaStore, Snapshot, intact
+from .save_manifest import prune
 from .snapshot_files import held_copies, read_files, store_loaded, write_copies
 
 log = logging.getLogger("dpagent")
@@ -227,7 +229,11 @@ class ReplicaServer:
 
             def work() -> dict:
                 with pause():
-                    return {**missing, **write_copies(msg.directory, msg.step, copies)}
+                    written = write_copies(msg.directory, msg.step, copies, msg.world_size, self.node_id,
+                                           private=msg.background)
+                if msg.keep and not any(written.values()):
+                    prune(Path(msg.directory).parent, msg.keep)
+                return {**missing, **written}
         else:
             def work() -> dict:
                 return read_files(msg.directory, msg.step, msg.ranks)
@@ -238,7 +244,8 @@ class ReplicaServer:
         """The answer to a SaveSnapshots or LoadSnapshots once its files are written or read (a load's copies
         go into the store here)."""
         msg, saving = done.msg, isinstance(done.msg, SaveSnapshots)
-        results = done.outcome if saving else store_loaded(self.store, done.outcome, self.node_id, self._report)
+        results = (done.outcome if saving else
+                   store_loaded(self.store, done.outcome, self.node_id, self._report, done.msg.generation))
         log.info("%s snapshots of step %d in %s: %s", "saved" if saving else "loaded", msg.step, msg.directory,
                  {rank: error or "ok" for rank, error in sorted(results.items())})
         return SnapshotFiles(self.node_id, msg.step, results)

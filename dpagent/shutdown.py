@@ -104,7 +104,8 @@ class ShutdownSequence:
             deadline = now + self.cfg.stop_grace
         elif phase == "save":
             greeted = {w.local_rank for w in self.workers.greeted()}  # (each answers for its rank)
-            save = LostSave(self.welcome.save_dir, {r for r in self._own_ranks() if r % self.cfg.nproc in greeted})
+            save = LostSave(self.welcome.save_dir, {r for r in self._own_ranks() if r % self.cfg.nproc in greeted},
+                            self.welcome.world_size, self.cfg.node_id)
             with self.workers.paused():  # (as for a SaveSnapshots: copies here may refer to their buffers)
                 save_store(self.replica.store, save)
             self._to_workers(save.request())

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -123,11 +124,12 @@ def read_snapshot(path: str | os.PathLike, generation: int) -> tuple[PutSnapshot
     return put, meta, chunks
 
 
-def save_held(store: ReplicaStore, folder: str | os.PathLike, step: int, ranks: list[int]) -> dict[str, str]:
-    """SaveSnapshots: write the copies `store` holds of `ranks` at `step` into `folder`. Returns, for each
-    rank, "" or why its file was not written."""
+def save_held(store: ReplicaStore, folder: str | os.PathLike, step: int, ranks: list[int], world_size: int,
+              writer: str) -> dict[str, str]:
+    """SaveSnapshots: write the copies `store` holds of `ranks` at `step` into `folder`, then `writer`'s
+    manifest part naming them. Returns, for each rank, "" or why its file was not written."""
     copies, results = held_copies(store, step, ranks)
-    return {**results, **write_copies(folder, step, copies)}
+    return {**results, **write_copies(folder, step, copies, world_size, writer)}
 
 
 def held_copies(store: ReplicaStore, step: int, ranks: list[int]) -> tuple[dict[int, Snapshot], dict[str, str]]:
@@ -143,11 +145,18 @@ def held_copies(store: ReplicaStore, step: int, ranks: list[int]) -> tuple[dict[
     return copies, missing
 
 
-def write_copies(folder: str | os.PathLike, step: int, copies: dict[int, Snapshot]) -> dict[str, str]:
-    """Write each copy as its rank's file in `folder`: for each rank, "" or why not (a damaged copy, a full
-    disk, a copy whose local buffer was written meanwhile: dpagent.dedup)."""
+def write_copies(folder: str | os.PathLike, step: int, copies: dict[int, Snapshot], world_size: int,
+                 writer: str, private: bool = False) -> dict[str, str]:
+    """Write each copy as its rank's file in `folder`, then `writer`'s manifest part naming those written
+    (dpagent.save_manifest): for each rank, "" or why not (a damaged copy, a full disk, a copy whose local buffer
+    was written meanwhile: dpagent.dedup). `private`: the workers train on meanwhile (a background save)."""
     results = {}
     for rank, snap in copies.items():
+        if private and snap.base is not None:  # training goes on: copy out what refers to a worker's buffer,
+            snap = _copied(snap)  # which it writes over two snapshots on (a fast copy, then a slow disk)
+            if snap is None:
+                results[str(rank)] = f"the copy of rank {rank} step {step} held here changed while it was written"
+                continue
         if not intact(snap):  # a file that could not be resumed from is worse than none said
             results[str(rank)] = f"the copy of rank {rank} step {step} held here is corrupt"
             continue
@@ -160,6 +169,29 @@ def write_copies(folder: str | os.PathLike, step: int, copies: dict[int, Snapsho
         if snap.stale():  # its local copy (dedup) was written meanwhile: the file may mix two steps
             path.unlink(missing_ok=True)
             results[str(rank)] = f"the copy of rank {rank} step {step} held here changed while it was written"
+    return finish_files(folder, step, results, world_size, writer)
+
+
+def _copied(snap: Snapshot) -> Snapshot | None:
+    """`snap` with its data copied out of the local buffer it refers to; None if that buffer was written
+    meanwhile."""
+    chunks = tuple(bytes(frame_view(chunk)) for chunk in snap.chunks)
+    return None if snap.stale() else dataclasses.replace(snap, chunks=chunks, base=None)
+
+
+def finish_files(folder: str | os.PathLike, step: int, results: dict[str, str], world_size: int,
+                 writer: str) -> dict[str, str]:
+    """Write `writer`'s manifest part naming the ranks written (results ""); should the disk refuse it, each of
+    them is answered with why (a file that no manifest names is not part of a complete step)."""
+    written = [int(rank) for rank, error in results.items() if not error]
+    if not written:
+        return results
+    from .save_manifest import write_manifest  # (it reads these files' headers: imports this module)
+    try:
+        write_manifest(folder, step, world_size, written, writer)
+    except (OSError, ValueError) as exc:
+        return {**results, **{str(rank): f"{CANNOT_WRITE} the manifest of rank {rank}'s file: {exc}"
+                              for rank in written}}
     return results
 
 
@@ -183,67 +215,17 @@ def read_files(folder: str | os.PathLike, step: int, ranks: list[int]) -> Loaded
 
 
 def store_loaded(store: ReplicaStore, loaded: Loaded, node_id: str,
-                 report: Callable[[SnapshotStored], Any]) -> dict[str, str]:
-    """Put what read_files read into `store` as copies of generation 0 (the resumed job's first), each reported
-    as stored: for each rank, "" or why not."""
+                 report: Callable[[SnapshotStored], Any], generation: int = 0) -> dict[str, str]:
+    """Put what read_files read into `store` as copies of `generation` (a resumed job's first, or a running
+    job's next, restored from disk), each reported as stored: for each rank, "" or why not."""
     results = {}
     for rank, read in loaded.items():
         if isinstance(read, str):
             results[str(rank)] = read
             continue
         path, put, meta, chunks = read
-        error = store.add(put, meta, *chunks)
+        error = store.add(dataclasses.replace(put, generation=generation), meta, *chunks)
         results[str(rank)] = f"{path}: {error}" if error else ""
         if not error:
-            report(SnapshotStored(node_id, rank, put.step, 0, put.nbytes))
+            report(SnapshotStored(node_id, rank, put.step, generation, put.nbytes))
     return results
-
-
-def newest_saved(folder: str | os.PathLike, world_size: int) -> tuple[Path, int]:
-    """The folder to resume from and its step: `folder` itself if it is a step-S folder, else (a --save-dir)
-    its newest step-S that holds a file for every rank. ValueError, saying what is wrong, if there is none."""
-    path = Path(folder)
-    steps = step_folders(path)
-    if not steps or any(path.glob("rank-*.dpsnap")):
-        return path, saved_step(path, world_size)
-    newest_error = None
-    for step, candidate in steps:
-        try:
-            return candidate, saved_step(candidate, world_size)
-        except ValueError as exc:
-            newest_error = newest_error or exc
-    raise ValueError(f"no step-S folder in {folder} holds a file of every rank of a job of {world_size} ranks "
-                     f"(newest: {newest_error})")
-
-
-def step_folders(save_dir: Path) -> list[tuple[int, Path]]:
-    """A --save-dir's step-S folders, newest first, whole or not."""
-    return sorted(((int(p.name[5:]), p) for p in save_dir.glob("step-*") if p.name[5:].isdigit() and p.is_dir()),
-                  reverse=True)
-
-
-def saved_step(folder: str | os.PathLike, world_size: int) -> int:
-    """The step that `folder` (a --save-dir's step-S) holds a file of for every rank of a job of `world_size`.
-    ValueError, saying what is wrong, if it does not."""
-    path = Path(folder)
-    if not path.is_dir():
-        raise ValueError(f"{folder} is not a folder of saved snapshots (give the step-S folder a stopped job "
-                         "named)")
-    saved_ranks = sum(1 for p in path.glob("rank-*.dpsnap") if p.stem[5:].isdigit())
-    if saved_ranks > world_size and all(rank_file(path, r).exists() for r in range(saved_ranks)):
-        raise ValueError(f"{folder} holds a job of {saved_ranks} ranks and this one has {world_size} "
-                         "(--nnodes x --nproc-per-node): resume it with as many ranks as it was saved with")
-    steps = set()
-    for rank in range(world_size):
-        try:
-            header = read_header(rank_file(path, rank))
-        except OSError:
-            raise ValueError(f"{folder} has no snapshot of rank {rank} ({rank_file(path, rank).name}): it was "
-                             f"saved by a job of another size than {world_size} ranks, or not whole") from None
-        steps.add(header["step"])
-    extra = sorted(p.name for p in path.glob("rank-*.dpsnap")
-                   if not p.stem[5:].isdigit() or int(p.stem[5:]) >= world_size)
-    if extra or len(steps) != 1:
-        raise ValueError(f"{folder} does not hold one step of a job of {world_size} ranks "
-                         f"(steps {sorted(steps)}{', also ' + ', '.join(extra) if extra else ''})")
-    return steps.pop()

@@ -164,6 +164,34 @@ def endpoint_host_problem(host: str) -> str | None:
     return None
 
 
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(flag: str, text: str) -> float:
+    """'90', '90s', '30m', '2h', '1d' in seconds; ValueError with the one line to print."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text or "")
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"{flag} must be a duration above 0 such as 90s, 30m or 2h, got {text!r}")
+    return float(match.group(1)) * DURATION_UNITS[match.group(2) or "s"]
+
+
+def save_schedule_problem(save_dir, save_every: int, save_interval: str | None, save_keep: int) -> str | None:
+    """--save-every / --save-interval / --save-keep: background saves need a folder, counts must make sense."""
+    if (save_every or save_interval) and not save_dir:
+        flag = "--save-every" if save_every else "--save-interval"
+        return f"{flag} saves into --save-dir: give --save-dir DIR (on storage every node sees)"
+    if save_every < 0:
+        return f"--save-every must be a number of steps, 1 or more (0: off), got {save_every}"
+    if save_keep < 1:
+        return f"--save-keep must be 1 or more (the newest complete step is always kept), got {save_keep}"
+    if save_interval is not None:
+        try:
+            parse_duration("--save-interval", save_interval)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def combination_problem(standalone: bool, on_spare_exhausted: str, save_dir, snapshot_interval: str | None,
                         node_rank: int) -> str | None:
     """Options that are each fine but cannot work together."""

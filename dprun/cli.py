@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import typer
 
-from dpagent.snapshot_files import newest_saved, step_folders
+from dpagent.save_manifest import resume_steps
 
 from . import checks_cli as checks
 from . import faults, slurm
@@ -137,11 +137,20 @@ def run(
         help="A job that stops (a failure it cannot recover, a script error, a signal) first writes its newest "
              "snapshot of every rank here, as DIR/step-S (on storage every node sees), to go on from with "
              "--resume-from."),
+    save_every: int = typer.Option(
+        0, "--save-every", metavar="N",
+        help="Also save in the background every N steps into --save-dir (the agents write the copies they hold; "
+             "training never waits): the job then survives losing every node. 0: off."),
+    save_interval: Optional[str] = typer.Option(
+        None, "--save-interval", metavar="DURATION",
+        help="Save in the background at most this often (90s, 30m, 2h), into --save-dir."),
+    save_keep: int = typer.Option(
+        2, "--save-keep", metavar="K", help="Background saves keep the newest K complete steps in --save-dir."),
     resume_from: Optional[Path] = typer.Option(
         None, "--resume-from",
-        help="Go on from the snapshots a stopped job saved (its --save-dir's step-S folder, or the --save-dir "
-             "itself: its newest step saved for every rank): every rank starts from step S + 1. The job must "
-             "have as many ranks."),
+        help="Go on from a saved step (a --save-dir: its newest complete step, or one of its step-S folders): "
+             "every rank starts from step S + 1; a step found damaged when read falls back to the one before. "
+             "The job must have as many ranks."),
     rdzv_endpoint: Optional[str] = typer.Option(
         None, "--rdzv-endpoint", "--rdzv_endpoint", envvar="PET_RDZV_ENDPOINT",
         help="HOST:PORT of the controller (multi-node). Without it, every node runs on this machine, "
@@ -272,19 +281,19 @@ def run(
     if restart_mode and (save_dir or resume_from):
         _fail(f"{'--save-dir' if save_dir else '--resume-from'} needs a script that uses dpstate (its snapshots are "
               "what is saved); this one does not, so dprun restarts it on a failure (--recovery restart)")
-    resume_step = -1
+    _check(checks.save_schedule_problem(save_dir, save_every, save_interval, save_keep))
+    resume_step, resume_older = -1, ()
     if resume_from is not None:
         try:
-            chosen, resume_step = newest_saved(resume_from, nnodes * nproc_per_node)
-            if chosen != resume_from:  # a --save-dir: its newest step that every rank has a file of
-                newer = [p.name for _, p in step_folders(resume_from)]
-                newer = newer[:newer.index(chosen.name)]  # (a save that failed, or one nodes wrote in part)
-                passed = f"; {', '.join(newer)} not whole, so passed over" if newer else ""
-                print(f"dprun: resuming from {chosen} (the newest step saved for every rank{passed})",
-                      file=sys.stderr)
-                resume_from = chosen
+            usable, skipped = resume_steps(resume_from, nnodes * nproc_per_node)
         except ValueError as exc:
             _fail(f"--resume-from: {exc}")
+        for passed in skipped:  # (a save cut short, or one nodes wrote in part)
+            print(f"dprun: passing over {passed.folder.name}: {passed.problems[0]}", file=sys.stderr)
+        if usable[0].folder != resume_from:
+            print(f"dprun: resuming from {usable[0].folder} (the newest complete step)", file=sys.stderr)
+        resume_from, resume_step = usable[0].folder, usable[0].step
+        resume_older = tuple((str(s.folder.resolve()), s.step) for s in usable[1:])
     for flag, folder in (("--save-dir", save_dir), ("--log-dir", log_dir)):  # (stops at the first that fails)
         _check(checks.folder_problem(flag, folder) if folder else None)
     if events_file is not None:
@@ -358,7 +367,9 @@ def run(
         redirects=redirects, tee=tee, local_ranks_filter=local_ranks_filter,
         tui=sys.stdout.isatty() if tui is None else tui, status_port=status_port, total_steps=total_steps,
         save_dir=str(save_dir.resolve()) if save_dir else "", resume_step=resume_step,
-        resume_from=str(resume_from.resolve()) if resume_from else "",
+        resume_from=str(resume_from.resolve()) if resume_from else "", resume_older=resume_older,
+        save_every=save_every, save_keep=save_keep,
+        save_interval=checks.parse_duration("--save-interval", save_interval) if save_interval else 0.0,
     )
     try:
         code = run_multinode(opts) if opts.rdzv_endpoint else run_standalone(opts)

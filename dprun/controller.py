@@ -20,6 +20,7 @@ from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .injection import FaultInjection
 from .deadlines import FORMING_NOTE_EVERY_S, Deadlines
+from .background_saves import BackgroundSaves
 from .files import FileWork, Files
 from .reconstruction import Reconstruction
 from . import admission
@@ -93,6 +94,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.files: FileWork | None = None  # snapshot files being written (the job ends) or read (it resumes)
         self.saved = False  # the state was saved (or there was none to save): the job ends as it is
         self.saved_in = ""  # the step folder that save wrote, once every rank's file is there
+        self.saves = BackgroundSaves(spec.save_every, spec.save_interval, now,
+                                     (spec.resume_from, spec.resume_step) if spec.resume_from else None)
         self.now = now  # the time of the input being handled
         self.paused: tuple[float, float] | None = None  # (when, seconds) the controller last stopped running
         self.dropped_at: float | None = None  # a connection closed then: nodes not heard since are probed
@@ -154,6 +157,8 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         message = self._save_first(code, message)
         if message is None:
             return  # it ends once the nodes wrote its state (dprun.files)
+        if self.saves.enabled and not self.saved_in:
+            message = f"{message}; {self.saves.safe_note()}"
         for node in self.table.live():
             self._send(node.node_id, p.Stop(reason=message, exit_code=code))
         self._release_kept(message, code)
@@ -255,7 +260,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self._send(node.node_id, p.Welcome(
             node_id=node.node_id, role=node.role, job_id=self.spec.job_id,
             heartbeat_interval=self.spec.heartbeat_interval, heartbeat_timeout=self.spec.heartbeat_timeout,
-            prespawn=not self.spec.restart_mode, save_dir=self.spec.save_dir,
+            prespawn=not self.spec.restart_mode, save_dir=self.spec.save_dir, world_size=self.spec.world_size,
         ))
         standby = self.sizing.message()
         if node.role == SPARE and standby is not None:
@@ -295,7 +300,9 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         else:
             self._late_copies_superseded(msg.rank, msg.step, node.node_id)
         self.ledger.stored(msg.rank, msg.step, node.node_id)
+        self.saves.sizes[msg.rank] = msg.nbytes
         self._restore_news(now)  # (a restored rank replicates its step again before its barrier)
+        self._save_if_due(now)
         if self.sizing.stored(msg.rank, msg.nbytes):
             for spare in self.table.with_role(SPARE):
                 self._send(spare.node_id, self.sizing.message())

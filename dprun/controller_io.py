@@ -33,6 +33,11 @@ class JobSpec:
     save_dir: str = ""  # a job that ends with an error or a signal writes its newest complete state here
     resume_from: str = ""  # ... and one started with this folder of it (save_dir/step-S) goes on from step S
     resume_step: int = -1
+    resume_older: tuple[tuple[str, int], ...] = ()  # older complete steps (folder, step), newest first: a resume
+    # whose files turn out damaged when read goes on from the next of them
+    save_every: int = 0  # background saves into save_dir every N steps (0: off) ...
+    save_interval: float = 0.0  # ... and / or at most every so many seconds (0: off)
+    save_keep: int = 2  # complete steps kept in save_dir by background saves
     files_timeout: float = 600.0  # for the nodes to write or read those files
     restore_wait: float = 120.0  # state that looks lost while a live node restores it: wait so long for it
     snapshots: bool = True  # False: --snapshot-interval off, so the first failure of a training node ends the job

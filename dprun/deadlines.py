@@ -49,6 +49,7 @@ class Deadlines:
         self._check_waits(now)
         self._ping_due(now)
         self._fire_faults(now)
+        self._save_if_due(now)
 
     def _connection_dropped(self, now: float) -> None:
         """A connection to the controller closed: probe every node now (a Ping), and fail those not heard from

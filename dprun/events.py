@@ -49,6 +49,13 @@ def describe(event: dict) -> str:
                 f"{e['spares']} spare(s) standing by{resumed}")
     if kind == "saving_state":
         return f"the job stops: saving the state of step {e['step']} ({e['ranks']} ranks) in {e['folder']}"
+    if kind == "state_saved":
+        return (f"saved step {e['step']} in {e['folder']} in the background ({e['bytes'] / 1e6:.1f} MB in "
+                f"{e['seconds']:.2f} s, {e['mb_per_s']:.0f} MB/s)")
+    if kind == "save_failed":
+        return f"the background save of step {e['step']} in {e['folder']} failed (training goes on): {e['why']}"
+    if kind == "save_skipped":
+        return e["message"]
     if kind == "save_retried":
         where = f"its worker on {e['node']}" if e.get("local") else f"the store on {e['node']}"
         return f"rank {e['rank']}'s file could not be written ({e['why']}); writing it from {where} instead"

@@ -91,7 +91,43 @@ class Files:
         for rank in ranks:
             work.waiting[rank] = node_id
             (work.local.add if local else work.local.discard)(rank)
-        self._send(node_id, p.SaveSnapshots(work.folder, work.step, ranks, local=local))
+        self._send(node_id, p.SaveSnapshots(work.folder, work.step, ranks, local=local,
+                                            world_size=self.spec.world_size))
+
+    def _save_if_due(self, now: float) -> None:
+        """--save-every / --save-interval: once due, the stores holding the newest step of every rank write it
+        (each rank by one of them) while training goes on; one save at a time (dprun.background_saves)."""
+        saves = self.saves
+        if (not saves.enabled or self.generation < 0 or self.finished or self.files is not None
+                or self.recovery is not None or self.pending is not None or not saves.due(self.max_step, now)):
+            return
+        ranks = range(self.spec.world_size)
+        plan = self.ledger.plan(self.spec.world_size, set(), no_local=dict.fromkeys(ranks, ANY_STEP))
+        if plan.lost or plan.step <= 0 or INIT in plan.sources.values() or not saves.due(plan.step, now):
+            return
+        if saves.in_flight is not None:
+            if note := saves.skip(plan.step, now):
+                self._publish("save_skipped", step=plan.step, message=note)
+            return
+        work = saves.begin(plan.step, str(step_folder(self.spec.save_dir, plan.step)), plan.sources, now)
+        by_node: dict[str, list[int]] = {}
+        for rank, holder in sorted(plan.sources.items()):
+            by_node.setdefault(holder, []).append(rank)
+        for node_id, node_ranks in by_node.items():
+            self._send(node_id, p.SaveSnapshots(work.folder, work.step, node_ranks, world_size=self.spec.world_size,
+                                                background=True, keep=self.spec.save_keep))
+
+    def _background_saved(self, outcome) -> None:
+        """A background save ended (None: not yet): an event either way; a failure's line said once per kind."""
+        if outcome is None:
+            return
+        fields = dict(step=outcome.step, folder=outcome.folder, bytes=outcome.nbytes,
+                      seconds=round(outcome.seconds, 3), mb_per_s=round(outcome.mb_per_s, 1))
+        if outcome.ok:
+            self._publish("state_saved", **fields)
+        else:
+            self._publish("save_failed", **fields, why=outcome.why[:2000],
+                          first=self.saves.first_time(outcome.why))
 
     def _save_elsewhere(self, rank: int, why: str) -> bool:
         """The source asked for `rank`'s file failed (`why`): ask the next one still alive. False: none is
@@ -236,8 +272,12 @@ class Files:
 
     def _on_SnapshotFiles(self, node, msg: p.SnapshotFiles, now: float) -> None:
         work = self.files
+        background = self.saves.in_flight is not None and msg.step == self.saves.in_flight.step
+        if background:  # (a save on stop of the same step counts a file it wrote too)
+            self._background_saved(self.saves.answered(node.node_id, msg.step, msg.results, now))
         if work is None or msg.step != work.step:
-            self._drop("unexpected SnapshotFiles")
+            if not background:
+                self._drop("unexpected SnapshotFiles")
             return
         for rank_text, error in msg.results.items():
             rank = int(rank_text)

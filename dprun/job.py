@@ -25,7 +25,7 @@ import zmq
 from dpagent import protocol as p
 from dpagent.process import LAUNCHER_STOP
 from dpagent.shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, EXIT_REFUSED, EXIT_USAGE
-from dpagent.snapshot_files import newest_saved
+from dpagent.save_manifest import newest_saved
 
 from .controller import JobSpec, NodeGone
 from .events import EventSink, write_line
@@ -71,6 +71,10 @@ class JobOptions:
     save_dir: str = ""  # JobSpec's: where a stopping job writes its state, and the saved state to go on from
     resume_from: str = ""
     resume_step: int = -1
+    resume_older: tuple[tuple[str, int], ...] = ()  # JobSpec's
+    save_every: int = 0
+    save_interval: float = 0.0
+    save_keep: int = 2
     redirects: str = "0"
     tee: str = "0"
     local_ranks_filter: str = ""
@@ -178,7 +182,8 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
             hang_timeout=opts.hang_timeout, on_spare_exhausted=opts.on_spare_exhausted,
             spare_wait_timeout=opts.spare_wait_timeout, restart_mode=opts.restart_mode,
             max_restarts=opts.max_restarts, save_dir=opts.save_dir, resume_from=opts.resume_from,
-            resume_step=opts.resume_step, snapshots=opts.snapshot_interval != "off", command=tuple(opts.script),
+            resume_step=opts.resume_step, resume_older=opts.resume_older, save_every=opts.save_every,
+            save_interval=opts.save_interval, save_keep=opts.save_keep, snapshots=opts.snapshot_interval != "off", command=tuple(opts.script),
         )
         _install_signal_handlers(server)
         if not opts.tui:

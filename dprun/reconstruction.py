@@ -53,6 +53,7 @@ class Reconstruction:
             return
         was = node.role
         self.table.set_role(node, FAILED)
+        self._background_saved(self.saves.node_lost(node_id, now))
         node.cause = cause
         keep = agent_alive and self._keeps_store(node)
         if not keep:

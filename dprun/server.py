@@ -202,7 +202,7 @@ class ControllerServer:
                     made = time.time() - (time.monotonic() - self.controller.last_progress_at)  # (not now: the
                     self.sink.emit({"event": "progress", "generation": self.controller.generation,  # final barrier
                                     "step": self.controller.max_step, "made_at": round(made, 6)})  # is no step)
-                self.sink.emit(event)
+                self.sink.emit(event, console=event.get("first", True))  # (a failure said once per kind)
             elif isinstance(action, Finish):
                 finish = action
         return finish

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from dpagent import protocol as P
-from dpagent.snapshot_files import cannot_write, step_folder, write_snapshot
+from dpagent.snapshot_files import cannot_write, finish_files, step_folder, write_snapshot
 
 
 def save_local(replicator: Any, msg: P.SaveSnapshots, rank: int, node_id: str,
@@ -16,12 +16,17 @@ def save_local(replicator: Any, msg: P.SaveSnapshots, rank: int, node_id: str,
     holds, each into msg.directory/step-S, for msg.step NO_RANK) and `send` the answer."""
     if rank not in msg.ranks:
         return
+    writer = f"rank-{rank}"
     if msg.step != P.NO_RANK:
-        send(P.SnapshotFiles(node_id, msg.step, {str(rank): _write(replicator, msg.directory, rank, msg.step)}))
+        error = _write(replicator, msg.directory, rank, msg.step)
+        error = finish_files(msg.directory, msg.step, {str(rank): error}, msg.world_size, writer)[str(rank)]
+        send(P.SnapshotFiles(node_id, msg.step, {str(rank): error}))
         return
     written, errors = [], []
     for step in replicator.local_steps():
-        error = _write(replicator, step_folder(msg.directory, step), rank, step)
+        folder = step_folder(msg.directory, step)
+        error = _write(replicator, folder, rank, step)
+        error = finish_files(folder, step, {str(rank): error}, msg.world_size, writer)[str(rank)]
         (errors if error else written).append(error or step)
     send(P.SnapshotFiles(node_id, msg.step, {str(rank): "; ".join(errors)}, steps=written))
 

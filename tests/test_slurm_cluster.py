@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from conftest import REPO, free_port
-from dpagent.snapshot_files import newest_saved
+from dpagent.save_manifest import newest_saved
 from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, the_save, wait_for
 from slurm_cluster import SlurmCluster, unavailable
 

@@ -17,7 +17,7 @@ from dpagent.replica_store import ReplicaStore
 from dpagent.lost_save import LostSave, save_store
 from dpagent.protocol import SnapshotFiles
 from dpagent.snapshot_files import (
-    newest_saved, rank_file, read_files, read_snapshot, save_held, saved_step, step_folder, store_loaded,
+    rank_file, read_files, read_snapshot, save_held, step_folder, store_loaded,
     write_snapshot,
 )
 
@@ -36,9 +36,9 @@ def _store_with(rank: int, step: int, data: bytes) -> ReplicaStore:
 def test_a_saved_snapshot_reads_back_bit_for_bit_into_a_fresh_store(tmp_path):
     data = os.urandom(5 * CHECKSUM_BLOCK + 123)
     folder = step_folder(tmp_path, 7)
-    assert save_held(_store_with(1, 7, data), folder, 7, [1, 2]) == {"1": "", "2": "rank 2 step 7 is not held "
-                                                                           "here (held: [])"}
-    assert [p.name for p in folder.iterdir()] == ["rank-1.dpsnap"], "no partial file is left"
+    assert save_held(_store_with(1, 7, data), folder, 7, [1, 2], 3, "n0") == {
+        "1": "", "2": "rank 2 step 7 is not held here (held: [])"}
+    assert sorted(p.name for p in folder.iterdir()) == ["manifest.n0.json", "rank-1.dpsnap"], "no partial file"
     fresh, reports = ReplicaStore(), []
     assert store_loaded(fresh, read_files(folder, 7, [1]), "n0", reports.append) == {"1": ""}
     assert bytes(fresh.get(1, 7).data) == data and bytes(fresh.get(1, 7).meta) == META
@@ -49,7 +49,7 @@ def test_a_saved_snapshot_reads_back_bit_for_bit_into_a_fresh_store(tmp_path):
 def test_a_copy_damaged_in_memory_is_not_saved(tmp_path):
     store = _store_with(0, 7, os.urandom(3 * CHECKSUM_BLOCK))
     assert store.corrupt_all() == 1
-    assert save_held(store, tmp_path, 7, [0]) == {"0": "the copy of rank 0 step 7 held here is corrupt"}
+    assert save_held(store, tmp_path, 7, [0], 1, "n0") == {"0": "the copy of rank 0 step 7 held here is corrupt"}
     assert not list(tmp_path.iterdir())
 
 
@@ -77,14 +77,14 @@ def test_a_copy_whose_local_buffer_is_written_while_it_is_saved_leaves_no_file(t
     chunk = RewrittenAsRead()
     assert store.add(put, META, chunk, base=base) == ""
     chunk.armed = True  # the save starts; so does the worker's next optimizer step, into this buffer
-    assert save_held(store, tmp_path, 7, [0]) == {"0": "the copy of rank 0 step 7 held here changed while it was "
+    assert save_held(store, tmp_path, 7, [0], 1, "n0") == {"0": "the copy of rank 0 step 7 held here changed while it was "
                                                        "written"}
     assert not list(tmp_path.iterdir())
 
 
 def test_a_damaged_or_cut_file_is_refused_saying_so(tmp_path):
     folder = step_folder(tmp_path, 7)
-    save_held(_store_with(0, 7, os.urandom(3 * CHECKSUM_BLOCK)), folder, 7, [0])
+    save_held(_store_with(0, 7, os.urandom(3 * CHECKSUM_BLOCK)), folder, 7, [0], 1, "n0")
     path = rank_file(folder, 0)
     raw = bytearray(path.read_bytes())
     raw[-100] ^= 0xFF
@@ -150,8 +150,6 @@ def test_a_header_missing_a_key_or_with_a_wrong_one_is_not_a_whole_snapshot_file
     with pytest.raises(ValueError, match=f"is not a whole DeadPool snapshot file: its header's {next(iter(change))} "):
         read_snapshot(path, generation=0)
     assert "not a whole DeadPool snapshot file" in read_files(tmp_path, 7, [0])[0]
-    with pytest.raises(ValueError, match="not a whole DeadPool snapshot file"):
-        saved_step(tmp_path, 1)
 
 
 def test_a_file_the_disk_cannot_take_is_not_left_half_written(tmp_path):
@@ -175,47 +173,15 @@ def test_a_file_the_disk_cannot_take_is_not_left_half_written(tmp_path):
     assert list((tmp_path / "step-7").iterdir()) == [], "neither the file nor its partial"
 
 
-def test_saved_step_names_the_step_of_a_whole_folder_and_what_is_wrong_with_any_other(tmp_path):
-    folder = step_folder(tmp_path, 7)
-    for rank in (0, 1):
-        save_held(_store_with(rank, 7, os.urandom(CHECKSUM_BLOCK)), folder, 7, [rank])
-    assert saved_step(folder, 2) == 7
-    with pytest.raises(ValueError, match="no snapshot of rank 2 .*another size than 4 ranks, or not whole"):
-        saved_step(folder, 4)  # (fewer files may be a save cut short)
-    with pytest.raises(ValueError, match="holds a job of 2 ranks and this one has 1 .*as many ranks"):
-        saved_step(folder, 1)
-    (folder / "rank-0.dpsnap").rename(folder / "rank-2.dpsnap")
-    with pytest.raises(ValueError, match="no snapshot of rank 0 .*or not whole"):
-        saved_step(folder, 3)
-    (folder / "rank-2.dpsnap").rename(folder / "rank-0.dpsnap")
-    (folder / "rank-x.dpsnap").write_bytes(b"")
-    with pytest.raises(ValueError, match="rank-x.dpsnap"):
-        saved_step(folder, 2)
-    with pytest.raises(ValueError, match="not a folder"):
-        saved_step(tmp_path / "nowhere", 2)
-
-
-def _save(folder, rank: int, step: int) -> None:
-    save_held(_store_with(rank, step, os.urandom(CHECKSUM_BLOCK)), step_folder(folder, step), step, [rank])
-
-
-def test_resuming_from_a_save_dir_takes_its_newest_step_that_every_rank_has(tmp_path):
-    for rank, step in [(0, 9), (1, 9), (0, 10), (1, 10), (1, 11)]:  # step 11: rank 0's file was never written
-        _save(tmp_path, rank, step)
-    assert newest_saved(tmp_path, 2) == (step_folder(tmp_path, 10), 10)
-    assert newest_saved(step_folder(tmp_path, 9), 2) == (step_folder(tmp_path, 9), 9), "a step-S folder as is"
-    with pytest.raises(ValueError, match="no step-S folder .* holds a file of every rank .*newest: .*step-11"):
-        newest_saved(tmp_path, 3)
-
-
 def test_a_node_that_lost_its_controller_writes_each_copy_it_holds_once_and_says_what_it_wrote(tmp_path):
     store = _store_with(0, 10, os.urandom(2 * CHECKSUM_BLOCK))
     data = os.urandom(CHECKSUM_BLOCK)
     put = PutSnapshot(rank=2, step=9, generation=3, checksum=checksum_chunks(META, [data]), nbytes=len(META) + len(data))
     assert store.add(put, META, data) == ""
-    _save(tmp_path, 2, 9)  # another holder of rank 2 wrote it first: not written again
+    other = _store_with(2, 9, os.urandom(CHECKSUM_BLOCK))  # another holder of rank 2 wrote it first: not again
+    save_held(other, step_folder(tmp_path, 9), 9, [2], 3, "n1")
     before = rank_file(step_folder(tmp_path, 9), 2).read_bytes()
-    save = LostSave(str(tmp_path), waiting={1})
+    save = LostSave(str(tmp_path), waiting={1}, world_size=3, writer="n0")
     save_store(store, save)
     assert rank_file(step_folder(tmp_path, 10), 0).exists()
     assert rank_file(step_folder(tmp_path, 9), 2).read_bytes() == before
@@ -226,5 +192,5 @@ def test_a_node_that_lost_its_controller_writes_each_copy_it_holds_once_and_says
     assert save.summary() == (f"wrote rank 0 (held) step 10; rank 1 (own) steps 10, 11 to {tmp_path}; once every "
                               "rank's file of a step is there (other nodes write theirs), go on with: dprun ... "
                               f"--resume-from {tmp_path}")
-    assert LostSave(str(tmp_path), set()).summary() == f"this node held no snapshot to write to {tmp_path}"
-    assert LostSave(str(tmp_path), {3}).summary() == f"nothing written to {tmp_path}; not written: rank 3"
+    assert LostSave(str(tmp_path), set(), 1, "n0").summary() == f"this node held no snapshot to write to {tmp_path}"
+    assert LostSave(str(tmp_path), {3}, 4, "n0").summary() == f"nothing written to {tmp_path}; not written: rank 3"
