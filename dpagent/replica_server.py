@@ -235,6 +235,9 @@ class ReplicaServer:
                     prune(Path(msg.directory).parent, msg.keep)
                 return {**missing, **written}
         else:
+            for rank in msg.ranks:  # what the files replace: a timeline past them, or a damaged step passed over
+                self.store.drop_after(rank, msg.step)
+
             def work() -> dict:
                 return read_files(msg.directory, msg.step, msg.ranks)
         threading.Thread(target=_files_thread, args=(self.events, msg, work), name="dpagent-files",

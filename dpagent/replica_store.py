@@ -159,6 +159,15 @@ class ReplicaStore:
     def ranks(self) -> list[int]:
         return sorted(r for r, held in self._ranks.items() if held)
 
+    def drop_after(self, rank: int, step: int) -> list[int]:
+        """Forget `rank`'s copies past `step` (a load from disk of `step` replaces a timeline that went further,
+        or a damaged step that a resume passed over); returns the steps dropped."""
+        held = self._ranks.get(rank, {})
+        newer = sorted(s for s in held if s > step)
+        for s in newer:
+            del held[s]
+        return newer
+
     def drop_rank(self, rank: int) -> None:
         self._ranks.pop(rank, None)
 

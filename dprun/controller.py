@@ -94,6 +94,9 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.files: FileWork | None = None  # snapshot files being written (the job ends) or read (it resumes)
         self.saved = False  # the state was saved (or there was none to save): the job ends as it is
         self.saved_in = ""  # the step folder that save wrote, once every rank's file is there
+        self.resumed_from = spec.resume_from  # the step folder a resumed job goes on from (an older one if that was
+        # found damaged when read)
+        self.resume_older = list(spec.resume_older)  # complete steps to go on from should the newest be damaged
         self.saves = BackgroundSaves(spec.save_every, spec.save_interval, now,
                                      (spec.resume_from, spec.resume_step) if spec.resume_from else None)
         self.now = now  # the time of the input being handled
@@ -440,7 +443,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         for node_rank, node_id in enumerate(self.layout):
             self.table.nodes[node_id].node_rank = node_rank
         if self.spec.resume_from:
-            self._load_first()  # then _start_first_generation
+            self._load_first(self.spec.resume_from, self.spec.resume_step)  # then _start_first_generation
         else:
             self._start_first_generation(p.NO_RANK, {})
 
@@ -453,7 +456,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self._reconfigure_all(restore_step, sources, reason="resume" if restore_step >= 0 else "start")
         self._publish("job_started", generation=0, nnodes=self.spec.nnodes, world_size=self.spec.world_size,
                       spares=len(self.table.with_role(SPARE)), layout=list(self.layout),
-                      **({"resumed_from": self.spec.resume_from, "step": restore_step} if restore_step >= 0 else {}))
+                      **({"resumed_from": self.resumed_from, "step": restore_step} if restore_step >= 0 else {}))
 
     def _reconfigure_all(self, restore_step: int, sources: dict[int, str], reason: str) -> None:
         self.holders = {r: self.replica_holders(r) for r in range(len(self.layout))}

@@ -56,6 +56,9 @@ def describe(event: dict) -> str:
         return f"the background save of step {e['step']} in {e['folder']} failed (training goes on): {e['why']}"
     if kind == "save_skipped":
         return e["message"]
+    if kind == "resume_fallback":
+        return (f"cannot go on from step {e['step']} ({e['folder']}): {e['why']}; going on from step "
+                f"{e['next_step']} ({e['next']}) instead")
     if kind == "save_retried":
         where = f"its worker on {e['node']}" if e.get("local") else f"the store on {e['node']}"
         return f"rank {e['rank']}'s file could not be written ({e['why']}); writing it from {where} instead"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from dpagent import protocol as p
 from dpagent.snapshot_files import CANNOT_WRITE, step_folder
 
-from .controller_io import NodeGone, Paused, Received, Shutdown, Tick
+from .controller_io import NodeGone, Paused, Received, Recovery, Shutdown, Tick
 from .ledger import INIT
 from .nodes import FAILED
 
@@ -42,6 +42,7 @@ class FileWork:
     message: str = ""
     hurried: bool = False  # saving: out of time (the deadline, a second signal): no older step is tried
     refused: bool = False  # saving: the disk refused a file (full, read-only): no other step is tried either
+    recovery: Recovery | None = None  # loading: a running job's recovery from disk (else a resumed job's start)
 
 
 class Files:
@@ -189,12 +190,11 @@ class Files:
                 self.ledger.holder_lost(node.node_id)
                 self._send(node.node_id, p.Stop(reason=reason, exit_code=code))
 
-    def _load_first(self) -> None:
+    def _load_first(self, folder: str, step: int) -> None:
         """Forming a resumed job: each node reads its own ranks' files into its replica store; the first
         generation starts from them once every node answered (`_files_done`). Each node also reads the ranks
         it is a replica holder of, as it would hold their snapshots: a node lost before its first snapshot
         reached a peer is restored from the peer's copy. (Such a read that fails leaves that copy out only.)"""
-        folder, step = self.spec.resume_from, self.spec.resume_step
         waiting = {rank: self.node_of_rank(rank) for rank in range(self.spec.world_size)}
         self.files = FileWork(False, folder, step, waiting, self.now + self.spec.files_timeout)
         reads = {node_id: list(self.ranks_of(i)) for i, node_id in enumerate(self.layout)}
@@ -321,6 +321,13 @@ class Files:
                 said = self._save_first(work.code, said, before=work)
             if said is not None:
                 self._finish(work.code, said)
+        elif not complete and work.recovery is None and self.resume_older:  # a damaged file: the step before
+            (folder, step), self.resume_older = self.resume_older[0], self.resume_older[1:]
+            self._publish("resume_fallback", folder=work.folder, step=work.step, why=why[:2000], next=folder,
+                          next_step=step)
+            self.ledger.forget(work.step)
+            self.resumed_from, self.saves.safe = folder, (folder, step)
+            self._load_first(folder, step)
         elif not complete:
             self._finish(1, f"cannot resume from {work.folder}: {why}")
         else:  # each rank restores from its own node's store
