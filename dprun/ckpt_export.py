@@ -12,9 +12,11 @@ from typing import Any, BinaryIO
 
 import torch
 
-from dpagent.save_manifest import SavedStep, read_step, verify_step
-from dpagent.snapshot_files import read_header, read_snapshot
+from dpagent.save_manifest import SavedStep, read_step
+from dpagent.snapshot_files import read_header
 from dpstate import snapshot as S
+
+from .ckpt_cli import is_step_folder, step_problems
 
 EXPORT_FORMAT = "deadpool-export/1"
 RESERVED = ("step", "deadpool")  # the torch export's own top-level keys, beside the tracked names
@@ -30,29 +32,6 @@ class ExportError(Exception):
 
 
 # ----------------------------------------------------------------------------- the step and its files
-
-
-def step_problems(saved: SavedStep) -> list[str]:
-    """Everything wrong with a step, each naming its file: what its manifests say (presence, sizes), then every
-    byte of every file read against its checksum (a file already said to be wrong is not said twice). Where no
-    manifest names the step's files, each rank file found is read too, so that a torn one is said as such."""
-    problems = list(saved.problems)
-    named = {saved.folder / entry.file for entry in saved.ranks.values()}
-    loose = [p for p in sorted(saved.folder.glob("rank-*.dpsnap")) if p not in named] if not saved.ranks else []
-    for path in loose:
-        try:
-            read_snapshot(path, generation=0)
-        except (OSError, ValueError) as exc:
-            problems.append(str(exc))
-    for problem in verify_step(saved):
-        if not any(f"{path} " in problem and f"{path} " in said for path in named for said in problems):
-            problems.append(problem)
-    return problems
-
-
-def is_step_folder(path: Path) -> bool:
-    """A step-S folder (as a --save-dir holds them) rather than a --save-dir."""
-    return path.name.startswith("step-") and path.name[5:].isdigit()
 
 
 def checked_step(folder: str | os.PathLike) -> SavedStep:
@@ -100,7 +79,7 @@ class RankFile:
     def __init__(self, path: Path):
         self.path = path
         header = read_header(path)
-        self.file: BinaryIO = open(path, "rb")
+        self.file: BinaryIO = open(path, "rb")  # noqa: SIM115 - kept open until close(): see the docstring
         line = self.file.readline(4096)
         self.rank = int(header["rank"])
         self.meta = S.decode_meta(self.file.read(header["meta_bytes"]))

@@ -419,12 +419,17 @@ def report(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`dprun status ...`, `dprun report ...`, or `dprun [OPTIONS] SCRIPT ...`; one line per usage error."""
+    """`dprun status ...`, `dprun report ...`, `dprun ckpt ...`, or `dprun [OPTIONS] SCRIPT ...`; one line per
+    usage error."""
     args = list(sys.argv[1:] if argv is None else argv)
     target, prog = app, "dprun"
     if args and args[0] in ("status", "report"):
         target, prog = (status_app if args[0] == "status" else report_app), f"dprun {args[0]}"
         args = args[1:]
+    elif args and args[0] == "ckpt":
+        from .ckpt_cli import ckpt_app  # (its commands import torch only where they export)
+
+        target, prog, args = ckpt_app, "dprun ckpt", args[1:]
     try:
         code = target(args=args, prog_name=prog, standalone_mode=False)
     except _click_classes("UsageError") as exc:

@@ -142,6 +142,7 @@ class Recovery:
     no_local: dict = field(default_factory=dict)  # rank -> a step it reported no local copy of (nor older)
     restoring_until: float | None = None  # state looked lost while a live node still restored it: wait so long
     sources: dict = field(default_factory=dict)  # the plan's: rank -> holder node id, "" (own copy) or INIT
+    from_disk: str = ""  # the step folder every rank went back to (state lost in memory: background saves)
 
     def continued(self) -> "Recovery":
         """A new pending recovery that carries this one on (a failure or a replan before it completed)."""

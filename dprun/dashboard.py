@@ -226,6 +226,10 @@ def replica_lines(m: dict, width: int) -> list[Text]:
                 else "restore point: - (no complete snapshot yet)")
     if m.get("mesh"):
         head.append(f"; mesh {m['mesh']}: shards held whole", style="dim")
+    if m.get("on_disk"):
+        disk = m["on_disk"]
+        head.append(f"; on disk: step {disk['step']} ({duration(m.get('time', disk['time']) - disk['time'])} ago)",
+                    style="dim")
     lines = [head]
     if not actives:
         return lines

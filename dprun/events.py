@@ -114,9 +114,13 @@ def describe(event: dict) -> str:
         return (f"recovered by restarting every worker (generation {e['generation']}): detect {ph['detect_s']:.2f}s, "
                 f"decide {ph['decide_s']:.2f}s, respawn {ph['rebuild_s']:.2f}s, total {ph['total_s']:.2f}s until "
                 "the new workers started (the script then starts over or loads its own checkpoint)")
+    if kind == "restoring_from_disk":
+        return (f"ranks {e['ranks']} have no copy left in memory ({', '.join(e['failed'])} failed together): every "
+                f"rank goes back to step {e['step']}, saved in {e['folder']} ({e['lost_steps']} step(s) to recompute)")
     if kind == "recovery_complete":
         ph = e["phases"]
-        return (f"recovered into generation {e['generation']} from step {e['restore_step']}, "
+        disk = f" (restored from disk: {e['from_disk']})" if e.get("from_disk") else ""
+        return (f"recovered into generation {e['generation']} from step {e['restore_step']}{disk}, "
                 f"{e['lost_steps']} step(s) recomputed: detect {ph['detect_s']:.2f}s, decide {ph['decide_s']:.2f}s, "
                 f"rebuild {ph['rebuild_s']:.2f}s, restore {ph['restore_s']:.2f}s, total {ph['total_s']:.2f}s")
     if kind == "progress":

@@ -192,18 +192,27 @@ class Files:
 
     def _load_first(self, folder: str, step: int) -> None:
         """Forming a resumed job: each node reads its own ranks' files into its replica store; the first
-        generation starts from them once every node answered (`_files_done`). Each node also reads the ranks
-        it is a replica holder of, as it would hold their snapshots: a node lost before its first snapshot
-        reached a peer is restored from the peer's copy. (Such a read that fails leaves that copy out only.)"""
+        generation starts from them once every node answered (`_files_done`)."""
+        self._load(folder, step, 0, None)
+
+    def _load_from_disk(self, folder: str, step: int, rec: Recovery) -> None:
+        """A running job's recovery from disk (dprun.reconstruction): as a resume's load, into the stores of the
+        new generation's nodes, its copies of that generation; `rec` goes on once every node answered."""
+        self._load(folder, step, self.generation, rec)
+
+    def _load(self, folder: str, step: int, generation: int, rec: Recovery | None) -> None:
+        """Each node reads its own ranks' files into its replica store. Each node also reads the ranks it is a
+        replica holder of, as it would hold their snapshots: a node lost before its first snapshot reached a peer
+        is restored from the peer's copy. (Such a read that fails leaves that copy out only.)"""
         waiting = {rank: self.node_of_rank(rank) for rank in range(self.spec.world_size)}
-        self.files = FileWork(False, folder, step, waiting, self.now + self.spec.files_timeout)
+        self.files = FileWork(False, folder, step, waiting, self.now + self.spec.files_timeout, recovery=rec)
         reads = {node_id: list(self.ranks_of(i)) for i, node_id in enumerate(self.layout)}
         for i, node_id in enumerate(self.layout):
             for holder in self.replica_holders(i):
                 if holder != node_id:
                     reads.setdefault(holder, []).extend(self.ranks_of(i))
         for node_id, ranks in reads.items():
-            self._send(node_id, p.LoadSnapshots(folder, step, ranks))
+            self._send(node_id, p.LoadSnapshots(folder, step, ranks, generation))
 
     def _while_files(self, event, now: float) -> None:
         """Inputs while files are written or read: their answers and what keeps the nodes known alive count;
@@ -328,7 +337,21 @@ class Files:
             self.ledger.forget(work.step)
             self.resumed_from, self.saves.safe = folder, (folder, step)
             self._load_first(folder, step)
+        elif not complete and work.recovery is not None:
+            self._finish(1, f"state lost: the failed nodes {work.recovery.failed} took the last copies in memory "
+                            f"with them, and restoring every rank from {work.folder} failed: {why}")
         elif not complete:
             self._finish(1, f"cannot resume from {work.folder}: {why}")
+        elif work.recovery is not None:
+            self._disk_loaded(work.recovery, work.step)
         else:  # each rank restores from its own node's store
             self._start_first_generation(work.step, {r: self.node_of_rank(r) for r in range(self.spec.world_size)})
+
+    def _disk_loaded(self, rec: Recovery, step: int) -> None:
+        """A recovery from disk: every node's store holds its ranks' files; the generation starts from them."""
+        rec.sources = {rank: self.node_of_rank(rank) for rank in range(self.spec.world_size)}
+        self._fire_faults(self.now, recovering=True)
+        self._reconfigure_all(step, rec.sources, reason="recovery from disk")
+        self._publish("reconfigure", generation=self.generation, restore_step=step, layout=list(self.layout),
+                      decide_s=round(self.now - rec.t_detect, 4))
+        self.recovery = rec

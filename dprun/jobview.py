@@ -22,7 +22,8 @@ LEVELS = {"node_failed": "error", "worker_exited": "error", "spare_lost": "warn"
           "spare_promoted": "promote", "reconfigure": "info", "recovery_complete": "ok", "peer_error": "warn",
           "message_dropped": "warn", "job_started": "info", "restart_rendezvous": "ok", "node_joined": "dim",
           "fault_skipped": "warn", "saving_state": "warn", "save_retried": "warn", "message_refused": "warn",
-          "divergence": "error", "node_refused": "warn", "node_warning": "warn"}
+          "divergence": "error", "node_refused": "warn", "node_warning": "warn", "restoring_from_disk": "warn",
+          "save_failed": "warn", "save_skipped": "warn", "resume_fallback": "warn", "state_saved": "dim"}
 WARNING_EVENTS = ("node_refused", "node_warning", "divergence")  # what `dprun report` lists under "warnings"
 WARNINGS_KEPT = 20
 STEPS_ARGS = ("--steps", "--max-steps", "--total-steps", "--num-steps", "--max-iters", "--iters", "--max_steps",
@@ -91,6 +92,7 @@ class JobView:
         self.failures: list[dict] = []
         self.finished: dict | None = None
         self.mesh = ""  # a sharded or 3D-parallel job's layout (its "mesh" event)
+        self.on_disk: dict | None = None  # the newest step a background save wrote whole: step, folder, time
         self.warnings: list[dict] = []  # nodes refused or joined with a warning, ranks found diverged: the first few
         self.restore_point: int | None = None
         self.world_size = 0
@@ -123,6 +125,9 @@ class JobView:
     def _ev_node_joined(self, e: dict, t: float) -> None:
         node = self._node(e["node"])
         node.host, node.pid, node.role = e.get("host", ""), e.get("pid", 0), e.get("role", "spare")
+
+    def _ev_state_saved(self, e: dict, t: float) -> None:
+        self.on_disk = {"step": e.get("step"), "folder": e.get("folder"), "time": t}
 
     def _ev_mesh(self, e: dict, t: float) -> None:
         self.mesh = str(e.get("layout", ""))
@@ -293,6 +298,7 @@ class JobView:
             "spares": self.spares, "world_size": self.world_size or self.nnodes * self.nproc,
             "counts": counts, "nodes": [_row(n, self.nproc, now) for n in rows],
             "restore_point": self.restore_point, "status_endpoint": self.status_endpoint, "mesh": self.mesh,
+            "on_disk": self.on_disk,
             "log": [list(entry) for entry in list(self.log)[-MODEL_LOG:]],
             "recoveries": self.recoveries[-keep:] if keep else list(self.recoveries),
             "failures": self.failures[-keep:] if keep else list(self.failures),
@@ -317,7 +323,8 @@ def brief(e: dict) -> str:
             if e.get("mode") == "restart":
                 return (f"recovered by restart (generation {e['generation']}): detect {ph['detect_s']:.2f}s, "
                         f"respawn {ph['rebuild_s']:.2f}s, total {ph['total_s']:.2f}s to workers started")
-            return (f"recovered (hot-swap, generation {e['generation']}) from step {e['restore_step']}, "
+            how = "from disk" if e.get("from_disk") else "hot-swap"
+            return (f"recovered ({how}, generation {e['generation']}) from step {e['restore_step']}, "
                     f"{e['lost_steps']} step(s) lost: detect {ph['detect_s']:.2f}s, rebuild {ph['rebuild_s']:.2f}s, "
                     f"restore {ph['restore_s']:.2f}s, total {ph['total_s']:.2f}s")
         if kind == "restart_rendezvous":

@@ -163,6 +163,9 @@ class Reconstruction:
             if now < rec.restoring_until:
                 self.pending = rec
                 return
+        if plan.lost and self.saves.safe is not None and self.spec.snapshots:
+            self._restore_from_disk(rec, now, failed_slots, spares, plan.lost)
+            return
         if plan.lost:
             holders = sorted({self.table.nodes[n].node_id for n in rec.failed})
             bad = f"; copies found bad: {'; '.join(rec.bad_copies[-6:])}" if rec.bad_copies else ""
@@ -179,6 +182,18 @@ class Reconstruction:
             return
         if not failed_slots and not self.spec.restart_mode and not self._one_more_replan(rec):
             return
+        self._begin_generation(rec, now, failed_slots, spares, plan.step)
+        rec.sources = dict(plan.sources)
+        # faults due "during recovery" go out first: a replica corrupted for this plan is damaged before a
+        # promoted spare, which fetches as soon as it hears of the plan, can ask for it
+        self._fire_faults(now, recovering=True)
+        self._reconfigure_all(plan.step, plan.sources, reason="recovery")
+        self._publish("reconfigure", generation=self.generation, restore_step=plan.step,
+                      layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))
+        self.recovery = rec
+
+    def _begin_generation(self, rec: Recovery, now: float, failed_slots: list[int], spares: list, step: int) -> None:
+        """The next generation: spares promoted into the failed slots, every rank going back to `step`."""
         self.unrestored |= {r for i in failed_slots for r in self.ranks_of(i)}
         if self.spec.nnodes == 1 and len(spares) > len(failed_slots):
             # a single node's snapshots live on spares: promote one that holds none, so that the holder keeps its
@@ -197,20 +212,27 @@ class Reconstruction:
         rec.generation = self.generation
         rec.t_decide = now
         self.last_progress_at, self.stepped = now, False
-        rec.restore_step, rec.sources = plan.step, dict(plan.sources)
+        rec.restore_step = step
         rec.peak_step = max(rec.peak_step, self.max_step)
-        rec.lost_steps = max(0, rec.peak_step - plan.step)
+        rec.lost_steps = max(0, rec.peak_step - step)
         self.peaks[self.generation - 1] = self.max_step
-        self.ledger.rollback(plan.step)
-        self.rank_step = {rank: max(plan.step, 0) for rank in range(self.spec.world_size)}
-        self.max_step = plan.step
-        # faults due "during recovery" go out first: a replica corrupted for this plan is damaged before a
-        # promoted spare, which fetches as soon as it hears of the plan, can ask for it
-        self._fire_faults(now, recovering=True)
-        self._reconfigure_all(plan.step, plan.sources, reason="recovery")
-        self._publish("reconfigure", generation=self.generation, restore_step=plan.step,
-                      layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))
-        self.recovery = rec
+        self.ledger.rollback(step)
+        self.rank_step = {rank: max(step, 0) for rank in range(self.spec.world_size)}
+        self.max_step = step
+
+    def _restore_from_disk(self, rec: Recovery, now: float, failed_slots: list[int], spares: list,
+                           lost: list[int]) -> None:
+        """Some ranks have no copy left in memory, but a step of every rank is safe on disk (background saves, or
+        the step this job resumed from): every rank goes back to it. Spares take the failed slots, each node
+        reads its ranks' files into its store (dprun.files), then the generation starts from them."""
+        folder, step = self.saves.safe
+        self._publish("restoring_from_disk", ranks=lost, step=step, folder=folder,
+                      lost_steps=max(0, max(rec.peak_step, self.max_step) - step),
+                      failed=sorted(self.table.nodes[n].node_id for n in rec.failed))
+        self.saves.abandon(now, "a recovery from disk began")
+        self._begin_generation(rec, now, failed_slots, spares, step)
+        rec.from_disk = folder
+        self._load_from_disk(folder, step, rec)
 
     def _one_more_replan(self, rec: Recovery) -> bool:
         """A generation planned again with no node lost: counted (those owed to a dropped bad copy are not);
@@ -306,7 +328,8 @@ class Reconstruction:
         }
         self._publish("recovery_complete", mode="restart" if self.spec.restart_mode else "hot-swap",
                       generation=rec.generation, restore_step=rec.restore_step,
-                      lost_steps=rec.lost_steps, failed=rec.failed, promoted=rec.promoted, phases=phases)
+                      lost_steps=rec.lost_steps, failed=rec.failed, promoted=rec.promoted, phases=phases,
+                      **({"from_disk": rec.from_disk} if rec.from_disk else {}))
         self.recoveries.append(rec)
         self.recovery = None
         self._release_kept("the recovery that replaced it completed")

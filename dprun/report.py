@@ -95,7 +95,8 @@ def incident_table(model: dict, t0: float) -> Table:
             continue
         ph = rec.get("phases", {})
         restart = rec.get("mode") == "restart"
-        table.add_row(str(i), at, names, str(rec.get("mode", "?")), *(f"{ph.get(k, 0):.2f}s" for k in
+        mode = "from disk" if rec.get("from_disk") else str(rec.get("mode", "?"))
+        table.add_row(str(i), at, names, mode, *(f"{ph.get(k, 0):.2f}s" for k in
                       ("detect_s", "rebuild_s")), "-" if restart else f"{ph.get('restore_s', 0):.2f}s",
                       f"{recovery_cost(rec):.2f}s", "n/a" if restart else str(rec.get("lost_steps", "-")))
     return table
