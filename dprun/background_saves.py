@@ -6,6 +6,7 @@ One save is written at a time: a disk slower than the schedule skips steps rathe
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 
@@ -126,7 +127,7 @@ class BackgroundSaves:
 
     def first_time(self, why: str) -> bool:
         """Is this the first failure of its kind (said as a line once; each is an event)?"""
-        kind = why.split(":", 2)[-1].strip()[:60]
+        kind = re.sub(r"\d+", "N", why.split("; ")[0].split(": ", 1)[-1])[:100]  # (whichever node said it first)
         if kind in self.failures_said:
             return False
         self.failures_said.add(kind)

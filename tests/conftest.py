@@ -166,3 +166,17 @@ def store():
                            timeout=datetime.timedelta(seconds=60))
     yield master
     del master
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs: room for the save's folders, none for a file of state (skipped where mounting is not
+    allowed); unmounted after the test."""
+    folder = tmp_path / "full"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", folder], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", folder], check=False)

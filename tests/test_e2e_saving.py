@@ -113,20 +113,6 @@ def test_a_closed_session_s_sighup_or_a_sigquit_stops_the_job_in_order_as_sigter
     assert the_save(events, err[-3000:])["step"] >= 5
 
 
-@pytest.fixture
-def full_disk(tmp_path):
-    """A 64 KiB tmpfs: room for the save's folders, none for a file of state (skipped where mounting is not
-    allowed); unmounted after the test."""
-    folder = tmp_path / "full"
-    folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", folder], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", folder], check=False)
-
-
 def test_sigterm_with_a_full_disk_ends_at_once_saying_so(procs, tmp_path, full_disk):
     """Before, the save was tried again for every newer step the workers made after the SIGTERM (each refused by
     the disk but taken for 'trained past'): thousands of lines a second, then a wait for the files' deadline."""
