@@ -4,10 +4,11 @@ exported in torch's own formats (the work is dpagent.save_manifest's and dprun.c
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -22,7 +23,7 @@ ckpt_app = typer.Typer(add_completion=False, rich_markup_mode=None, no_args_is_h
 FORMATS = ("torch", "dcp")
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     print(f"dprun ckpt: {message}", file=sys.stderr)
     raise typer.Exit(code)
 
@@ -48,9 +49,14 @@ def step_problems(saved: SavedStep) -> list[str]:
         except (OSError, ValueError) as exc:
             problems.append(str(exc))
     for problem in verify_step(saved):
-        if not any(f"{path} " in problem and f"{path} " in said for path in named for said in problems):
+        if not any(_names(problem, path) and _names(said, path) for path in named for said in problems):
             problems.append(problem)
     return problems
+
+
+def _names(problem: str, path: Path) -> bool:
+    """Whether `problem` is about the file `path` (rank-1.dpsnap is not rank-10.dpsnap)."""
+    return re.search(re.escape(str(path)) + r"(?![\w.-])", problem) is not None
 
 
 def is_step_folder(path: Path) -> bool:
@@ -96,8 +102,7 @@ def list_steps(save_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A j
     else:  # piped: plain aligned columns, one line per step (a rich table wraps and pads to 80 columns)
         widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header) - 1)]
         for row in (header, *rows):
-            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + ("  " + row[-1] if row[-1] else ""),
-                  flush=False)
+            print(("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1]).rstrip())
     sys.stdout.flush()
 
 
@@ -116,19 +121,17 @@ def verify(path: Annotated[Path, typer.Argument(metavar="DIR[/step-S]",
         problems = step_problems(saved)
         if problems:
             damaged += 1
-            print(f"step-{saved.step}: DAMAGED or incomplete, {len(problems)} problem{'s' * (len(problems) > 1)}:")
+            print(f"step-{saved.step}: cannot be resumed from, {len(problems)} problem{'s' * (len(problems) > 1)}:")
             for problem in problems:
                 print(f"  {' '.join(problem.split())}")
         else:
             usable = usable if usable is not None else saved
             print(f"step-{saved.step}: complete, {saved.world_size} ranks, {saved.nbytes} bytes verified")
-    if len(steps) > 1 or damaged:
-        if usable is None:
-            print(f"no step can be resumed from: {'every step is' if len(steps) > 1 else 'the step is'} damaged "
-                  "or incomplete")
-        elif len(steps) > 1:
-            print(f"--resume-from {path} would go on from step-{usable.step} (the newest complete step, every byte "
-                  "intact)")
+    if len(steps) > 1 and usable is None:
+        print(f"--resume-from {path} has no step to go on from: every step is damaged or incomplete")
+    elif len(steps) > 1:
+        print(f"--resume-from {path} would go on from step-{usable.step} (the newest complete step, every byte "
+              "intact)")
     sys.stdout.flush()
     raise typer.Exit(1 if damaged else 0)
 

@@ -11,6 +11,7 @@ else as {"rank_R": ...}.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,7 +243,9 @@ def save(state_dict: dict, folder: Path, state: GlobalState) -> Written:
     group): one .distcp file and the .metadata that dcp.load and dcp_to_torch_save read."""
     writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, thread_count=1)
     try:
-        dcp.save(state_dict, storage_writer=writer, planner=_Planner(), no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... save in a single process": it is meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state_dict, storage_writer=writer, planner=_Planner(), no_dist=True)
     except ValueError as exc:  # DCP's own check of the plan: say it in one line
         raise ExportError(f"torch.distributed.checkpoint refused the export: {' '.join(str(exc).split())[:300]}",
                           1) from exc

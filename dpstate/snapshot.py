@@ -43,6 +43,16 @@ for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
 _DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
 
 
+class Deferred:
+    """A value of a state tree worked out when the tree is flattened (on the replication thread, while the next
+    step runs) rather than when it is captured (on the main thread, between steps): resolve() gives plain data."""
+
+    __slots__ = ()
+
+    def resolve(self) -> Any:
+        raise NotImplementedError
+
+
 class SnapshotError(ValueError):
     """A snapshot that cannot be packed or must not be loaded (corrupt, truncated, unsafe)."""
 
@@ -98,6 +108,8 @@ def flatten(tree: Any) -> tuple[Any, list[torch.Tensor]]:
             return ("dev", str(obj))
         if isinstance(obj, complex):
             return ("c", obj.real, obj.imag)
+        if isinstance(obj, Deferred):
+            return walk(obj.resolve())
         if kind.__module__ == "numpy":
             import numpy as np
 

@@ -1,4 +1,6 @@
 """What a snapshot holds: every tracked object's state_dict, the RNG states and the step; capture and restore.
+Its "layout" says what the state dicts alone do not (which objects are models and optimizers, the names of an
+optimizer's parameters, each shard's place in its global tensor), for exports read without the job (dprun ckpt).
 
 Capture runs in the main thread between steps and only references tensors that the next forward/backward
 cannot change (parameters, optimizer state); anything else (buffers, other objects' tensors) is cloned.
@@ -83,6 +85,9 @@ class Tracked:
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
         self.replicated: list[nn.Module] = []  # modules trained data parallel (job.data_parallel)
+        # optimizer name -> (the ids of its parameters, their names): named_parameters() walks every module,
+        # on every capture otherwise; the ids say when the optimizer holds other parameters
+        self._param_names: dict[str, tuple[tuple, list]] = {}
 
     def add(self, **objects: Any) -> None:
         for name, obj in objects.items():
@@ -91,11 +96,13 @@ class Tracked:
             if name in self.objects and self.objects[name] is not obj:
                 raise ValueError(f"track(): the name {name!r} is already tracked")
             self.objects[name] = obj
+        self._param_names.clear()
 
     def remove(self, *names: str) -> None:
         """Stop tracking `names` (the parts of a generation that ended: their successors are added next)."""
         for name in names:
             self.objects.pop(name, None)
+        self._param_names.clear()
 
     def modules(self) -> list[nn.Module]:
         return [o for o in self.objects.values() if isinstance(o, nn.Module)]
@@ -118,20 +125,47 @@ class Tracked:
     def capture(self, step: int) -> dict:
         """The state tree of `step` (cheap: parameters and optimizer state are referenced, not copied)."""
         states: dict[str, Any] = {}
+        shards: dict[str, list] = {}  # name -> [path, *shards.place()] of each DTensor in its state dict
         for name, obj in self.objects.items():
             sd = obj.state_dict()
+            record: list = []
             if isinstance(obj, nn.Module):
-                sd = local_shards(sd)  # a sharded parameter's snapshot is its own shard
+                sd = local_shards(sd, record)  # a sharded parameter's snapshot is its own shard
                 params = {n for n, _ in obj.named_parameters(remove_duplicate=False)}
                 for key in list(sd):
                     if key not in params:  # buffers and extra state may change in the next forward
                         sd[key] = _clone_tensors(sd[key])
             elif isinstance(obj, torch.optim.Optimizer):
-                sd = {k: (local_shards(v) if k == "state" else _clone_tensors(v)) for k, v in sd.items()}
+                sd = {k: (local_shards(v, record, (k,)) if k == "state" else _clone_tensors(v)) for k, v in sd.items()}
             else:
                 sd = _clone_tensors(sd)
             states[name] = sd
-        return {"step": step, "state": states, "rng": rng_state(), "threads": torch.get_num_threads()}
+            if record:
+                shards[name] = record
+        layout = {"modules": [n for n, o in self.objects.items() if isinstance(o, nn.Module)],
+                  "optimizers": self.param_names(), "shards": shards}
+        return {"step": step, "state": states, "rng": rng_state(), "threads": torch.get_num_threads(),
+                "layout": layout}
+
+    def param_names(self) -> dict[str, list]:
+        """For each tracked optimizer, [module name, parameter name] of each of its parameters in the order of
+        its state dict's indices (None: a parameter of no tracked module)."""
+        out = {}
+        for name, opt in self.objects.items():
+            if not isinstance(opt, torch.optim.Optimizer):
+                continue
+            params = [p for group in opt.param_groups for p in group["params"]]
+            ids = tuple(map(id, params))
+            known = self._param_names.get(name)
+            if known is None or known[0] != ids:
+                owner: dict[int, list] = {}
+                for module_name, module in self.objects.items():
+                    if isinstance(module, nn.Module):
+                        for fqn, p in module.named_parameters(remove_duplicate=False):
+                            owner.setdefault(id(p), [module_name, fqn])
+                known = self._param_names[name] = (ids, [owner.get(i) for i in ids])
+            out[name] = known[1]
+        return out
 
     def restore(self, tree: dict) -> None:
         """Load a state tree whose tensors may be views of a snapshot buffer (they are not kept): modules copy
