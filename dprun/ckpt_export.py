@@ -180,19 +180,22 @@ def export_torch(folder: str | os.PathLike, out: str | os.PathLike) -> list[Path
     reads it). Returns the files written."""
     saved = checked_step(folder)
     path, made = prepare_out(out)
-    written = []
+    written: list[Path] = []
+    files: dict[int, RankFile] = {}
     try:
-        for rank, source in open_ranks(saved).items():
-            try:
-                doc = torch_doc(source.tree(), rank, saved.world_size)
-            finally:
-                source.close()
+        files = open_ranks(saved)
+        for rank, source in files.items():  # one rank's state in memory at a time
+            doc = torch_doc(source.tree(), rank, saved.world_size)
+            source.close()
             target = path / f"rank-{rank}.pt"
             torch.save(doc, target)
             written.append(target)
     except BaseException:
         _undo(path, made, written)
         raise
+    finally:
+        for source in files.values():
+            source.close()
     return written
 
 
