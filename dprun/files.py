@@ -258,6 +258,9 @@ class Files:
         rank = self.ranks_of(node.node_rank)[msg.local_rank] if node is not None and node.node_rank >= 0 else -1
         if msg.exitcode == 0 and not (work.saving and rank in work.local):
             return
+        if work.recovery is not None:
+            self._load_interrupted(node_id, p.describe_exit(msg.exitcode), msg)
+            return
         work.dead_workers.add(rank)
         how = p.describe_exit(msg.exitcode) + (" before it wrote its file" if msg.exitcode == 0 else "")
         if not work.saving or (rank in work.local and work.waiting.get(rank) == node_id):
@@ -265,12 +268,36 @@ class Files:
 
     def _files_failed(self, node_id: str, cause: str) -> None:
         """A node was lost while files are written (its ranks' files are asked of the next source) or read
-        (the resume fails)."""
+        (the resume fails; a recovery's read is abandoned: `_load_interrupted`)."""
+        if self.files.recovery is not None:
+            self._load_interrupted(node_id, cause)
+            return
         self.files.gone.add(node_id)
         self.ledger.holder_lost(node_id)
         lost = [rank for rank, node in self.files.waiting.items() if node == node_id]
         if lost or not self.files.saving:
             self._files_lost(lost, f"{node_id} failed: {cause}")
+
+    def _load_interrupted(self, node_id: str, cause: str, exited: p.WorkerExited | None = None) -> None:
+        """A node (or a worker) was lost while a recovery's files were read: the read is abandoned and the recovery
+        carries on as one that a failure interrupted: the loss handled as any other (the node fenced, every node
+        probed), then a plan made again (from the copies read so far, or the disk once more), or the job ended
+        for want of a spare. Before, the job ended "state lost" with every rank's step still on disk, even where
+        the node lost read none of its ranks (simulator seed 1345: a spare holding copies). A node fenced
+        before the read (a store kept for a save) read nothing: the read goes on."""
+        work, node = self.files, self.table.get(node_id)
+        work.gone.add(node_id)
+        if node is None or node.role == FAILED:
+            self.ledger.holder_lost(node_id)
+            return
+        self.files, self.recovery = None, work.recovery  # (the loss carries it on: _open_pending)
+        if exited is not None:
+            self._received(node_id, exited, self.now)
+        else:
+            self._node_failed(node_id, cause, self.now)
+        if self.pending is None and not self.finished:  # (a spare that held none of the last generation's copies)
+            self._replan(self.now, f"{node_id} was lost while the recovery's files were read: {cause[:200]}")
+            self._replanned_for_a_loss()
 
     def _files_lost(self, ranks: list[int], why: str) -> None:
         work = self.files
