@@ -229,7 +229,7 @@ class Reconstruction:
         self._publish("restoring_from_disk", ranks=lost, step=step, folder=folder,
                       lost_steps=max(0, max(rec.peak_step, self.max_step) - step),
                       failed=sorted(self.table.nodes[n].node_id for n in rec.failed))
-        self.saves.abandon(now, "a recovery from disk began")
+        self._background_saved(self.saves.abandon(now, "a recovery from disk began"))  # (said: simulator seed 1643)
         self._begin_generation(rec, now, failed_slots, spares, step)
         rec.from_disk = folder
         self._load_from_disk(folder, step, rec)
