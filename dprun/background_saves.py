@@ -20,6 +20,7 @@ class SaveInFlight:
     started: float
     nbytes: int
     errors: list[str] = field(default_factory=list)
+    said_no: bool = False  # a writer answered that it did not write a rank: this step is not whole on disk
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class BackgroundSaves:
         self.skipped = 0
         self.slow_said = False
         self.failures_said: set[str] = set()
+        self.unsure = 0  # saves failed since the safe step that may be whole on disk all the same (see keep)
 
     @property
     def enabled(self) -> bool:
@@ -98,6 +100,7 @@ class BackgroundSaves:
             del work.waiting[rank]
             if error:
                 work.errors.append(f"{node_id}: {error}")
+                work.said_no = True
         return self._end(now) if not work.waiting else None
 
     def node_lost(self, node_id: str, now: float) -> SaveOutcome | None:
@@ -122,8 +125,19 @@ class BackgroundSaves:
         outcome = SaveOutcome(work.step, work.folder, not work.errors, "; ".join(work.errors), work.nbytes,
                               now - work.started)
         if outcome.ok:
-            self.safe = (work.folder, work.step)
+            self.safe, self.unsure = (work.folder, work.step), 0
+        elif not work.said_no:  # a writer lost, or abandoned: the others may still complete it
+            self.unsure += 1
         return outcome
+
+    def keep(self, asked: int) -> int:
+        """The complete steps a writer keeps when it prunes (SaveSnapshots.keep): `asked` (--save-keep), but never so
+        few that the safe step goes, the one a restore from disk reads. Newer complete steps may stand before it
+        on disk: the save being written, whose last writer prunes before the controller hears it is complete,
+        and each save failed since that may be whole all the same (a writer lost after it wrote its files).
+        (Simulator seed 672: --save-keep 1, a writer of step 16 pruned step 14 and died before its answer came;
+        14 was still the safe step, and the restore from disk that followed found its files gone.)"""
+        return max(asked, self.unsure + 2) if asked > 0 else 0
 
     def first_time(self, why: str) -> bool:
         """Is this the first failure of its kind (said as a line once; each is an event)?"""

@@ -116,7 +116,7 @@ class Files:
             by_node.setdefault(holder, []).append(rank)
         for node_id, node_ranks in by_node.items():
             self._send(node_id, p.SaveSnapshots(work.folder, work.step, node_ranks, world_size=self.spec.world_size,
-                                                background=True, keep=self.spec.save_keep))
+                                                background=True, keep=saves.keep(self.spec.save_keep)))
 
     def _background_saved(self, outcome) -> None:
         """A background save ended (None: not yet): an event either way; a failure's line said once per kind."""
