@@ -174,9 +174,6 @@ class Reconstruction:
                     if self.spec.replicas < self.spec.nnodes - 1 else
                     "every node that held a copy failed at once (--replicas cannot exceed --nnodes - 1): go on "
                     "from a checkpoint on disk")
-            if self.spec.resume_from:  # (a node lost before its restored state was on a peer too)
-                more += (f"; this job's --resume-from {self.spec.resume_from} (step {self.spec.resume_step}) is one, "
-                         "its files untouched")
             self._finish(1, f"state lost: ranks {plan.lost} have no usable copy left (failed nodes {holders}{bad}); "
                             f"{more}")
             return

@@ -346,10 +346,11 @@ def test_stop_escalates_to_sigterm_then_sigkill(start_agent):
 
 def test_controller_silence_exits_3_and_kills_workers(start_agent):
     agent = start_agent(nproc=2, use_run_dir=False)
-    t0 = time.monotonic()
-    agent.welcome(interval=0.1, timeout=1.0)
+    agent.welcome(interval=0.1, timeout=30.0)  # (workers start in seconds on a busy host: silent only after)
     reports = agent.reports(2)
     pids = [r["pid"] for r in reports.values()]
+    t0 = time.monotonic()
+    agent.welcome(interval=0.1, timeout=1.0)  # welcomed again: the new timeout counts from now
     assert agent.wait(10) == 3
     assert 1.0 <= time.monotonic() - t0 < 4.0
     assert wait_gone(pids)
@@ -360,9 +361,10 @@ def test_controller_silence_exits_3_and_kills_workers(start_agent):
 
 def test_controller_silence_with_a_save_dir_has_the_workers_save_first_then_exits_3(start_agent, tmp_path):
     agent = start_agent(nproc=2, worker_args=["--answer-save"])
-    agent.welcome(interval=0.1, timeout=1.0, save_dir=str(tmp_path / "saved"))
+    agent.welcome(interval=0.1, timeout=30.0, save_dir=str(tmp_path / "saved"))
     agent.reconfigure(node_rank=1)
     pids = [r["pid"] for r in agent.reports(2).values()]
+    agent.welcome(interval=0.1, timeout=1.0, save_dir=str(tmp_path / "saved"))
     assert agent.wait(10) == 3, "the workers answered: no wait for the save's timeout"
     assert wait_gone(pids)
     assert f"controller lost: wrote rank 2 (own) step 5; rank 3 (own) step 5 to {tmp_path / 'saved'}" in agent.stderr()
@@ -370,9 +372,10 @@ def test_controller_silence_with_a_save_dir_has_the_workers_save_first_then_exit
 
 def test_a_save_after_the_controller_is_lost_is_cut_short_by_a_second_signal_only(start_agent, tmp_path):
     agent = start_agent(nproc=2)  # workers that never answer a save
-    agent.welcome(interval=0.1, timeout=1.0, save_dir=str(tmp_path / "saved"))
+    agent.welcome(interval=0.1, timeout=30.0, save_dir=str(tmp_path / "saved"))
     agent.reconfigure()
     pids = [r["pid"] for r in agent.reports(2).values()]
+    agent.welcome(interval=0.1, timeout=1.0, save_dir=str(tmp_path / "saved"))  # silent from now on
     wait_for_text(agent, "saving this node's snapshots to")
     agent.proc.send_signal(signal.SIGTERM)
     wait_for_text(agent, "a second signal cuts the save short")
@@ -532,10 +535,12 @@ def test_agent_dies_with_its_launcher_when_asked(procs, controller, run_dir, tmp
 
 def _trained_then_sigterm(start_agent, timeout: float) -> tuple[AgentRun, list[int]]:
     agent = start_agent(nproc=2)
-    agent.welcome(timeout=timeout)
+    agent.welcome(timeout=30.0)  # (workers start in seconds on a busy host: the timeout asked counts after)
     agent.reconfigure()
     agent.ctl.recv_all(Progress, 2)
     pids = [r["pid"] for r in agent.reports(2).values()]
+    agent.welcome(timeout=timeout)
+    wait_for_text(agent, "welcomed again")  # (before the signal: it says the timeout it waits)
     agent.proc.send_signal(signal.SIGTERM)
     wait_for_text(agent, f"received SIGTERM: waiting up to {timeout:.1f}s for the controller to stop the job")
     return agent, pids

@@ -107,14 +107,35 @@ def test_a_resumed_job_that_loses_a_node_before_its_first_snapshot_is_restored_f
     assert rc.restore_step == 4 and rc.restore_from == {"1": "tcp://a:1"}
 
 
-def test_a_resumed_job_that_loses_a_node_before_its_state_is_on_a_peer_names_its_folder_to_go_on_from():
+def test_a_resumed_job_that_loses_a_node_before_its_state_is_on_a_peer_is_restored_from_its_folder_again():
+    """Its files are a step safe on disk: every rank goes back to it (each node reads them again) rather than the
+    job ending 'state lost' (before the disk tier, it ended naming the folder to go on from)."""
     h = Harness(spec(spares=1, resume_from="/saved/step-4", resume_step=4))
     _resumed_and_started(h, held_by_peers=False)  # lost before its holder had read its files
     h.feed(NodeGone("b", "agent process exited"))
     for _ in range(3):
         h.pong_all()
-    assert h.finish and h.finish.exit_code == 1 and "state lost: ranks [1]" in h.finish.message
-    assert h.finish.message.endswith("this job's --resume-from /saved/step-4 (step 4) is one, its files untouched")
+    assert h.finish is None
+    (restoring,) = h.named("restoring_from_disk")
+    assert restoring["ranks"] == [1] and restoring["folder"] == "/saved/step-4"
+    (load,) = h.sent_to("s", p.LoadSnapshots)
+    assert (load.directory, load.step, load.generation) == ("/saved/step-4", 4, 1) and 1 in load.ranks
+    h.msg("a", p.SnapshotFiles("a", 4, {"0": ""}))
+    h.msg("s", p.SnapshotFiles("s", 4, {"1": ""}))
+    (rc,) = [m for m in h.sent_to("s", p.Reconfigure) if m.generation == 1]
+    assert rc.restore_step == 4 and rc.restore_from == {"1": "tcp://s:1"}, "from its own store's copy"
+
+
+def test_a_restore_from_disk_whose_files_cannot_be_read_ends_the_job_saying_both():
+    h = Harness(spec(spares=1, resume_from="/saved/step-4", resume_step=4))
+    _resumed_and_started(h, held_by_peers=False)
+    h.feed(NodeGone("b", "agent process exited"))
+    for _ in range(3):
+        h.pong_all()
+    h.msg("a", p.SnapshotFiles("a", 4, {"0": ""}))
+    h.msg("s", p.SnapshotFiles("s", 4, {"1": "/saved/step-4/rank-1.dpsnap: No such file or directory"}))
+    assert h.finish and h.finish.exit_code == 1 and "state lost" in h.finish.message
+    assert "restoring every rank from /saved/step-4 failed: s: /saved/step-4/rank-1.dpsnap" in h.finish.message
 
 
 def test_a_resume_whose_file_cannot_be_read_stops_before_training():
