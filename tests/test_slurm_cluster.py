@@ -19,6 +19,7 @@ from dpagent.save_manifest import newest_saved
 from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, the_save, wait_for
 from slurm_cluster import SlurmCluster, unavailable
 
+pytestmark = pytest.mark.slow  # a real Slurm cluster: minutes, most of them Slurm's own timeouts
 STEPS = 300  # at 0.3 s a step under srun: longer than Slurm takes to see a dead node (~25 s), never reached
 SBATCH_STEPS = 60  # the second submission trains the rest
 
