@@ -64,13 +64,23 @@ def _recovered(run, layout: str, reference, generation: int = 1):
     return run.named("recovery_complete")[0]
 
 
-def test_a_3d_job_loses_the_node_holding_ranks_4_and_5(procs, tmp_path, reference):
+def test_a_3d_job_loses_the_node_holding_ranks_4_and_5_and_goes_on_from_its_background_save(procs, tmp_path,
+                                                                                            reference):
+    """Its background saves (one file of shards per rank, written while it trains and recovers) resume too."""
+    saved = tmp_path / "saved"
     run = run_layout(procs, tmp_path, "3d", "kill", "--nnodes", "4", "--nproc-per-node", "2", "--spares", "1",
-                     "--inject", "kill-node:2@step=10")
+                     "--inject", "kill-node:2@step=10", "--save-dir", str(saved), "--save-every", "10",
+                     "--save-keep", "3")
     done = _recovered(run, "3d", reference)
     (failed,) = run.named("node_failed")
     assert failed["node_rank"] == 2, failed
     assert set(done["phases"]) >= {"detect_s", "rebuild_s", "restore_s", "total_s"}
+    assert [e["step"] for e in run.named("state_saved")][-2:] == [20, 30]
+    resumed = run_layout(procs, tmp_path, "3d", "resumed", "--nnodes", "4", "--nproc-per-node", "2",
+                         "--resume-from", str(saved / "step-20"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.named("job_started")[0]["step"] == 20
+    assert resumed.summary["params_sha256"] == reference("3d"), "the 3D job resumed from disk diverged"
 
 
 @pytest.mark.parametrize("layout", ["dp-pp", "fsdp-tp"])
