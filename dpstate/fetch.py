@@ -13,7 +13,7 @@ import torch
 import zmq
 
 from dpagent import protocol as P
-from dpagent.checksum import CheckPlan
+from dpagent.checksum import BlockDigester, CheckPlan
 from dpagent.memory import huge_page_buffer
 
 from . import snapshot as S
@@ -80,10 +80,14 @@ class Slot:
         elif not self.buffer.is_pinned():
             self.buffer.zero_()
 
-    def seal(self, meta: Any, nbytes: int, plan: CheckPlan | None) -> int:
-        """The checksum of meta + the buffer's first `nbytes` with `plan` (the meta's); a shared buffer keeps
-        the block digests too (the same pass), which its node's agent is told."""
-        crc, digests = S.checksum_and_digests(meta, self.buffer[:nbytes], plan)
+    def seal(self, meta: Any, nbytes: int, plan: CheckPlan | None, digester: BlockDigester | None = None) -> int:
+        """The checksum of meta + the buffer's first `nbytes` with `plan` (the meta's), from `digester`'s digests
+        where it made them while the buffer was copied; a shared buffer keeps the block digests too (the same
+        pass), which its node's agent is told."""
+        if digester is not None:
+            crc, digests = digester.checksum(meta)
+        else:
+            crc, digests = S.checksum_and_digests(meta, self.buffer[:nbytes], plan)
         self.plan = plan
         self.digests = digests if self.shared is not None else None
         return crc

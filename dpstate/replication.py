@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from dpagent import protocol as P
-from dpagent.checksum import CheckPlan
+from dpagent.checksum import BlockDigester, CheckPlan, digest_threads
 
 from . import shared
 from . import snapshot as S
@@ -77,6 +77,7 @@ class Replicator:
         # page-locked buffers only where the worker trains on a GPU (on the CPU: no CUDA context for pinning,
         # and the optimizer step lands in the snapshot, dpstate.landing)
         self.pin = trains_on_gpu()
+        self.digest_threads = digest_threads()  # checksum threads beside the copy (dpagent.checksum)
         # this node's agent, told of each local snapshot so that it can hold peers' identical blocks by reference
         self.local_store = os.environ.get("DP_LOCAL_REPLICA", "")
         # with CUDA too, once the driver page-locks a shared buffer (the side stream copies into it asynchronously)
@@ -415,19 +416,23 @@ class Replicator:
         slot.prepare_layout(specs, nbytes)
         slot.nbytes = 0
         laps.lap("meta")
+        # the checksum's digests of each range of blocks as soon as it is copied, on other threads: a capture
+        # costs about its copy, not the copy plus the checksum
+        digester = BlockDigester(slot.buffer[:nbytes].numpy(), plan, self.digest_threads)
         if stream is not None:
             stream.wait_event(job.event)
             with torch.cuda.stream(stream):
-                S.copy_into(tensors, specs, slot.buffer, non_blocking=True)
+                S.copy_into(tensors, specs, slot.buffer, non_blocking=True,
+                            on_copied=_device_progress(digester, stream))
             stream.synchronize()
         else:
-            self.stats.landed_bytes += S.copy_into(tensors, specs, slot.buffer)
+            self.stats.landed_bytes += S.copy_into(tensors, specs, slot.buffer, on_copied=digester.ready)
         laps.lap("copy")
         kept = tensors  # where they lay (dpstate.landing); the references go at the end of this capture
         with self._cond:
             job.tree = tensors = None  # the step's tensors may now change (wait_captured)
             self._cond.notify_all()
-        crc = slot.seal(meta, nbytes, plan)  # padding included: every byte that is sent
+        crc = slot.seal(meta, nbytes, plan, digester)  # padding included: every byte that is sent
         laps.lap("crc")
         slot.meta, slot.nbytes, slot.checksum = meta, nbytes, crc
         slot.capture_s = self.last_capture_s = laps.finish()
@@ -446,6 +451,22 @@ class Replicator:
                               offset=shared.HEADER_BYTES, nbytes=slot.nbytes, writes=buf.writes,
                               checks=slot.plan.as_json() if slot.plan else {})
         sock.send_multipart(self.codec.encode(msg, [slot.digests]))
+
+
+def _device_progress(digester: BlockDigester, stream: Any, every: int = 64 << 20) -> Callable[[int], None]:
+    """copy_into's on_copied for device copies queued on `stream`: every `every` bytes, an event recorded after
+    them, which the digester's threads wait for before they read those bytes."""
+    queued_to = 0
+
+    def on_copied(end: int) -> None:
+        nonlocal queued_to
+        if end - queued_to >= every:
+            event = torch.cuda.Event()
+            event.record(stream)
+            digester.ready(end, wait=event.synchronize)
+            queued_to = end
+
+    return on_copied
 
 
 _LIVE: "weakref.WeakSet[Replicator]" = weakref.WeakSet()
