@@ -1,14 +1,20 @@
 """The dprun command line as a user meets it: --help everywhere, torchrun's flag names, and every bad input
-answered with one line on stderr and a non-zero exit (real `python -m dprun` processes, run side by side)."""
+answered with one line on stderr and a non-zero exit. The checks run dprun.cli.main(argv) in this process (each
+real `python -m dprun` took ~4 s, most of it importing); test_the_real_entry_point_says_what_main_says runs real
+processes side by side and finds them saying the same, and holds the cases that bind a port."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import socket
 import subprocess
 import sys
 
 import pytest
+
+from dprun.cli import main
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -18,11 +24,43 @@ TORCHRUN_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoin
                   "--master-port", "--rdzv-backend")
 
 
-def start(args, cwd, env=None) -> subprocess.Popen:
+def environment(cwd, env=None) -> dict[str, str]:
+    """What dprun runs with, in a process or in this one: ours without torchrun's PET_* variables, plus `env`."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
     full_env.update({"COLUMNS": "100", "DPRUN_STATE_DIR": str(cwd / "state"), **(env or {})})
-    return subprocess.Popen([sys.executable, "-m", "dprun", *map(str, args)], cwd=cwd, env=full_env,
+    return full_env
+
+
+def start(args, cwd, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dprun", *map(str, args)], cwd=cwd, env=environment(cwd, env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def in_process(args, cwd, env=None) -> tuple[int, str, str]:
+    """`dprun ARGS` as dprun.cli.main(ARGS) in this process, in folder `cwd` with the environment a process of
+    start() gets: (exit code, stdout, stderr). SystemExit is what the process would exit with: a code, or a
+    message the interpreter prints to stderr with exit code 1."""
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    os.environ.clear()
+    os.environ.update(environment(cwd, env))
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main([*map(str, args)])
+                code = 0
+            except SystemExit as exc:
+                if exc.code is None or isinstance(exc.code, int):
+                    code = exc.code or 0
+                else:
+                    print(exc.code, file=sys.stderr)
+                    code = 1
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return code, out.getvalue(), err.getvalue()
 
 
 def finish_all(procs: list[subprocess.Popen], timeout: float = 60) -> list[tuple[int, str, str]]:
@@ -40,7 +78,7 @@ def finish_all(procs: list[subprocess.Popen], timeout: float = 60) -> list[tuple
 
 
 def test_help_for_every_command_and_torchrun_flag(tmp_path):
-    runs = finish_all([start(a, tmp_path) for a in (["--help"], ["-h"], ["status", "--help"], ["report", "--help"])])
+    runs = [in_process(a, tmp_path) for a in (["--help"], ["-h"], ["status", "--help"], ["report", "--help"])]
     assert [code for code, _, _ in runs] == [0, 0, 0, 0], runs
     (_, run_help, _), (_, short_help, _), (_, status_help, _), (_, report_help, _) = runs
     assert run_help == short_help
@@ -51,15 +89,13 @@ def test_help_for_every_command_and_torchrun_flag(tmp_path):
     assert "--plot" in report_help and "EVENTS.jsonl" in report_help
 
 
-def test_every_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path):
-    script = tmp_path / "train.py"
+def bad_inputs(folder, port: int) -> dict[str, tuple[list, dict | None, str]]:
+    """Every bad input of a job's command line, by name: (arguments, environment added, what the line says).
+    `port`: one that something on this machine listens on."""
+    script = folder / "train.py"
     script.write_text("print('never runs')\n")
-    token = tmp_path / "token"
+    token = folder / "token"
     token.write_text("secret")
-    busy = socket.socket()
-    busy.bind(("127.0.0.1", 0))
-    busy.listen()
-    port = busy.getsockname()[1]
     cases = {
         "unknown flag": (["--no-such-flag", script], "no such option: --no-such-flag"),
         "no script": ([], "missing argument 'SCRIPT'"),
@@ -79,8 +115,8 @@ def test_every_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path):
         "requeue, no save": (["--on-controller-lost", "requeue", script], "requeue needs --save-dir"),
         "snapshot check": (["--snapshot-check", "0", script], "--snapshot-check must be a positive number"),
         "log dir": (["--log-dir", script / "logs", script], f"--log-dir {script / 'logs'}: Not a directory"),
-        "events file": (["--events-file", tmp_path / "no" / "e.jsonl", script],
-                        f"--events-file {tmp_path / 'no' / 'e.jsonl'}: No such file or directory"),
+        "events file": (["--events-file", folder / "no" / "e.jsonl", script],
+                        f"--events-file {folder / 'no' / 'e.jsonl'}: No such file or directory"),
         "endpoint": (["--rdzv-endpoint", "nohostport", "--token-file", token, script], "expected HOST:PORT"),
         "no program": (["--no-python", "no-such-program-xyz"], "no such command: no-such-program-xyz"),
         "node rank, no endpoint": (["--nnodes", "2", "--node-rank", "1", script],
@@ -99,19 +135,52 @@ def test_every_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path):
                  "srun -n4 -N2": ({**step, "SLURM_STEP_NUM_TASKS": "4"}, "dprun runs once per node"),
                  "srun -N2, --nnodes 3": ({**step, "SLURM_STEP_NUM_TASKS": "2", "PET_NNODES": "3"},
                                           "the Slurm step has 2 node(s), fewer than --nnodes 3")}
-    try:
-        procs = [start(args, tmp_path) for args, _ in cases.values()]
-        procs += [start([script], tmp_path, env) for env, _ in env_cases.values()]
-        results = finish_all(procs)
-    finally:
-        busy.close()
-    expected = [want for _, want in cases.values()] + [want for _, want in env_cases.values()]
-    for name, (code, out, err), want in zip([*cases, *env_cases], results, expected):
-        lines = err.strip().splitlines()
-        assert code == 2, (name, code, err)
-        assert len(lines) == 1 and lines[0].startswith("dprun"), (name, err)
-        assert want in lines[0], (name, lines[0])
-        assert "Traceback" not in out + err, name
+    return {**{name: (args, None, want) for name, (args, want) in cases.items()},
+            **{name: ([script], env, want) for name, (env, want) in env_cases.items()}}
+
+
+# these start a job's controller or status feed in the process, which fails to bind: real processes only
+BINDS_A_PORT = ("port in use", "status port in use")
+# and these, run both ways, show that the entry point (python -m dprun) says what main(argv) says: a usage error
+# of the command line parser, a check of the job's options, an environment variable, a subcommand
+ON_BOTH_SIDES = ("unknown flag", "zero nodes", "PET_NNODES", "status endpoint")
+
+
+def one_line(name, code: int, out: str, err: str, want: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2, (name, code, err)
+    assert len(lines) == 1 and lines[0].startswith("dprun"), (name, err)
+    assert want in lines[0], (name, lines[0])
+    assert "Traceback" not in out + err, name
+
+
+@pytest.fixture
+def busy_port():
+    """A port that something listens on."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        yield busy.getsockname()[1]
+
+
+def test_every_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path, busy_port):
+    for name, (args, env, want) in bad_inputs(tmp_path, busy_port).items():
+        if name not in BINDS_A_PORT:
+            one_line(name, *in_process(args, tmp_path, env), want)
+
+
+def test_the_real_entry_point_says_what_main_says(tmp_path, busy_port):
+    """`python -m dprun` processes, side by side: --help and a sample of the bad inputs end as main(argv) ends in
+    this process, to the byte; the inputs that bind a port get their one line too."""
+    cases = bad_inputs(tmp_path, busy_port)
+    names = [*ON_BOTH_SIDES, *BINDS_A_PORT]
+    runs = finish_all([start(["--help"], tmp_path), *[start(cases[n][0], tmp_path, cases[n][1]) for n in names]])
+    help_run, *runs = runs
+    assert help_run == in_process(["--help"], tmp_path)
+    for name, (code, out, err) in zip(names, runs):
+        one_line(name, code, out, err, cases[name][2])
+        if name in ON_BOTH_SIDES:
+            assert (code, out, err) == in_process(cases[name][0], tmp_path, cases[name][1]), name
 
 
 def test_dprun_in_a_batch_script_runs_on_its_node_and_says_so(tmp_path):
@@ -170,14 +239,11 @@ def inputs(tmp_path):
 
 
 def one_line_exit_2(args, cwd, want: str, env=None) -> str:
-    """dprun ARGS ends at once with exit code 2 and one line on stderr that holds `want`, no traceback."""
-    ((code, out, err),) = finish_all([start(args, cwd, env)], timeout=30)
-    lines = err.strip().splitlines()
-    assert code == 2, (args, code, err)
-    assert len(lines) == 1 and lines[0].startswith("dprun"), (args, err)
-    assert want in lines[0], (args, lines[0])
-    assert "Traceback" not in out + err, args
-    return lines[0]
+    """dprun ARGS ends at once with exit code 2 and one line on stderr that holds `want`, no traceback (main(argv)
+    in this process: test_the_real_entry_point_says_what_main_says shows a process says the same)."""
+    code, out, err = in_process(args, cwd, env)
+    one_line(args, code, out, err, want)
+    return err.strip()
 
 
 TIME_FLAGS = ("--heartbeat-interval", "--heartbeat-timeout", "--probe-timeout", "--hang-timeout",
@@ -317,7 +383,7 @@ def test_a_multi_node_job_without_a_token_is_bad_input(inputs):
 
 
 def test_help_shows_percent_signs_once(tmp_path):
-    ((code, out, err),) = finish_all([start(["--help"], tmp_path)], timeout=30)
+    code, out, err = in_process(["--help"], tmp_path)
     assert code == 0, err
     assert "%%" not in out
     assert "under 1% of step time; auto:0.02 for 2%)" in " ".join(out.split())  # (wrapped at any width)
