@@ -193,3 +193,18 @@ def test_parallel_quick(procs, tmp_path):
     assert len(mesh["per_generation"]) == mesh["generations"] == 3
     assert mesh["median_s"] > 0 and mesh["max_s"] >= mesh["median_s"]
     assert all(v > 0 for v in mesh["phases_median_of_max_s"].values()), mesh
+
+
+@pytest.mark.timeout(200)
+def test_saving_quick(procs, tmp_path):
+    """The background-save benchmark's smoke run: both throughputs and the overhead measured, the saves' bandwidth
+    against a plain write of the same size into the same folder (--dir), and their ratio."""
+    got = bench(procs, tmp_path, "saving", "--quick", "--dir", str(tmp_path / "saves"), timeout=180)
+    assert got["failed"] == [], got["failed"]
+    assert set(got["throughput"]) == {"off", "save"}
+    assert all(v and v > 0 for v in got["throughput"].values()), got["throughput"]
+    assert isinstance(got["overhead"], float) and isinstance(got["overhead_target_met"], bool)
+    assert got["save_mb_per_s"] > 0 and got["save_bytes"] > 0 and got["save_writers"] >= 1
+    assert got["plain_mb_per_s"]["one_writer"] > 0 and got["plain_mb_per_s"]["n_writers"] > 0
+    assert got["bandwidth_ratio"] == pytest.approx(got["save_mb_per_s"] / got["plain_mb_per_s"]["one_writer"])
+    assert not any((tmp_path / "saves").iterdir())  # the saves and plain writes are removed after
