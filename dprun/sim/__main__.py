@@ -1,6 +1,7 @@
 """Soak: `python -m dprun.sim --schedules 100000 [--seed S]` runs that many random fault schedules.
 
-Prints the outcomes; on a violation prints the seed that replays it (`--only SEED`) and exits 1.
+Prints the outcomes, and how many schedules went through each path of background saves and restores from disk;
+on a violation prints the seed that replays it (`--only SEED`) and exits 1.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 import time
 
 from .invariants import InvariantViolation
-from .runner import run_schedule
+from .runner import PATHS, run_schedule
 from .schedule import random_schedule
 
 
@@ -24,15 +25,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     seeds = [args.only] if args.only is not None else range(args.seed, args.seed + args.schedules)
     outcomes: collections.Counter = collections.Counter()
+    paths: collections.Counter = collections.Counter()
     start = time.perf_counter()
     for seed in seeds:
         try:
-            outcomes[run_schedule(random_schedule(seed, args.max_nodes))] += 1
+            outcomes[run_schedule(random_schedule(seed, args.max_nodes), paths)] += 1
         except InvariantViolation as exc:
             print(f"VIOLATION (replay with --only {seed}):\n{exc}", file=sys.stderr)
             return 1
     elapsed = time.perf_counter() - start
     print(f"{sum(outcomes.values())} schedules in {elapsed:.1f} s: {dict(outcomes)}")
+    print(f"schedules through: {', '.join(f'{path} {paths[path]}' for path in PATHS)}")
     return 0
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from dpagent import protocol as p
-from dprun.controller import ANY_GENERATION, Finish, Received, Send
+from dprun.controller import ANY_GENERATION, Finish, Publish, Received, Send
 from dprun.nodes import ACTIVE, FAILED
 from dprun.repeats import without_rank_prefix
 
@@ -54,6 +54,9 @@ class Checker:
         self.taken_in = False  # the event is a worker's exit that the controller will take in
         self.struck: dict[str, set] = {}  # a bug of the script (its line) -> nodes whose exit it took in
         self.owners_checked: tuple | None = None  # (generation, world.owners_changed) last found with one owner each
+        self.writers: dict[str, dict[int, str]] = {}  # background save's folder -> rank -> the node asked to write it
+        self.safe: tuple[str, int] | None = None  # (folder, step) of the newest state_saved
+        self.from_disk: dict[int, tuple[str, int]] = {}  # generation -> (folder, step) it restores from disk
 
     def before_input(self, world, event) -> None:
         c = world.controller
@@ -72,6 +75,10 @@ class Checker:
         for action in actions:
             if isinstance(action, Send) and isinstance(action.msg, p.Reconfigure):
                 self._restore_point(world, action.node_id, action.msg)
+            elif isinstance(action, Send) and isinstance(action.msg, p.SaveSnapshots) and action.msg.background:
+                self._one_writer_per_rank(action.node_id, action.msg)
+            elif isinstance(action, Publish) and action.event["event"] in DISK_EVENTS:
+                self._disk_event(world, action.event)
         if self.taken_in:
             self._bug_ends_the_job(world, event, actions)
 
@@ -112,6 +119,44 @@ class Checker:
                                              f"{node.node_rank} in generation {node.generation}")
                 owners[key] = node.node_id
 
+    def _one_writer_per_rank(self, node_id: str, msg: p.SaveSnapshots) -> None:
+        """Invariant 8: one background save asks one node for each rank's file (two would race on it)."""
+        writers = self.writers.setdefault(msg.directory, {})
+        for rank in msg.ranks:
+            if writers.setdefault(rank, node_id) != node_id:
+                raise InvariantViolation(f"invariant 8: {writers[rank]} and {node_id} both asked to write rank {rank} "
+                                         f"into {msg.directory}")
+
+    def _disk_event(self, world, event: dict) -> None:
+        """Invariant 9: a step said saved has every rank's file on disk, each of that step's state; a restore from
+        disk goes back to the newest step said saved, still whole on disk, and every rank restores that step."""
+        name, folder = event["event"], event.get("folder") or event.get("from_disk")
+        if name == "state_saved":
+            step = event["step"]
+            held = world.disk.files.get(folder, {})
+            if not world.disk.complete(folder) or any(held[r] != step for r in range(world.spec.world_size)):
+                raise InvariantViolation(f"invariant 9: step {step} said saved in {folder}, but its files hold "
+                                         f"{held} and its manifests name {world.disk.manifests.get(folder)}")
+            self.safe = (folder, step)
+        elif name == "restoring_from_disk":
+            if (folder, event["step"]) != self.safe:
+                raise InvariantViolation(f"invariant 9: restoring step {event['step']} from {folder}; the newest "
+                                         f"step said saved is {self.safe}")
+            if not world.disk.complete(folder):
+                raise InvariantViolation(f"invariant 9: restoring from {folder}, which is not whole on disk any more "
+                                         f"(pruned: {world.disk.pruned}; complete: {world.disk.complete_steps()})")
+            self.from_disk[world.controller.generation] = (folder, event["step"])
+        elif name == "recovery_complete" and folder:
+            generation = event["generation"]
+            if self.from_disk.get(generation) != (folder, event["restore_step"]):
+                raise InvariantViolation(f"invariant 9: generation {generation} said restored from {folder} at "
+                                         f"step {event['restore_step']}; it was to restore "
+                                         f"{self.from_disk.get(generation)}")
+            restored = {r: world.restored_at.get((generation, r)) for r in range(world.spec.world_size)}
+            if set(restored.values()) != {event["restore_step"]}:
+                raise InvariantViolation(f"invariant 9: generation {generation} restored from disk, ranks at "
+                                         f"{restored}")
+
     def _restore_point(self, world, node_id: str, msg: p.Reconfigure) -> None:
         step = msg.restore_step
         seen = self.restore_step_of.setdefault(msg.generation, step)
@@ -119,6 +164,10 @@ class Checker:
             raise InvariantViolation(f"invariant 3: generation {msg.generation} restores from {seen} and {step}")
         if step < 0:
             return
+        disk = self.from_disk.get(msg.generation)
+        if disk is not None and (step != disk[1] or set(msg.restore_from.values()) != {f"sim://{node_id}"}):
+            raise InvariantViolation(f"invariant 9: generation {msg.generation}, loaded from {disk}, restores "
+                                     f"{node_id}'s ranks from step {step} of {msg.restore_from}")
         for rank_text, source in msg.restore_from.items():
             rank = int(rank_text)
             if source == "init":
@@ -137,6 +186,9 @@ class Checker:
                 raise InvariantViolation(f"invariant 3: {source} does not hold rank {rank} at step {step}")
 
 
+DISK_EVENTS = ("state_saved", "restoring_from_disk", "recovery_complete")
+
+
 def _dropped_unbeknown(world, holder: str, rank: int, step: int) -> bool:
     """The store dropped that copy for a put whose SnapshotStored the controller has not taken in: a fenced
     node's late put that reached the store before the new generation did, or a report still on its way or
@@ -152,9 +204,12 @@ def judge_outcome(world) -> str:
         raise InvariantViolation(f"liveness: no progress to an end by t={world.now:.1f}s "
                                  f"(generation {world.controller.generation}, step {world.controller.max_step})")
     saved = re.search(r"the state of step (\d+) is saved", finish.message)
-    if saved and world.saved != {rank: int(saved[1]) for rank in range(world.spec.world_size)}:
-        raise InvariantViolation(f"invariant 7: said saved, but the files written are {world.saved}: "
+    held = world.disk.files.get(finish.saved_in, {})
+    if saved and (not world.disk.complete(finish.saved_in) or set(held.values()) != {int(saved[1])}):
+        # (a background save of that step, answered after the job began to stop, counts for it too)
+        raise InvariantViolation(f"invariant 7: said saved, but the files in {finish.saved_in!r} are {held}: "
                                  f"{finish.message}")
+    _every_save_said(world)
     if finish.exit_code == 0:
         for node_id in world.controller.layout:
             for worker in world.nodes[node_id].workers:
@@ -162,6 +217,7 @@ def judge_outcome(world) -> str:
                     raise InvariantViolation(f"finished with rank {worker.rank} at step {worker.state}")
         return "completed"
     if "state lost" in finish.message:
+        _lost_with_a_step_on_disk(world, finish.message)
         c = world.controller
         failed_ranks = [r for i, n in enumerate(c.layout) if c.table.nodes[n].role == FAILED for r in c.ranks_of(i)]
         failed_ranks += sorted(c.unrestored)
@@ -212,6 +268,33 @@ def judge_outcome(world) -> str:
                                      f"{world.spec.spares} spares: {finish.message}")
         return "spares-exhausted"
     raise InvariantViolation(f"job ended with {finish.exit_code}: {finish.message}")
+
+
+def _every_save_said(world) -> None:
+    """Invariant 11: each background save ends in one event, state_saved or save_failed (unless still written as
+    the job ended)."""
+    asked = getattr(world.observer, "writers", {})
+    said: dict[str, int] = {}
+    for e in world.events:
+        if e["event"] in ("state_saved", "save_failed"):
+            said[e["folder"]] = said.get(e["folder"], 0) + 1
+    in_flight = world.controller.saves.in_flight
+    for folder in asked:
+        if said.get(folder, 0) != (0 if in_flight is not None and in_flight.folder == folder else 1):
+            raise InvariantViolation(f"invariant 11: the background save into {folder} ended in {said.get(folder, 0)} "
+                                     f"events (state_saved or save_failed)")
+
+
+def _lost_with_a_step_on_disk(world, message: str) -> None:
+    """Invariant 10: once a step is said saved (state_saved), state lost in memory goes back to it (restoring from
+    disk) rather than end the job "state lost": with too few spares the job ends "no spare left" instead, and a
+    node or worker lost while the files are read is a failure like any other. Lost is the truth only where those
+    files cannot be read (damaged on disk: never in this model) or the job is stopped as they are (no Shutdown
+    here)."""
+    saved = [e for e in world.events if e["event"] == "state_saved"]
+    if saved:
+        raise InvariantViolation(f"invariant 10: state lost with step {saved[-1]['step']} saved in "
+                                 f"{saved[-1]['folder']}: {message}")
 
 
 def _spares_spent_on(world, line: str) -> int:

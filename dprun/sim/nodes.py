@@ -102,6 +102,10 @@ class SimNode:
             dropped.append(self.drop(rank, steps[0]))
         return True, dropped
 
+    def drop_after(self, rank: int, step: int) -> list[tuple[int, int]]:
+        """As ReplicaStore.drop_after: a load from disk of `step` replaces the rank's copies past it."""
+        return [self.drop(rank, s) for s in list(self.store.get(rank, [])) if s > step]
+
     def newest_generation(self, rank: int) -> int:
         return max(self.store_gen[(rank, s)] for s in self.store.get(rank, []))
 

@@ -5,11 +5,12 @@
 
 from __future__ import annotations
 
+import collections
 import random
 
 from .invariants import Checker, InvariantViolation, judge_outcome
 from .nodes import ScriptError
-from .schedule import LEAVE, SCRIPT_ERRORS, Fault, Schedule
+from .schedule import DISK_FULL, LEAVE, MEMORY_LOST, SCRIPT_ERRORS, Fault, Schedule
 from .world import World
 
 SIM_SECONDS = 120.0
@@ -29,6 +30,7 @@ class FaultDriver:
     def __init__(self, world: World, rng: random.Random):
         self.world, self.rng = world, rng
         self.armed: list[Fault] = []
+        self.after_save: list[Fault] = []  # faults that strike once the first background save completed
 
     def fire(self, fault: Fault) -> None:
         w = self.world
@@ -38,6 +40,15 @@ class FaultDriver:
             return
         if fault.kind == "join-spare":
             w.join_node()
+            return
+        if fault.kind == "kill-with-holders-after-save":
+            self.after_save.append(fault)
+            if any(e["event"] == "state_saved" for e in w.events):  # (one completed before it was armed)
+                self.on_saved()
+            return
+        if fault.kind == DISK_FULL:
+            w.fill_disk()
+            w.at(fault.wake_after, w.fill_disk, False)
             return
         if fault.kind in SCRIPT_ERRORS:
             self.arm(fault)
@@ -66,6 +77,11 @@ class FaultDriver:
             w.kill_worker(node.node_id, 0)
         elif fault.kind == LEAVE:
             w.leave_node(node.node_id)
+        elif fault.kind in MEMORY_LOST:  # the node and every store its snapshots go to, at once
+            holders = [h for h in map(w.node_of, node.replica_to) if h is not None and h.alive and h is not node]
+            w.failures += len(holders)
+            for victim in [node, *holders]:
+                w.kill_node(victim.node_id, observed_by_parent=True)
         elif fault.kind in ("freeze-node", "freeze-wake"):
             w.freeze_node(node.node_id)
             if fault.kind == "freeze-wake":
@@ -79,6 +95,12 @@ class FaultDriver:
         once = fault.kind == "one-off-error"
         detail = f"ValueError: flaky read #{len(w.errors)}" if once else f"ValueError: bad batch at step {step}"
         w.errors.append(ScriptError(rank, step, once, detail))
+
+    def on_saved(self) -> None:
+        """A background save completed (state_saved): what waited for one strikes a moment later."""
+        while self.after_save:
+            strike = Fault(0, "kill-with-holders", self.after_save.pop(0).pick)
+            self.world.at(self.rng.uniform(0.0, 0.1), self.fire, strike)
 
     def on_reconfigure(self) -> None:
         while self.armed:
@@ -98,11 +120,21 @@ class _Observer(Checker):
     def __call__(self, world, event, actions) -> None:
         super().__call__(world, event, actions)
         driver = self.driver_ref[0] if self.driver_ref else None
-        if driver and any(getattr(a, "event", {}).get("event") == "reconfigure" for a in actions):
+        # (a restore from disk: they strike while its files are read, before its generation's reconfiguration)
+        if driver and any(getattr(a, "event", {}).get("event") in ("reconfigure", "restoring_from_disk")
+                          for a in actions):
             driver.on_reconfigure()
+        if driver and driver.after_save and any(getattr(a, "event", {}).get("event") == "state_saved"
+                                                for a in actions):
+            driver.on_saved()
 
 
-def run_schedule(schedule: Schedule) -> str:
+# the paths through background saves and restores from disk that a soak counts (see `run_schedule`'s paths)
+PATHS = ("state_saved", "save_failed", "save_skipped", "restoring_from_disk", "recovered_from_disk")
+
+
+def run_schedule(schedule: Schedule, paths: collections.Counter | None = None) -> str:
+    """The schedule's outcome; `paths` counts the schedules that went through each of PATHS."""
     rng = random.Random(schedule.seed * 7919 + 1)
     ref: list = []
     observer = _Observer(ref)
@@ -115,7 +147,11 @@ def run_schedule(schedule: Schedule) -> str:
         world.at(fault.at, driver.fire, fault)
     try:
         world.run(until=SIM_SECONDS)
-        return judge_outcome(world)
+        outcome = judge_outcome(world)
     except InvariantViolation as exc:
         trail = "\n  ".join(world.log[-10:] + [f"{e['time']:.3f} {e['event']}" for e in world.events[-15:]])
         raise InvariantViolation(f"{exc}\n{schedule.describe()}\n  {trail}") from None
+    if paths is not None:
+        names = {e["event"] for e in world.events} | {"recovered_from_disk" for e in world.events if e.get("from_disk")}
+        paths.update(names & set(PATHS))
+    return outcome

@@ -2,7 +2,8 @@
 
 A schedule is a job shape plus timed faults: kills, freezes, wake-ups, worker kills, spare kills, bit rot
 in a replica store, faults armed to strike while a recovery is under way, the script's own errors, and
-agents that leave on a signal of their own.
+agents that leave on a signal of their own; with background saves, every copy of some ranks in memory lost at
+once (a restore from disk follows) and a full disk.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ CORRUPTIONS = ["corrupt-replicas", "corrupt-newest", "corrupt-during-recovery", 
 SCRIPT_ERRORS = ["script-error", "script-error-all", "one-off-error"]
 # an agent, active or spare, stops on a signal of its own (the job does not): it says Leaving, then exits
 LEAVE = "leave-node"
+# every copy of a node's ranks in memory lost at once: the node and each store holding its snapshots (two adjacent
+# nodes with --replicas 1), at a time or just after the first background save completes; then a restore from disk
+MEMORY_LOST = ["kill-with-holders", "kill-with-holders-after-save"]
+DISK_FULL = "disk-full"  # the save_dir's disk refuses every file (ENOSPC) for a while
 
 
 @dataclass
@@ -51,17 +56,28 @@ class Schedule:
     defer: bool = False  # gates wait for acks at snapshot steps only (optimizer steps that do not land)
     save: bool = False  # a job that stops has its newest complete step written to files (--save-dir)
     fetch_timeout: float = FETCH_TIMEOUT_S  # a restore gives up on a store that sends nothing after this long
+    save_every: int = 0  # background saves every N steps (--save-every) ...
+    save_interval: float = 0.0  # ... and / or every so many seconds (--save-interval)
+    save_keep: int = 2  # complete steps the background saves keep (--save-keep)
+
+    @property
+    def background(self) -> bool:
+        return self.save_every > 0 or self.save_interval > 0
 
     def spec(self) -> JobSpec:
         return JobSpec(nnodes=self.nnodes, spares=self.spares, nproc_per_node=self.nproc, store_endpoint="sim:0",
                        heartbeat_interval=0.5, heartbeat_timeout=2.0, probe_timeout=0.5, rdzv_timeout=5.0,
                        replicas=self.replicas, on_spare_exhausted="wait" if self.wait_for_spares else "fail",
-                       spare_wait_timeout=8.0, save_dir="/saved" if self.save else "", files_timeout=5.0,
-                       restore_wait=5.0)
+                       spare_wait_timeout=8.0, save_dir="/saved" if self.save or self.background else "",
+                       files_timeout=5.0, restore_wait=5.0, save_every=self.save_every,
+                       save_interval=self.save_interval, save_keep=self.save_keep)
 
     def describe(self) -> str:
         faults = ", ".join(f"{f.kind}@{f.at:.2f}" for f in self.faults) or "no faults"
         timeout = f", fetches time out after {self.fetch_timeout:.2f} s" if self.fetch_timeout < FETCH_TIMEOUT_S else ""
+        if self.background:
+            timeout += (f", background saves every {self.save_every} steps / {self.save_interval:.2f} s keeping "
+                        f"{self.save_keep}")
         return (f"seed {self.seed}: {self.nnodes} nodes x {self.nproc} + {self.spares} spares, "
                 f"{self.replicas} replica(s), {'wait' if self.wait_for_spares else 'fail'} when out of spares, "
                 f"{self.steps} steps, snapshots every {self.interval}"
@@ -70,10 +86,11 @@ class Schedule:
                 f"{', the state saved when it stops' if self.save else ''}{timeout}; {faults}")
 
 
-def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors: bool = True) -> Schedule:
+def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors: bool = True,
+                    background: bool = True) -> Schedule:
     """extended=False: the schedule as it was before snapshot intervals and corrupt replicas were drawn too
     (what the regression seeds name); errors=False: before the script's own errors, saving and agents that
-    leave were drawn."""
+    leave were drawn; background=False: before background saves (and the faults that test them) were."""
     rng = random.Random(seed)
     nnodes = rng.randint(1, max_nodes)
     spares = rng.randint(0, 3)
@@ -101,5 +118,20 @@ def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors
         fetch_timeout = rng.uniform(0.3, 3.0)  # gives up on a silent dead store before the controller fails it
         if rng.random() < 0.5:  # ... where a store a restore may name dies without a word as a recovery starts
             faults.append(Fault(at=rng.uniform(0.2, 3.0), kind="kill-silent-during-recovery", pick=rng.random()))
+    save_every, save_interval, save_keep = 0, 0.0, 2
+    if errors and background and rng.random() < 0.35:  # drawn last: the schedules earlier seeds name are unchanged
+        save_every = rng.choice([0, 2, 3, 4, 5, 6])  # (a job's steps take about 20 ms each)
+        if not save_every or rng.random() < 0.2:
+            save_interval = rng.uniform(0.05, 0.5)
+        save_keep = rng.choice([1, 1, 2, 3])  # (1: a prune may race a restore's read)
+        if rng.random() < 0.5:  # every copy of some ranks in memory lost: the disk is all that is left
+            kind = MEMORY_LOST[rng.random() < 0.7]  # (mostly once a save completed: that path is the one tested)
+            faults.append(Fault(at=rng.uniform(0.1, 0.8), kind=kind, pick=rng.random()))
+            replicas = 1
+            if rng.random() < 0.8:  # (else no spare left, often)
+                spares = max(spares, 2)
+        if rng.random() < 0.15:
+            faults.append(Fault(at=rng.uniform(0.05, 1.0), kind=DISK_FULL, pick=rng.random(),
+                                wake_after=rng.uniform(0.1, 2.0)))
     return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
-                    interval, auto, defer, save, fetch_timeout)
+                    interval, auto, defer, save, fetch_timeout, save_every, save_interval, save_keep)

@@ -12,7 +12,7 @@ from .nodes import KEEP_LOCAL, Put, SimNode
 class WorkerSide:
     """The worker half of World: it needs World's clock (at, now, rng), network (_link_delay, _agent_send,
     _frozen, node_of), nodes, job (spec, steps, interval, measure_until, fetch_timeout) and bookkeeping (ready,
-    entered, captured, replicated, dropped_by, log)."""
+    entered, captured, replicated, dropped_by, restored_at, log)."""
 
     def _worker_reconfigure(self, node: SimNode, local: int, msg: p.Reconfigure) -> None:
         if self._frozen(node, self._worker_reconfigure, node, local, msg):
@@ -56,6 +56,7 @@ class WorkerSide:
         self._take_snapshot(node, local)  # re-replicated at once, before the barrier (as dpstate)
         self.ready.setdefault(generation, set()).add(worker.rank)
         worker.made = worker.restore.restore_step
+        self.restored_at[(generation, worker.rank)] = worker.state  # (invariants: a restore from disk's step)
         self._agent_send(node.node_id, p.WorkerReady(node.node_id, generation, worker.rank, 0.01, 0.01, "sim"))
         self._try_release_barrier(generation)
 

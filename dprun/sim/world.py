@@ -1,7 +1,8 @@
 """A simulated cluster for the controller: fake clock, fake agents and workers, a lossy reordering network.
 
 The real Controller runs unchanged inside it; everything else is a small model of what agents and
-dpstate workers do (lockstep data-parallel steps, snapshots acked by a replica store, recovery).
+dpstate workers do (lockstep data-parallel steps, snapshots acked by a replica store, recovery, the stores'
+copies written to and read from a shared disk: disk.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Callable
 from dpagent import protocol as p
 from dprun.controller import ConnectionDropped, Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
 
+from .disk import SimDisk
 from .nodes import ScriptError, SimNode, SimWorker
 from .schedule import FETCH_TIMEOUT_S
 from .workers import WorkerSide
@@ -57,8 +59,9 @@ class World(WorkerSide):
         self.failures = 0  # nodes that failed by a fault (killed, frozen, a worker killed, the script raising)
         self.errors: list[ScriptError] = []  # armed in the training script (see raise_due)
         self.raised: list[tuple[str, str]] = []  # (node, stderr's last line) of each error the script raised
-        self.saved: dict[int, int] = {}  # rank -> the step of it written to a file (a job that stops, save_dir)
         self.corrupted = False  # a store's copies were ever damaged (the judge of "state lost" then looks deeper)
+        self.disk = SimDisk(spec.world_size)  # save_dir: what every save wrote (a stopping job's, background ones)
+        self.restored_at: dict[tuple[int, int], int] = {}  # (generation, rank) -> the step its worker restored
         # what lets thousands of nodes simulate in seconds: counters of the changes the per-event checks depend on
         self.owners_changed = 0  # a node's generation, node rank, or running (alive, frozen, stopped) changed
         self.deaths = 0  # a worker died or a node was killed (neither comes back)
@@ -155,13 +158,17 @@ class World(WorkerSide):
             node.replica_to = [msg.replica_to, *msg.replica_also]
             for local, worker in enumerate(node.workers):
                 self.at(self._link_delay(node_id, f"{node_id}/{local}"), self._worker_reconfigure, node, local, msg)
+        elif isinstance(msg, p.SaveSnapshots) and msg.background:
+            self._save_background(node, msg)
         elif isinstance(msg, p.SaveSnapshots):
             self._agent_send(node_id, p.SnapshotFiles(node_id, msg.step, self._save_files(node, msg)))
+        elif isinstance(msg, p.LoadSnapshots):
+            self._load_files(node, msg)
 
     def _save_files(self, node: SimNode, msg: p.SaveSnapshots) -> dict[str, str]:
         """As dpagent.snapshot_files.save_held (from the store; a damaged copy is not saved) or, with `local`,
-        dpstate.saving (each worker of those ranks from its local ring); what was written goes in `saved`."""
-        results = {}
+        dpstate.saving (each worker of those ranks from its local ring), onto the disk."""
+        results, copies = {}, {}
         for rank in msg.ranks:
             if msg.local:
                 workers = [w for w in node.workers if w.rank == rank and w.phase != "dead"]
@@ -170,8 +177,71 @@ class World(WorkerSide):
                 held = msg.step in node.store.get(rank, []) and (rank, msg.step) not in node.corrupt
             results[str(rank)] = "" if held else f"rank {rank} step {msg.step} is not held here"
             if held:
-                self.saved[rank] = msg.step
+                copies[rank] = msg.step
+        results.update(self.disk.write(msg.directory, copies))  # (in the order asked: seeds replay as found)
         return results
+
+    def _save_background(self, node: SimNode, msg: p.SaveSnapshots) -> None:
+        """A background save (ReplicaServer.files): the copies the store holds now are taken on the agent's loop,
+        then written on a thread while training goes on, which takes a while."""
+        copies = {rank: msg.step for rank in msg.ranks if msg.step in node.store.get(rank, [])}
+        bad = {rank for rank in copies if (rank, msg.step) in node.corrupt}
+        # (a disk's pace: most writes take a few steps' time, a few many more, and later saves are skipped)
+        self.at(self.rng.expovariate(25.0), self._background_written, node, msg, copies, bad)
+
+    def _background_written(self, node: SimNode, msg: p.SaveSnapshots, copies: dict[int, int], bad: set) -> None:
+        """The thread's files and manifest part: a copy damaged when taken or since is not written (write_copies
+        checks each; one dropped from the store since is still written, the thread holds it); then, with `keep`
+        and no file refused, the prune; the answer. A node that died (or stopped) meanwhile writes nothing."""
+        if self._frozen(node, self._background_written, node, msg, copies, bad):
+            return
+        if not node.running:
+            return
+        bad = bad | {rank for rank, step in copies.items() if (rank, step) in node.corrupt}
+        written = self.disk.write(msg.directory, {rank: step for rank, step in copies.items() if rank not in bad})
+        results = {}
+        for rank in msg.ranks:
+            if rank not in copies:
+                results[str(rank)] = f"rank {rank} step {msg.step} is not held here (held: {node.store.get(rank, [])})"
+            elif rank in bad:
+                results[str(rank)] = f"the copy of rank {rank} step {msg.step} held here is corrupt"
+            else:
+                results[str(rank)] = written[str(rank)]
+        if msg.keep and not any(results[str(rank)] for rank in copies):
+            self.disk.prune(msg.keep)
+        self._agent_send(node.node_id, p.SnapshotFiles(node.node_id, msg.step, results))
+
+    def _load_files(self, node: SimNode, msg: p.LoadSnapshots) -> None:
+        """ReplicaServer.files for a load: the store drops the ranks' copies past the step at once (what the files
+        replace); the files are read on a thread (a while), then stored (`_files_loaded`)."""
+        for rank in msg.ranks:
+            node.drop_after(rank, msg.step)
+        self.at(self.rng.uniform(0.01, 0.2), self._files_loaded, node, msg)
+
+    def _files_loaded(self, node: SimNode, msg: p.LoadSnapshots) -> None:
+        """store_loaded: each file read goes into the store as a copy of the load's generation, reported
+        (SnapshotStored) before the answer (SnapshotFiles); a rank without its file is answered why."""
+        if self._frozen(node, self._files_loaded, node, msg):
+            return
+        if not node.running:
+            return
+        results, reports = {}, []
+        for rank in msg.ranks:
+            state = self.disk.read(msg.directory, rank, msg.step)
+            if isinstance(state, str):
+                results[str(rank)] = state
+                continue
+            put = (rank, state, msg.generation)
+            stored, dropped = node.add(put)
+            self._dropped(node, dropped, put)
+            if not stored:
+                results[str(rank)] = f"{msg.directory}/rank-{rank}.dpsnap: refused by the store"
+                continue
+            self.replicated.add((rank, state))
+            self.dropped_by.pop((node.node_id, rank, state), None)
+            results[str(rank)] = ""
+            reports.append(p.SnapshotStored(node.node_id, rank, state, msg.generation))
+        self._agent_send(node.node_id, *reports, p.SnapshotFiles(node.node_id, msg.step, results))
 
     def _stop_node(self, node: SimNode, keep_store: bool = False) -> None:
         """Its workers stop; so does its agent, unless its store is to stay (it still answers, saves)."""
@@ -242,6 +312,11 @@ class World(WorkerSide):
         self.log.append(f"{self.now:.3f} corrupt {which} on {node_id}")
         self.nodes[node_id].damage(which)
         self.corrupted = True
+
+    def fill_disk(self, full: bool = True) -> None:
+        """Fault: the save_dir's disk is full (every file written fails, ENOSPC), or has room again."""
+        self.log.append(f"{self.now:.3f} disk {'full' if full else 'has room'}")
+        self.disk.full = full
 
     def kill_worker(self, node_id: str, local: int = 0, code: int = -9, detail: str = "") -> None:
         """A worker ends: killed (by default), or exiting with `code` and this last line of stderr."""
