@@ -134,9 +134,7 @@ class BackgroundSaves:
         """The complete steps a writer keeps when it prunes (SaveSnapshots.keep): `asked` (--save-keep), but never so
         few that the safe step goes, the one a restore from disk reads. Newer complete steps may stand before it
         on disk: the save being written, whose last writer prunes before the controller hears it is complete,
-        and each save failed since that may be whole all the same (a writer lost after it wrote its files).
-        (Simulator seed 672: --save-keep 1, a writer of step 16 pruned step 14 and died before its answer came;
-        14 was still the safe step, and the restore from disk that followed found its files gone.)"""
+        and each save failed since that may be whole all the same (a writer lost after it wrote its files)."""
         return max(asked, self.unsure + 2) if asked > 0 else 0
 
     def first_time(self, why: str) -> bool:

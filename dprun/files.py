@@ -282,9 +282,8 @@ class Files:
         """A node (or a worker) was lost while a recovery's files were read: the read is abandoned and the recovery
         carries on as one that a failure interrupted: the loss handled as any other (the node fenced, every node
         probed), then a plan made again (from the copies read so far, or the disk once more), or the job ended
-        for want of a spare. Before, the job ended "state lost" with every rank's step still on disk, even where
-        the node lost read none of its ranks (simulator seed 1345: a spare holding copies). A node fenced
-        before the read (a store kept for a save) read nothing: the read goes on."""
+        for want of a spare. A node fenced before the read (a store kept for a save) read nothing: the read goes
+        on."""
         work, node = self.files, self.table.get(node_id)
         work.gone.add(node_id)
         if node is None or node.role == FAILED:
