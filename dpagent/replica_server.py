@@ -13,6 +13,7 @@ not wait for. So are a stopping job's files written, and a resumed job's read (S
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -85,6 +86,16 @@ class FilesDone:
 
     msg: SaveSnapshots | LoadSnapshots
     outcome: dict
+
+
+def _idle_priority() -> None:
+    """This thread yields to the node's training (nice 19): nothing waits for a background save, and its checksum
+    pass, copy-out and writes must not take cores from the workers' steps. (Not SCHED_IDLE: on a node whose
+    training keeps every core busy, a save must still finish, slowly.)"""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def _files_thread(events: EventPipe, msg: SaveSnapshots | LoadSnapshots, work: Callable[[], dict]) -> None:
@@ -228,6 +239,8 @@ class ReplicaServer:
             copies, missing = held_copies(self.store, msg.step, msg.ranks)  # (the store: here, on the loop)
 
             def work() -> dict:
+                if msg.background:
+                    _idle_priority()
                 with pause():
                     written = write_copies(msg.directory, msg.step, copies, msg.world_size, self.node_id,
                                            private=msg.background)
