@@ -42,6 +42,22 @@ def local_device():
     return torch.device("cpu")
 
 
+# Gloo's full-mesh rendezvous, per rank: one store key with its address, then every peer's key read. By default the
+# key also lists one 8-byte pair identifier per peer, so each of the R x R reads carries O(R) bytes: store traffic
+# grows as R^3 (550 GB through the one TCPStore at 4,096 ranks). With the rank as the pair's sequence number the key
+# has a fixed size (154 bytes on loopback): R^2 reads of it. Read by Gloo at each group's creation; every rank of a
+# job runs this, so all agree. A value set beforehand (0 turns it off) is kept. (Not GLOO_ENABLE_STORE_V2_API: its
+# batched reads wait for a key under the store's timeout, the collective one, not the connect timeout: a rank that
+# arrived and died would hold the others 600 s instead of DP_CONNECT_TIMEOUT.)
+COMPACT_GLOO_RENDEZVOUS = {"GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER": "1"}
+
+
+def compact_gloo_rendezvous() -> None:
+    """Make Gloo's rendezvous of the groups created from now on read fixed-size keys (see above)."""
+    for name, value in COMPACT_GLOO_RENDEZVOUS.items():
+        os.environ.setdefault(name, value)
+
+
 def collective_timeout() -> float:
     """Seconds a collective may take before the backend gives up (our abort normally comes first)."""
     return float(os.environ.get("DP_COLLECTIVE_TIMEOUT", "600"))
@@ -102,6 +118,7 @@ class GroupManager:
         # incremented (measured, torch 2.13), and the name is part of every connect key: without this reset
         # a rank whose last connect failed waits for keys its peers never write.
         reset_group_names()
+        compact_gloo_rendezvous()
         # NCCL with the device named connects its communicator here (eagerly) rather than in the first collective
         device = local_device()
         eager = {"device_id": device} if self.backend == "nccl" and device.type == "cuda" else {}

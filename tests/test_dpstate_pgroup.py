@@ -65,3 +65,42 @@ def test_a_traceback_after_several_generations_has_one_rank_prefix(procs, store)
     assert proc.returncode == 1
     assert "[rank0]: ValueError: boom" in err.splitlines(), err[-2000:]
     assert "[rank0]: [rank0]:" not in err, err[-2000:]
+
+
+def test_the_gloo_rendezvous_keys_keep_their_size_as_the_world_grows(procs, store):
+    """Each rank's rendezvous key in the store has a fixed size (Gloo's rank as sequence number): by default it
+    lists 8 bytes per peer, and with every rank reading every key the store's traffic grew as R^3. A value the
+    user set (0) is kept: generation 3 goes back to the keys that grow."""
+    script = textwrap.dedent("""
+        import os, sys, torch, torch.distributed as dist
+        from dpstate.abort import AbortSignal
+        from dpstate.pgroup import GroupManager
+        endpoint, rank = sys.argv[1], int(sys.argv[2])
+        groups, abort = GroupManager(backend="gloo", timeout_s=60), AbortSignal()
+        for generation, world in ((1, 2), (2, 3), (3, 3)):
+            if rank >= world:
+                continue
+            if generation == 3:
+                os.environ["GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"] = "0"
+            groups.build(generation, endpoint, rank, world, abort)
+            total = torch.tensor([rank + 1.0])
+            dist.all_reduce(total)
+            print(f"generation {generation} sum {total.item():g}", flush=True)
+        os._exit(0)
+    """)
+    endpoint = f"127.0.0.1:{store.port}"
+    ranks = [procs.popen([sys.executable, "-c", script, endpoint, str(rank)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True) for rank in range(3)]
+    outs = [rank.communicate(timeout=90) for rank in ranks]
+    for rank, (out, err) in enumerate(outs):
+        expected = ["generation 2 sum 6", "generation 3 sum 6"] + (["generation 1 sum 3"] if rank < 2 else [])
+        assert all(line in out for line in expected), (out, err[-2000:])
+
+    def key_sizes(generation: int) -> set[int]:
+        keys = [k for k in store.list_keys() if k.startswith(f"dp/gen{generation}/") and "arrived" not in k]
+        assert keys, store.list_keys()
+        return {len(store.get(k)) for k in keys}
+
+    (two,), (three,), (grown,) = key_sizes(1), key_sizes(2), key_sizes(3)
+    assert two == three  # not 8 bytes more for the third rank
+    assert grown == three + 8 * 3  # the default layout: one pair identifier per rank (its own included)
