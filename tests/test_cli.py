@@ -143,7 +143,7 @@ def bad_inputs(folder, port: int) -> dict[str, tuple[list, dict | None, str]]:
 BINDS_A_PORT = ("port in use", "status port in use")
 # and these, run both ways, show that the entry point (python -m dprun) says what main(argv) says: a usage error
 # of the command line parser, a check of the job's options, an environment variable, a subcommand
-ON_BOTH_SIDES = ("unknown flag", "zero nodes", "PET_NNODES", "status endpoint")
+ON_BOTH_SIDES = ("unknown flag", "zero nodes", "PET_NNODES", "status endpoint", "report empty")
 
 
 def one_line(name, code: int, out: str, err: str, want: str) -> None:

@@ -1,14 +1,14 @@
-"""`dprun report EVENTS.jsonl` as a real command: the failure/recovery table, goodput, --json and --plot."""
+"""`dprun report EVENTS.jsonl` as a command (dprun.cli.main): the failure/recovery table, goodput, --json and
+--plot."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from dprun.report import run_report
+from test_cli import in_process
 from test_dashboard import T0, hot_swap_events
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,23 +41,18 @@ def write(path, events, garbage: bool = False):
     return path
 
 
-def report(*args, cwd=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dprun", "report", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=cwd, env={"COLUMNS": "100", **_env()})
-
-
-def _env():
-    import os
-
-    return {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+def report(path) -> tuple[int, str, str]:
+    """`dprun report PATH` at 100 columns: (exit code, stdout, stderr). By dprun.cli.main in this process (a
+    process spent ~4 s importing): test_cli's test_the_real_entry_point_says_what_main_says shows that `python -m
+    dprun report` says the same."""
+    return in_process(["report", path], path.parent)
 
 
 def test_report_tables_every_failure_and_recovery(tmp_path, capsys):
     hot = write(tmp_path / "hot.jsonl", hot_swap_events(), garbage=True)
     restart = write(tmp_path / "restart.jsonl", restart_events())
-    runs = [report(hot), report(restart)]
-    (text, err), (rtext, rerr) = [r.communicate(timeout=50) for r in runs]
-    assert [r.returncode for r in runs] == [0, 0], err + rerr
+    (code, text, err), (rcode, rtext, rerr) = report(hot), report(restart)
+    assert [code, rcode] == [0, 0], err + rerr
     assert "finished (exit 0)" in text
     for needle in ("node1", "hot-swap", "0.10s", "0.30s", "0.50s", "2.00s", "goodput", "1 step(s) recomputed",
                    "agent process exited (killed by SIGKILL)", "1 line(s) of the events file were not events"):
@@ -81,9 +76,8 @@ def test_report_plot_draws_a_timeline(tmp_path):
 def test_report_of_a_failed_job_says_why_it_ended(tmp_path):
     why = "node failure with no spare left: node1 (node rank 1: agent process exited); rerun with more --spares"
     events = restart_events()[:5] + [{"event": "job_finished", "time": T0 + 21, "exit_code": 1, "message": why}]
-    proc = report(write(tmp_path / "failed.jsonl", events))
-    text, err = proc.communicate(timeout=50)
-    assert proc.returncode == 0, err
+    code, text, err = report(write(tmp_path / "failed.jsonl", events))
+    assert code == 0, err
     assert "finished (exit 1)" in text and f"why: {why}" in " ".join(text.split()), text
 
 
@@ -95,9 +89,8 @@ def test_report_lists_nodes_refused_or_warned_of_and_ranks_found_diverged(tmp_pa
          "warning": "node node1 (host h) runs `t.py --steps 50`, the head `t.py --steps 40`: ..."},
         {"event": "divergence", "time": T0 + 9, "node": "node1", "rank": 1, "step": 7, "blocks": [0]},
     ]
-    proc = report(write(tmp_path / "warned.jsonl", restart_events()[:4] + warned + restart_events()[-1:]))
-    text, err = proc.communicate(timeout=50)
-    assert proc.returncode == 0, err
+    code, text, err = report(write(tmp_path / "warned.jsonl", restart_events()[:4] + warned + restart_events()[-1:]))
+    assert code == 0, err
     said = " ".join(text.split())
     assert "warnings: +0.5s refused n9: node n9 (host h9) was started with --nnodes 3" in said, text
     assert "+0.6s warning: node node1 (host h) runs `t.py --steps 50`" in said, text
