@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch.distributed as dist
 
 RANK = textwrap.dedent("""
@@ -30,6 +31,7 @@ RANK = textwrap.dedent("""
     import os; os._exit(0)  # the groups are leaked on purpose; skip their destructors
 """)
 
+pytestmark = pytest.mark.slow  # Gloo rank processes with torch: 10-20 s a test
 
 
 def test_a_rank_whose_connect_timed_out_joins_the_next_generation(procs, store):
@@ -104,3 +106,38 @@ def test_the_gloo_rendezvous_keys_keep_their_size_as_the_world_grows(procs, stor
     (two,), (three,), (grown,) = key_sizes(1), key_sizes(2), key_sizes(3)
     assert two == three  # not 8 bytes more for the third rank
     assert grown == three + 8 * 3  # the default layout: one pair identifier per rank (its own included)
+
+
+class _Count:
+    """A store whose arrival count reaches the world size after `polls` reads."""
+
+    def __init__(self, world: int, polls: int):
+        self.world, self.left = world, polls
+
+    def add(self, key: str, amount: int) -> int:
+        if amount:
+            return 1
+        self.left -= 1
+        return self.world if self.left <= 0 else 1
+
+
+class _Sleeps:
+    def __init__(self):
+        self.delays: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.delays.append(seconds)
+
+
+def test_the_ranks_waiting_for_each_other_poll_the_store_within_a_budget_at_any_size():
+    """Every waiting rank polls the job's one store: 20 ms apart at most in a small job; in a large one the
+    interval grows so that all of them together stay within ARRIVAL_POLLS_PER_S (4,096 ranks every 20 ms: 200,000
+    a second, past what one store serves)."""
+    from dpstate.pgroup import ARRIVAL_POLLS_PER_S, GroupManager
+
+    for world, longest in ((8, 0.02), (100, 0.02), (4096, 4096 / ARRIVAL_POLLS_PER_S)):
+        groups, sleeps = GroupManager(backend="gloo"), _Sleeps()
+        groups._gen_store, groups._rank, groups._world_size = _Count(world, polls=40), 0, world
+        groups._arrive("arrived", 1, sleeps)
+        assert sleeps.delays[0] == 0.001 and max(sleeps.delays) == longest, (world, sleeps.delays)
+        assert world / max(sleeps.delays) <= ARRIVAL_POLLS_PER_S + 1e-9
