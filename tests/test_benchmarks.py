@@ -208,3 +208,23 @@ def test_saving_quick(procs, tmp_path):
     assert got["plain_mb_per_s"]["one_writer"] > 0 and got["plain_mb_per_s"]["n_writers"] > 0
     assert got["bandwidth_ratio"] == pytest.approx(got["save_mb_per_s"] / got["plain_mb_per_s"]["one_writer"])
     assert not any((tmp_path / "saves").iterdir())  # the saves and plain writes are removed after
+
+
+@pytest.mark.timeout(330)
+def test_recovery_growth_quick(procs, tmp_path):
+    """Recovery cost against the job's size (benchmarks/recovery_growth.py --quick): dprun jobs of 2 and 4 ranks
+    that lose a node each, groups built alone in every variant, the controller alone; each phase measured, fitted
+    against R and projected to 512 and 4,096 ranks."""
+    got = bench(procs, tmp_path, "recovery_growth", "--quick", timeout=300)
+    assert got["failed"] == [], got["failed"]
+    assert [row["ranks"] for row in got["jobs"]] == [2, 4]
+    for row in got["jobs"]:
+        assert len(row["recoveries"]) == 1 and row["step_s"] > 0, row
+        assert all(row[k] > 0 for k in ("detect_s", "decide_s", "rebuild_s", "restore_s", "total_s")), row
+    assert {(g["ranks"], g["variant"]) for g in got["groups"]} == {(r, v) for r in (2, 4)
+                                                                   for v in ("before", "now", "proposed")}
+    assert all(g["build_s"] > 0 and g["build_cpu_s"] > 0 and g["allreduce_s"] > 0 for g in got["groups"])
+    assert got["store"]["server_cpu_per_get_s"] > 0 and all(d["decide_cpu_s"] > 0 for d in got["decide"])
+    for name in ("job total_s", "job rebuild_s", "group build_cpu_s (now)", "controller decide_cpu_s"):
+        assert set(got["fits"][name]["projected"]) == {"512", "4096"}, name
+    assert got["projection"]["now"]["4096"]["total_s"] > got["projection"]["now"]["512"]["total_s"] > 0
