@@ -1,7 +1,7 @@
 """Recovery cost as the job grows: how detect, decide, rebuild and restore grow with the number of ranks and nodes,
 fitted against the rank count R and projected to 512 and 4,096 ranks.
 
-    python benchmarks/recovery_growth.py [--layouts 2x1,4x1,8x1,16x1,16x2,8x4] [--kills 3]
+    python benchmarks/recovery_growth.py [--layouts 2x1,4x1,8x1,16x1,16x2,8x4] [--kills 2]
         [--group-sizes 2,4,8,16,32] [--group-reps 3] [--json PATH] [--quick] [--keep]
 
 Three measurements in one run (docs/scaling.md has the method and the figures):
