@@ -159,7 +159,7 @@ SlurmctldPort={_free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={root}/munge.sock
+AuthInfo=socket={root}/munge.sock,cred_expire=10
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool-%n
@@ -176,7 +176,14 @@ SchedulerType=sched/builtin
 SelectType=select/linear
 MpiDefault=none
 ReturnToService=2
+# Slurm's own timeouts, which the tests wait on, short: a killed node is set DOWN and taken out of its job
+# ~SlurmdTimeout + 2 x MessageTimeout after it dies (measured ~14 s; 25 s with MessageTimeout's default 10); a
+# requeued job may start again cred_expire (AuthInfo, above) after the requeue (its default 120 s: the
+# credentials the nodes revoked for its last run have expired by then), and the main scheduler looks at pending
+# jobs every sched_interval seconds (default 60), which an eligible requeued job waited for too.
 SlurmdTimeout=5
+MessageTimeout=5
+SchedulerParameters=sched_interval=2
 KillWait=30
 {nodes}
 PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP

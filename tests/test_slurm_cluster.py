@@ -14,13 +14,13 @@ from typing import Callable
 import psutil
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, Processes, free_port
 from dpagent.save_manifest import newest_saved
 from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, the_save, wait_for
 from slurm_cluster import SlurmCluster, unavailable
 
 pytestmark = pytest.mark.slow  # a real Slurm cluster: minutes, most of them Slurm's own timeouts
-STEPS = 300  # at 0.3 s a step under srun: longer than Slurm takes to see a dead node (~25 s), never reached
+STEPS = 300  # at 0.3 s a step under srun: longer than Slurm takes to see a dead node (~14 s), never reached
 SBATCH_STEPS = 60  # the second submission trains the rest
 
 
@@ -45,7 +45,7 @@ def cluster(procs, request):
 def test_srun_dprun_swaps_a_killed_node_for_its_spare_and_scancel_saves_the_state(cluster, procs, tmp_path):
     """3 nodes, `srun --no-kill dprun --nnodes 2`: SLURM_NODEID is the node rank, n3 waits as the spare. Node n2
     dies whole (slurmd, step daemon, dprun, agent, worker: SIGKILL); the spare takes rank 1 at once. Slurm sees
-    the dead node ~25 s later and, with --no-kill, takes it out of the job instead of ending the job. Then
+    the dead node ~14 s later and, with --no-kill, takes it out of the job instead of ending the job. Then
     scancel: Slurm's SIGTERM to every process; the job saves its newest step, which resumes bitwise."""
     events, saved, out = tmp_path / "events.jsonl", tmp_path / "saved", tmp_path / "srun.out"
     with open(out, "w") as output:
@@ -122,15 +122,28 @@ def outputs(folder, job: str) -> str:
     return "\n".join(f"== {f.name}\n{f.read_text()[-3000:]}" for f in files if f.exists())
 
 
-def assert_ends_like_an_unbroken_run(cluster: SlurmCluster, folder, job: str) -> None:
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory) -> str:
+    """params_sha256 of a run of SBATCH_STEPS that nothing interrupted (2 nodes, as the template's job trains),
+    run once for the module's template tests, before their cluster starts."""
+    procs = Processes()
+    try:
+        run = dprun(procs, tmp_path_factory.mktemp("unbroken"), "unbroken", "--nnodes", "2", "--spares", "0",
+                    steps=SBATCH_STEPS)
+    finally:
+        procs.kill_all()
+    assert run.returncode == 0 and run.summary["final_step"] == SBATCH_STEPS, run.stderr[-3000:]
+    return run.summary["params_sha256"]
+
+
+def assert_ends_like_an_unbroken_run(folder, job: str, unbroken: str) -> None:
     """The summary of the template's job `job` is that of a run of SBATCH_STEPS that nothing interrupted."""
     summary = json.loads((folder / f"summary-{job}.json").read_text())
-    unbroken = dprun(cluster.procs, folder, "unbroken", "--nnodes", "2", "--spares", "0", steps=SBATCH_STEPS)
-    assert summary["final_step"] == SBATCH_STEPS and summary["params_sha256"] == unbroken.summary["params_sha256"]
+    assert summary["final_step"] == SBATCH_STEPS and summary["params_sha256"] == unbroken
 
 
-@pytest.mark.timeout(300)
-def test_the_sbatch_template_saves_at_its_signal_and_a_second_submission_resumes(cluster, tmp_path):
+@pytest.mark.timeout(420)  # (with the module's unbroken run, on first use)
+def test_the_sbatch_template_saves_at_its_signal_and_a_second_submission_resumes(cluster, tmp_path, unbroken):
     """The SIGTERM that the template's `--signal=TERM@300` sends before the time limit (here at once, by
     `scancel --signal=TERM`, which signals the steps the same way) saves the newest step; the same script
     submitted again resumes from it and finishes, bitwise where an unbroken run ends."""
@@ -152,12 +165,13 @@ def test_the_sbatch_template_saves_at_its_signal_and_a_second_submission_resumes
     (started,) = [e for e in events(second) if e["event"] == "job_started"]
     (finished,) = [e for e in events(second) if e["event"] == "job_finished"]
     assert started["step"] == saving["step"] and finished["exit_code"] == 0, outputs(tmp_path, second)
-    assert_ends_like_an_unbroken_run(cluster, tmp_path, second)
+    assert_ends_like_an_unbroken_run(tmp_path, second, unbroken)
 
 
 @pytest.mark.nodes(4)
 @pytest.mark.timeout(420)
-def test_when_the_first_node_dies_the_nodes_left_save_and_requeue_the_job_which_resumes(cluster, tmp_path):
+def test_when_the_first_node_dies_the_nodes_left_save_and_requeue_the_job_which_resumes(cluster, tmp_path,
+                                                                                         unbroken):
     """The template's first node dies whole: the controller and the batch script with it. The nodes left save
     what they hold; once Slurm has taken the dead node out of the job they requeue it (without that, Slurm keeps
     a --no-kill job allocated, idle, until its time limit), and Slurm runs the script again on n2-n4, which
@@ -177,11 +191,14 @@ def test_when_the_first_node_dies_the_nodes_left_save_and_requeue_the_job_which_
         raise AssertionError(f"{exc}\n{said()}") from None
     first_run, second_run = [e for e in events() if e["event"] == "job_started"]
     assert first_run.get("step", 0) == 0 and second_run.get("step", 0) > 0, said()  # it went on from the save
-    wait_for(lambda: not cluster.jobs(), 120, "the requeued job to end")
+    try:
+        wait_for(lambda: not cluster.jobs(), 240, "the requeued job to end")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{said()}") from None
     (finished,) = [e for e in events() if e["event"] == "job_finished"]
     assert finished["exit_code"] == 0, said()
     assert "requeued it (scontrol requeue" in said()
-    assert_ends_like_an_unbroken_run(cluster, tmp_path, job)
+    assert_ends_like_an_unbroken_run(tmp_path, job, unbroken)
 
 
 @pytest.mark.timeout(300)
