@@ -1,6 +1,6 @@
 """The CUDA path: step time on one GPU with vs without per-step snapshots, for a model whose state is several GB.
 
-    python benchmarks/cuda_step.py [--gb 4] [--blocks 3] [--steps-per-block 10] [--json PATH]
+    python benchmarks/cuda_step.py [--gb 4] [--blocks 3] [--steps-per-block 10] [--step-s 2] [--json PATH]
     python benchmarks/cuda_step.py --device cpu --gb 0.05      # the same code on CPU (a smoke run)
 
 The snapshot is dpstate's: after each step the tracked state (parameters + AdamW state) is captured by a
@@ -11,6 +11,9 @@ pre-step hook is the only wait: dpstate's snapshot gate, which (torch's AdamW do
 snapshot buffers) waits for a capture at every step and for its acks at the next snapshot step only. Blocks
 of steps without and with snapshots alternate (--blocks each), so a drift of the machine hits both; reported
 are the median step times and their ratio. Without CUDA (and without --device cpu) it says so and exits 0.
+--step-s S sets the ratio of compute to state: before the blocks, the rows per step are scaled (measured, a few
+rounds) until a step without snapshots takes about S seconds, in micro-batches of at most --max-rows rows whose
+gradients accumulate (a 2 s step of a 4 GB model in one batch would need ~90 GB of activations).
 
 Then, unless --no-auto, `--snapshot-interval auto` decides as in a job: dpstate's SnapshotPolicy measures
 what a snapshot costs over its alternating window (steps without their waits for acks, and how long after
@@ -18,7 +21,8 @@ the next gate the acks come) and picks the interval that keeps it under --budget
 interval then alternate with blocks without (at least 3 intervals long), and their mean step times give the
 overhead measured at auto's interval.
 
-JSON: {"device", "state_bytes", "step_s": {"off", "per_step"}, "ratio", "overhead", "profile",
+JSON: {"device", "state_bytes", "batch" (rows per micro-batch), "micro_batches", "step_target_s", "calibration",
+"step_s": {"off", "per_step"}, "ratio", "overhead", "profile",
 "auto": {"interval", "cost", "lag_steps", "overhead_estimate", "max_lost_steps", "decision", "mean_step_s":
 {"off", "auto"}, "overhead_measured"}}.
 """
@@ -41,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=4.0, help="state size (parameters + AdamW state), GB")
     ap.add_argument("--width", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=8192, help="rows per step")
+    ap.add_argument("--batch", type=int, default=8192, help="rows per step (with --step-s: the first guess)")
+    ap.add_argument("--step-s", type=float, default=None,
+                    help="scale the rows per step until a step without snapshots takes about this long, s")
+    ap.add_argument("--max-rows", type=int, default=32768,
+                    help="with --step-s: rows per micro-batch at most (more: gradients accumulate over several)")
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--steps-per-block", type=int, default=10)
     ap.add_argument("--device", default="cuda")
@@ -78,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(layers)]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    x = torch.randn(args.batch, args.width, device=device)
+    shape = {"x": torch.randn(args.batch, args.width, device=device), "micro": 1}
     tracked = Tracked()
     tracked.add(model=model, optimizer=opt)
 
@@ -105,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         """One step; `snapshot` must agree with rep.policy.wants(number), which the gate goes by."""
         t0 = time.perf_counter()
         gate.step = number
-        loss = model(x).float().pow(2).mean()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        for _ in range(shape["micro"]):  # gradients accumulate: a longer step, the same activation memory
+            model(shape["x"]).float().pow(2).mean().backward()
         opt.step()
         if snapshot:
             rep.submit(number, tracked.capture(number))
@@ -126,7 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cuda_step: {layers} layers of {args.width}x{args.width}, state {state / 1e9:.2f} GB on {device}", flush=True)
     times = {"off": [], "per_step": []}
     number = 0
+    calibration: list[dict] = []
     try:
+        if args.step_s:
+            number = fit_step(step, shape, args.step_s, args.max_rows, calibration)
+            print(f"cuda_step: {shape['x'].shape[0]} rows x {shape['micro']} micro-batches per step for steps of "
+                  f"about {args.step_s:g} s (measured {calibration[-1]['step_s']:.4f} s)", flush=True)
         rep.policy = SnapshotPolicy("1")
         for warm in range(5):  # warm-up: AdamW state exists (2 steps), then pinned buffers allocated (3)
             number += 1
@@ -152,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {"benchmark": "cuda_step", "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "state_bytes": state, "layers": layers, "batch": args.batch, "step_s": med,
+              "state_bytes": state, "layers": layers, "batch": shape["x"].shape[0], "micro_batches": shape["micro"],
+              "step_target_s": args.step_s, "calibration": calibration, "step_s": med,
               "ratio": med["per_step"] / med["off"], "overhead": med["per_step"] / med["off"] - 1,
               "profile": rep.stats.as_dict(), "replica": not args.no_replica, "auto": auto}
     C.write_json(args.json, result)
@@ -171,12 +185,47 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def fit_step(step, shape: dict, target: float, max_rows: int, log: list) -> int:
+    """Scale the rows per step (shape["x"]: one micro-batch; shape["micro"] of them per step) until a step without
+    snapshots takes `target` s within 10 %: up to 4 rounds of a warm step (new shapes: the BLAS picks its
+    kernels; AdamW's state at the first) and 2 timed ones. The first guess scales the rows by target / time;
+    then a line through the last two rounds (a step's fixed cost, the optimizer's, plus a cost per row), so a
+    round or two after the first is enough. Returns the steps taken."""
+    import torch
+
+    x, number = shape["x"], 0
+    width, device = x.shape[1], x.device
+    for attempt in range(4):
+        number += 1
+        step(number, False)
+        took = statistics.median([step(number + 1, False), step(number + 2, False)])
+        number += 2
+        total = x.shape[0] * shape["micro"]
+        log.append({"rows": x.shape[0], "micro_batches": shape["micro"], "step_s": took})
+        if abs(took / target - 1) <= 0.1 or attempt == 3:
+            break
+        rows = guess = round(total * target / took)
+        if len(log) >= 2:
+            (r0, t0), (r1, t1) = [(e["rows"] * e["micro_batches"], e["step_s"]) for e in log[-2:]]
+            if r1 != r0 and (t1 - t0) / (r1 - r0) > 0:
+                per_row = (t1 - t0) / (r1 - r0)
+                rows = min(round((target - (t1 - per_row * r1)) / per_row), 4 * guess)  # (noise: not 100x)
+        if rows < 1:  # the fixed cost alone takes longer than the target: the shortest step there is
+            break
+        micro = -(-rows // max_rows)
+        shape["x"] = x = None  # freed before the next is made (device memory)
+        shape["x"] = x = torch.randn(-(-rows // micro), width, device=device)
+        shape["micro"] = micro
+    return number
+
+
 def measure_auto(step, gate, rep, number: int, budget: float) -> tuple[dict, int]:
     """--snapshot-interval auto on this GPU: dpstate's SnapshotPolicy measures the cost of a snapshot over
     its alternating window (as the session does, here for one rank) and picks the interval."""
     from dpstate.interval import SnapshotPolicy
 
-    policy = rep.policy = SnapshotPolicy("auto", budget)
+    window = SnapshotPolicy.from_env()  # its warm-up and pairs: DP_SNAPSHOT_AUTO_STEPS, as in a job
+    policy = rep.policy = SnapshotPolicy("auto", budget, window.warmup, window.pairs)
     policy.defers = gate.defers
     while not policy.decided:
         number += 1

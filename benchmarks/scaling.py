@@ -4,6 +4,7 @@ against memcpy and loopback TCP bandwidth measured in the same run; then real re
 killed, a spare takes over) against state size.
 
     python benchmarks/scaling.py [--sizes 10,100,1000,4000] [--recovery-sizes 10,100,500] [--json PATH] [--quick]
+    python benchmarks/scaling.py --device cuda --sizes 256,4000 --recovery-sizes ""   # part 1 on a GPU
 
 Part 1 runs dpstate's Replicator in a worker process against benchmarks/_replica_holder.py (dpagent's
 ReplicaServer + ReplicaStore, keeping one snapshot): the state is float32 tensors of 64 MB (a model's
@@ -15,15 +16,25 @@ about 3 x the state (live state + one host buffer + the holder's copy; the local
 the fetch, which copies the chunks into a new one as they arrive); a size that does not fit in the free
 memory is skipped and reported.
 The limits are measured at min(size, 512 MB): memcpy (one thread) and loopback TCP (sendall / recv_into).
-Ratios: capture / memcpy, replication / TCP, restore / TCP (achieved bandwidth over the limit).
+Ratios: capture / memcpy, replication / TCP, restore / TCP (achieved bandwidth over the limit). The stages'
+own throughputs (copy, checksum, send; fetch, verify, load) are reported too, and the pipeline's time over
+its slowest stage (pipeline_ratio: 1 where the stages overlap completely, their sum over the slowest where
+they run one after the other).
+With --device cuda the live state is on the GPU, as a GPU job's: the copy is the side stream's device-to-host
+copy into page-locked memory and the load a host-to-device copy, against the device-to-host and host-to-device
+limits measured in the worker (a copy of min(size, 512 MB) between the GPU and page-locked memory; d2h_GBps,
+h2d_GBps). Its buffers stay page-locked from one repetition to the next (a spare reserves them ahead while
+idle): the fetch lands in the buffer the capture used.
 
 Part 2 runs benchmarks/_state_trainer.py under `dprun --nnodes 2 --spares 1 --inject kill-node:1@step=K`:
 cheap steps (a sleep stands in for compute) and a state of the given size; reported are the recovery phases
 from dprun's events (restore_s: the spare fetching and loading the dead node's state) and restore_s against
 state / loopback TCP bandwidth.
 
-JSON: {"sizes": [{"mb", "capture_s", "replicate_s", "restore_s", "capture_GBps", "replicate_GBps",
-"restore_GBps", "memcpy_GBps", "tcp_GBps", "capture_ratio", "replicate_ratio", "restore_ratio", and the
+JSON: {"device", "sizes": [{"mb", "capture_s", "replicate_s", "restore_s", "capture_GBps", "replicate_GBps",
+"restore_GBps", "memcpy_GBps", "tcp_GBps", "capture_ratio", "replicate_ratio", "restore_ratio", "copy_GBps",
+"crc_GBps", "fetch_GBps", "verify_GBps", "load_GBps", "d2h_GBps", "h2d_GBps" (None on the CPU), "copy_ratio"
+(over d2h on a GPU, memcpy on the CPU), "crc_ratio" (over memcpy), "pipeline_ratio", and the
 first repetition's "replicate_s_cold", "restore_s_cold", "replicate_cold_ratio", "restore_cold_ratio"}],
 "recovery": [{"mb", "detect_s", "rebuild_s", "restore_s", "total_s", "restore_at_tcp_s"}], "skipped": [...],
 "failed": [{"run", "cause"}]}. A size whose run fails (the worker's or holder's exit, a recovery's exit code) is
@@ -49,13 +60,33 @@ import _limits  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CHUNK = 16 * 2**20  # float32 elements per tensor (64 MB)
-PHASES = ("capture_s", "replicate_s", "snapshot_s", "fetch_s", "verify_s", "load_s", "restore_s")
+PHASES = ("capture_s", "copy_s", "crc_s", "replicate_s", "snapshot_s", "fetch_s", "verify_s", "load_s", "restore_s")
 
 
 # ------------------------------------------------------------------------------------------ worker process
 
 
-def worker(mb: float, endpoint: str, token: str, reps: int) -> dict:
+def device_limits(nbytes: int, device) -> dict:
+    """Device-to-host and host-to-device bandwidth (bytes/s) of one copy of `nbytes` between the GPU and
+    page-locked memory, the medians of 3 after a warm one: the limits of a GPU snapshot's copy and load."""
+    import torch
+
+    src = torch.full((nbytes,), 7, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = {}
+    for key, dst, frm in (("d2h_Bps", host, src), ("h2d_Bps", src, host)):
+        times = []
+        for _ in range(4):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dst.copy_(frm, non_blocking=True)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        out[key] = nbytes / statistics.median(times[1:])
+    return out
+
+
+def worker(mb: float, endpoint: str, token: str, reps: int, device_name: str = "cpu") -> dict:
     """Capture + replicate + restore a state of `mb` MB with dpstate's Replicator; timings as JSON."""
     import torch
 
@@ -66,29 +97,37 @@ def worker(mb: float, endpoint: str, token: str, reps: int) -> dict:
     from dpstate.replication import Replicator
 
     torch.set_num_threads(1)
+    device = torch.device(device_name)
+    limits = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the Replicator: its copy stream goes on the current device
+        limits = device_limits(int(min(mb, 512) * 1e6), device)
     numel = int(mb * 1e6 / 4)
     sizes = [CHUNK] * (numel // CHUNK) + ([numel % CHUNK] if numel % CHUNK else [])
-    live = {f"t{i}": torch.full((n,), float(i)) for i, n in enumerate(sizes)}
+    live = {f"t{i}": torch.full((n,), float(i), device=device) for i, n in enumerate(sizes)}
     rep = Replicator(P.Codec(token.encode()), 0, AbortSignal())
     rep.slots = rep.slots[:1]  # one host buffer (memory: a 4 GB state), warm like a training run's after a few steps
     rep.configure(0, "", 0)
     rep.submit(0, {"step": 0, "state": live})  # warm-up capture, kept local: the buffer's pages exist
     rep.wait_acked()
     rep.configure(0, endpoint, 0)
-    out: dict = {"mb": mb, "bytes": 4 * numel, **{key: [] for key in PHASES}}
+    out: dict = {"mb": mb, "bytes": 4 * numel, "device": str(device), **limits, **{key: [] for key in PHASES}}
     for r in range(reps):
         st = rep.stats
-        c0, s0 = st.capture_s, st.send_s
+        c0, s0, copy0, crc0 = st.capture_s, st.send_s, st.copy_s, st.crc_s
         t0 = time.perf_counter()
         rep.submit(r + 1, {"step": r + 1, "state": live})
         rep.wait_acked()
         out["snapshot_s"].append(time.perf_counter() - t0)
         out["capture_s"].append(st.capture_s - c0)
         out["replicate_s"].append(st.send_s - s0)
-        # restore: drop every local copy (peak memory), fetch from the holder, verify, load into the live state
+        out["copy_s"].append(st.copy_s - copy0)
+        out["crc_s"].append(st.crc_s - crc0)
+        # restore: drop every local copy (peak memory), fetch from the holder, verify, load into the live state;
+        # on a GPU the page-locked buffer stays (the state is on the device: no peak of host memory to avoid)
         rep.quiesce()
         for slot in rep.slots:
-            slot.release()
+            rep.forget(slot) if device.type == "cuda" else slot.release()
         f0, v0 = st.fetch_s, st.fetch_verify_s
         t0 = time.perf_counter()
         slot = rep.fetch(endpoint, 0, r + 1, timeout=600)
@@ -96,12 +135,17 @@ def worker(mb: float, endpoint: str, token: str, reps: int) -> dict:
         tree = S.unpack(slot.meta, slot.data, clone=False)
         for k, t in tree["state"].items():
             live[k].copy_(t)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t2 = time.perf_counter()
         out["fetch_s"].append(st.fetch_s - f0)
         out["verify_s"].append(st.fetch_verify_s - v0)
         out["load_s"].append(t2 - t1)
         out["restore_s"].append(t2 - t0)
         del tree
+        if device.type == "cuda":
+            rep.forget(slot)  # the next capture writes into it
+            continue
         slot.release()
         if r + 1 < reps:  # warm the buffer again for the next capture
             rep.configure(0, "", 0)
@@ -122,12 +166,12 @@ def mem_available() -> int:
     return 0
 
 
-def part1(mb: float, reps: int, timeout: float) -> dict:
+def part1(mb: float, reps: int, timeout: float, device: str = "cpu") -> dict:
     """All repetitions against one holder, as in training: the worker's ReserveSnapshot makes the holder drop
     the copy it keeps before the next arrives, so from the second repetition on the snapshot lands in memory
     the holder has used before. The first repetition (every page new to both processes) is reported apart,
     as *_cold_s; the others' medians are the steady state (*_s)."""
-    runs = part1_once(mb, timeout, reps)
+    runs = part1_once(mb, timeout, reps, device)
     out = {k: v for k, v in runs.items() if not isinstance(v, list)}
     for key in PHASES:
         out[f"{key}_cold"] = runs[key][0]
@@ -135,7 +179,7 @@ def part1(mb: float, reps: int, timeout: float) -> dict:
     return out
 
 
-def part1_once(mb: float, timeout: float, reps: int) -> dict:
+def part1_once(mb: float, timeout: float, reps: int, device: str = "cpu") -> dict:
     token = secrets.token_hex(16)
     holder = subprocess.Popen([sys.executable, str(HERE / "_replica_holder.py"), token, "1"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -148,7 +192,7 @@ def part1_once(mb: float, timeout: float, reps: int) -> dict:
             raise RuntimeError("the replica holder did not start"
                                + (f" ({C.exit_cause(code)})" if code is not None else f": it printed {endpoint!r}"))
         peak: dict[int, int] = {}
-        proc = subprocess.Popen([sys.executable, __file__, "--worker", str(mb), endpoint, token, str(reps)],
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", str(mb), endpoint, token, str(reps), device],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
         C._LIVE.add(proc.pid)
@@ -196,16 +240,26 @@ def part2(mb: float, work: C.Workdir, steps: int, kill_at: int, timeout: float,
     return out
 
 
+def rate(nbytes: int, seconds: float) -> float | None:
+    """GB/s, None where no time was measured (not an infinite or zero rate)."""
+    return nbytes / seconds / 1e9 if seconds > 0 else None
+
+
+def ratio(value: float | None, limit: float | None) -> float | None:
+    return value / limit if value is not None and limit else None
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        mb, endpoint, token, reps = sys.argv[2:6]
-        print(json.dumps(worker(float(mb), endpoint, token, int(reps))))
+        mb, endpoint, token, reps, device = sys.argv[2:7]
+        print(json.dumps(worker(float(mb), endpoint, token, int(reps), device)))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="10,100,1000,4000", help="state sizes per node, MB (part 1)")
     ap.add_argument("--recovery-sizes", default="10,100,500", help="state sizes for real recoveries, MB (part 2)")
     ap.add_argument("--reps", type=int, default=4, help="per size; the first is reported apart (cold)")
     ap.add_argument("--quick", action="store_true", help="10 and 50 MB only, one recovery: about a minute")
+    ap.add_argument("--device", default="cpu", help="where part 1's live state is: cpu, or cuda (a GPU job's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--timeout", type=float, default=900)
@@ -229,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             try:
                 limits = _limits.measure(int(min(mb, 512) * 1e6))
-                r = part1(mb, args.reps, args.timeout)
+                r = part1(mb, args.reps, args.timeout, args.device)
             except Exception as exc:  # this size measured nothing: said, no row; the other sizes go on
                 cause, _, output = f"{type(exc).__name__}: {exc}".partition("\n")
                 failures.add(f"{mb:g} MB", cause, output)
@@ -243,11 +297,21 @@ def main(argv: list[str] | None = None) -> int:
             r.update(capture_ratio=r["capture_GBps"] / r["memcpy_GBps"],
                      **{f"{k}_ratio": r[f"{k}_GBps"] / r["tcp_GBps"]
                         for k in ("replicate", "restore", "replicate_cold", "restore_cold")})
+            r.update({f"{k}_GBps": rate(nbytes, r[f"{k}_s"]) for k in ("copy", "crc", "fetch", "verify", "load")})
+            r.update(d2h_GBps=r.pop("d2h_Bps", 0) / 1e9 or None, h2d_GBps=r.pop("h2d_Bps", 0) / 1e9 or None)
+            copy_limit = r["d2h_GBps"] if args.device.startswith("cuda") else r["memcpy_GBps"]
+            r.update(copy_ratio=ratio(r["copy_GBps"], copy_limit), crc_ratio=ratio(r["crc_GBps"], r["memcpy_GBps"]),
+                     pipeline_ratio=ratio(r["snapshot_s"], max(r["copy_s"], r["crc_s"], r["replicate_s"])))
             rows.append(r)
             print(f"  {mb:6g} MB: capture {r['capture_s']:.3f} s ({r['capture_GBps']:.2f} GB/s, memcpy "
                   f"{r['memcpy_GBps']:.2f}), replicate {r['replicate_s']:.3f} s ({r['replicate_GBps']:.2f} GB/s, "
                   f"TCP {r['tcp_GBps']:.2f}), restore {r['restore_s']:.3f} s ({r['restore_GBps']:.2f} GB/s); first "
                   f"repetition: replicate {r['replicate_s_cold']:.3f} s, restore {r['restore_s_cold']:.3f} s", flush=True)
+            print(f"           stages GB/s: copy {C.fmt(r['copy_GBps'], '.2f')} (limit {C.fmt(copy_limit, '.2f')}), "
+                  f"checksum {C.fmt(r['crc_GBps'], '.2f')}, send {r['replicate_GBps']:.2f}, fetch "
+                  f"{C.fmt(r['fetch_GBps'], '.2f')}, verify {C.fmt(r['verify_GBps'], '.2f')}, load "
+                  f"{C.fmt(r['load_GBps'], '.2f')}; pipeline {C.fmt(r['pipeline_ratio'], '.2f')}x its slowest stage",
+                  flush=True)
         tcp = C.median(r["tcp_GBps"] for r in rows)  # None without a row of part 1: no bandwidth measured
         for mb in rec_sizes:
             rec = part2(mb, work, steps=30, kill_at=15, timeout=args.timeout, failures=failures)
@@ -260,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{C.fmt(rec.get('total_s'), '.2f')} s", flush=True)
     finally:
         work.close()
-    result = {"benchmark": "scaling", "machine": C.machine(), "reps": args.reps, "quick": args.quick,
-              "sizes": rows, "skipped": skipped, "recovery": recoveries, "failed": failures.as_json()}
+    result = {"benchmark": "scaling", "machine": C.machine(), "device": args.device, "reps": args.reps,
+              "quick": args.quick, "sizes": rows, "skipped": skipped, "recovery": recoveries, "failed": failures.as_json()}
     C.write_json(args.json, result)
     print()
     print(C.table(["MB", "capture s", "GB/s", "/memcpy", "replicate s", "GB/s", "/TCP", "restore s", "GB/s", "/TCP"],
