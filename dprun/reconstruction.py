@@ -228,7 +228,6 @@ class Reconstruction:
                       failed=sorted(self.table.nodes[n].node_id for n in rec.failed))
         self._background_saved(self.saves.abandon(now, "a recovery from disk began"))  # (said: simulator seed 1643)
         self._begin_generation(rec, now, failed_slots, spares, step)
-        self.saves.last_step = min(self.saves.last_step, step)  # (the next save is due N steps past this one)
         rec.from_disk = folder
         self._load_from_disk(folder, step, rec)
 
