@@ -148,8 +148,7 @@ class Recovery:
         """A new pending recovery that carries this one on (a failure or a replan before it completed)."""
         return Recovery(failed=list(self.failed), t_fail=self.t_fail, t_detect=self.t_detect,
                         peak_step=self.peak_step, retries=self.retries, bad_copies=list(self.bad_copies),
-                        probed_for_lost=self.probed_for_lost, no_local=dict(self.no_local),
-                        from_disk=self.from_disk)
+                        probed_for_lost=self.probed_for_lost, no_local=dict(self.no_local))
 
 
 @dataclass
