@@ -142,8 +142,10 @@ def test_the_same_job_under_torchrun_ends_as_under_dprun(procs, tmp_path, refere
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
 def test_a_one_node_job_on_the_gpu_hot_swaps_its_spare(procs, tmp_path):
     """The same code on CUDA with NCCL (dpstate.local_device()): one GPU, so one rank and one spare on it."""
+    from conftest import HOST_CUDA_DEVICES  # (conftest hides CUDA from the processes tests start)
     runs = {name: dprun(procs, tmp_path, name, "--nnodes", "1", "--spares", "1", *inject, steps=12,
-                        script=TRAIN_3D, script_args=MODEL, timeout=300)
+                        script=TRAIN_3D, script_args=MODEL, timeout=300,
+                        env={"CUDA_VISIBLE_DEVICES": HOST_CUDA_DEVICES})
             for name, inject in (("reference", ()), ("swap", ("--inject", "kill-node:0@step=5")))}
     for run in runs.values():
         assert run.returncode == 0, run.stderr[-3000:]
