@@ -29,7 +29,7 @@ from dpagent.protocol import (
 )
 from dpagent.snapshot_files import read_snapshot
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(30)]  # real agents and workers: 2-12 s each
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_WORKER = REPO / "tests" / "data" / "fake_worker.py"

@@ -191,6 +191,7 @@ def test_unchecked_blocks_are_asked_for_unless_both_lay_out_the_shared_state_ali
     assert decide(held, sampled_local, 0.0) and held.wanted == [0, 2, 3]
 
 
+@pytest.mark.slow  # 80 random cases: ~14 s on a busy host
 def test_random_plans_and_differences_give_the_peers_checksum_and_its_checked_bytes():
     """Property: whatever the plans and the differences, the held frames have the peer's checksum (under its
     plan), hold the peer's bytes in every block the peer digested, and hold all of its bytes once a

@@ -76,6 +76,7 @@ def feed(h, inputs) -> None:
             h.msg(first, second)
 
 
+@pytest.mark.slow  # EXAMPLES schedules of up to 40 inputs: 10-25 s each
 @pytest.mark.parametrize("job", JOBS[:3], ids=["data-parallel", "saving", "restart-mode"])
 @settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -89,6 +90,7 @@ def test_no_message_a_node_may_send_makes_the_controller_raise(job, inputs, fail
     feed(h, inputs)
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(inputs=st.lists(REGISTERS | INPUTS, max_size=40), job=st.sampled_from(JOBS))
 def test_nor_while_the_job_forms_from_registrations_of_any_shape(inputs, job):

@@ -236,6 +236,7 @@ def test_assemble_joins_runs_of_local_blocks_into_chunks_of_at_most_chunk_bytes(
     assert b"".join(bytes(f) for f in frames) == peer.tobytes()
 
 
+@pytest.mark.slow  # random cases: ~14 s on a busy host
 def test_random_differences_are_always_reassembled_to_the_peers_bytes_and_checksum():
     """Property: whatever blocks differ (none, some, all; any tail), the held frames are the peer's bytes,
     the checksum over them is the peer's, and no frame but the last breaks a checksum block."""

@@ -17,7 +17,7 @@ import pytest
 from test_dpstate_harness import free_port, store_master
 
 HARNESS = str(Path(__file__).with_name("test_dpstate_harness.py"))
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]  # four Gloo worker processes: ~30 s
 
 
 class Worker:

@@ -31,9 +31,8 @@ RANK = textwrap.dedent("""
     import os; os._exit(0)  # the groups are leaked on purpose; skip their destructors
 """)
 
-pytestmark = pytest.mark.slow  # Gloo rank processes with torch: 10-20 s a test
 
-
+@pytest.mark.slow  # Gloo rank processes with torch: 10-20 s
 def test_a_rank_whose_connect_timed_out_joins_the_next_generation(procs, store):
     endpoint = f"127.0.0.1:{store.port}"
     # a rank 1 that arrived for generation 1 and died before connecting
@@ -50,6 +49,7 @@ def test_a_rank_whose_connect_timed_out_joins_the_next_generation(procs, store):
     assert "generation 2 sum 3" in out1, err1[-2000:]
 
 
+@pytest.mark.slow  # Gloo rank processes with torch: 10-20 s
 def test_a_traceback_after_several_generations_has_one_rank_prefix(procs, store):
     """torch wraps sys.excepthook in every init_process_group: GroupManager keeps one "[rankN]: " layer."""
     script = textwrap.dedent("""
@@ -69,6 +69,7 @@ def test_a_traceback_after_several_generations_has_one_rank_prefix(procs, store)
     assert "[rank0]: [rank0]:" not in err, err[-2000:]
 
 
+@pytest.mark.slow  # Gloo rank processes with torch: 10-20 s
 def test_the_gloo_rendezvous_keys_keep_their_size_as_the_world_grows(procs, store):
     """Each rank's rendezvous key in the store has a fixed size (Gloo's rank as sequence number): by default it
     lists 8 bytes per peer, and with every rank reading every key the store's traffic grew as R^3. A value the

@@ -241,6 +241,7 @@ raise ValueError("bad batch at step 2")
 """
 
 
+@pytest.mark.slow  # a torch process: ~20 s on a busy host
 def test_a_process_that_exits_on_an_error_mid_capture_keeps_its_exit_code_and_traceback():
     """The replicator's thread is stopped before the interpreter finalizes: one that came back from a torch call
     then would abort the process ("terminate called without an active exception", exit -6)."""

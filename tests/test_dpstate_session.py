@@ -16,7 +16,7 @@ import zmq
 from dpagent import protocol as P
 from test_dpstate_harness import REPO, FakeAgents, free_port, reconfigure, store_master, worker_env
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # real workers training: 30-90 s each
 TRAIN = str(REPO / "examples" / "train_gpt.py")
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "4",
         "--max-bytes", "100000", "--log-every", "0", "--seed", "3"]

@@ -62,6 +62,7 @@ def test_an_events_file_on_a_full_disk_and_a_closed_console_are_said_once_and_dr
     assert [e["step"] for e in sink.history] == [0, 1, 2], "the dashboard's view still gets every event"
 
 
+@pytest.mark.slow  # a real job: ~30 s
 @pytest.mark.timeout(120)
 def test_a_job_whose_events_file_fills_the_disk_and_whose_console_is_closed_trains_to_its_end(procs, tmp_path):
     """Before, the first event written to a full disk raised in the controller and the job died with a traceback

@@ -223,6 +223,7 @@ def simulate(seed: int) -> tuple[list[tuple[float, str]], dict[str, tuple[float,
                             probes_work=probes_work)
 
 
+@pytest.mark.slow  # 2,000 schedules: ~40 s on a busy host
 @pytest.mark.timeout(60)
 def test_in_random_schedules_one_node_ends_an_orphaned_job_once_and_every_node_finishes():
     """2,000 schedules: nodes saving early, late or never, dying before or after the batch host is taken out,

@@ -19,6 +19,7 @@ import pytest
 from conftest import REPO
 from e2e import read_events, wait_for
 
+pytestmark = pytest.mark.slow  # real dprun jobs: 20-70 s each
 PLAIN_DDP = REPO / "examples" / "plain_ddp.py"
 
 PROBE = '''

@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_gpt.py"
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # a torch process per run: 10-25 s a test
 
 
 def run(tmp_path: Path, name: str, *args: str) -> dict:

@@ -19,7 +19,7 @@ import pytest
 from conftest import free_port
 from e2e import TRAIN, TRAIN_ARGS
 
-pytestmark = [pytest.mark.timeout(180),
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180),  # a real job under tmux: ~35 s
               pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")]
 WIDTH, HEIGHT = 80, 40
 

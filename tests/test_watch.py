@@ -77,6 +77,7 @@ def test_close_waits_for_the_follow_up_in_flight_and_later_watches_start_no_thre
     assert not watcher._thread.is_alive()
 
 
+@pytest.mark.slow  # three torch processes: ~14 s
 @pytest.mark.timeout(60)
 def test_a_process_that_exits_while_a_follow_up_completes_a_future_ends_cleanly():
     """Seen in 3-4 of 20 torchrun runs of examples/train_gpt.py (gdb on the core: the watcher thread taking the
