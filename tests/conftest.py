@@ -155,6 +155,31 @@ def port():
     return free_port()
 
 
+@pytest.fixture(scope="session")
+def unbroken(tmp_path_factory):
+    """unbroken(nnodes, steps) -> e2e.Run: examples/train_gpt.py (tests/e2e.py's TRAIN_ARGS) for `steps` steps on
+    `nnodes` nodes, no spare, nothing failing: the run that a recovered or resumed run of that shape must end
+    bit for bit equal to. Each shape runs once per session, on first use, for every test file that asks."""
+    from e2e import dprun
+
+    runs = {}
+
+    def run(nnodes: int, steps: int):
+        if (nnodes, steps) not in runs:
+            procs = Processes()
+            try:
+                ref = dprun(procs, tmp_path_factory.mktemp(f"unbroken{nnodes}x{steps}"), "unbroken", "--nnodes",
+                            nnodes, "--spares", "0", steps=steps)
+            finally:
+                procs.kill_all()
+            assert ref.returncode == 0, ref.stderr[-3000:]
+            assert ref.summary["final_step"] == steps and not ref.named("node_failed"), ref.stderr[-3000:]
+            runs[nnodes, steps] = ref
+        return runs[nnodes, steps]
+
+    return run
+
+
 @pytest.fixture
 def store():
     """A TCPStore master on a free loopback port, for workers that build process groups over it."""

@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from cgroups import counter_in, in_cgroup, memory_cgroup
-from conftest import Processes, free_port
+from conftest import free_port
 from dpagent import protocol as p
 from e2e import TRAIN, TRAIN_ARGS, controller_up, dprun, read_events, wait_for
 
@@ -27,25 +27,15 @@ STEPS = 30
 FAST = ["--heartbeat-interval", "0.25", "--heartbeat-timeout", "2"]
 
 
-def _reference(tmp_path_factory, nnodes: int) -> str:
-    procs = Processes()
-    try:
-        run = dprun(procs, tmp_path_factory.mktemp(f"ref{nnodes}"), "ref", "--nnodes", nnodes, "--spares", "0",
-                    steps=STEPS)
-    finally:
-        procs.kill_all()
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.summary["params_sha256"]
+@pytest.fixture
+def sha2(unbroken):
+    """The failure-free run's parameters, 2 nodes (conftest's session-wide runs: test_e2e_saving's too)."""
+    return unbroken(2, STEPS).summary["params_sha256"]
 
 
-@pytest.fixture(scope="module")
-def sha2(tmp_path_factory):
-    return _reference(tmp_path_factory, 2)
-
-
-@pytest.fixture(scope="module")
-def sha3(tmp_path_factory):
-    return _reference(tmp_path_factory, 3)
+@pytest.fixture
+def sha3(unbroken):
+    return unbroken(3, STEPS).summary["params_sha256"]
 
 
 def _recovered(run, sha: str, recoveries: int = 1):

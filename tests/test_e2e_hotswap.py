@@ -19,6 +19,7 @@ import pytest
 from conftest import free_port, rss_shmem
 from dpstate.warmheap import heap_rss
 from e2e import TRAIN, TRAIN_ARGS, controller_up, dprun, read_events, wait_for
+from test_cli import in_process
 
 pytestmark = pytest.mark.slow
 STEPS = 40
@@ -224,9 +225,11 @@ def test_a_spare_restores_into_memory_it_made_room_in_while_idle(procs, tmp_path
     wait_for(lambda: heap_rss(spare) >= heap, timeout=30, what="the spare's worker to fault in its heap")
 
     def room_on_the_dashboard():
-        probe = procs.dprun("status", "--json", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        out, _ = probe.communicate(timeout=30)
-        rows = {n["node_id"]: n for n in json.loads(out)["nodes"]} if probe.returncode == 0 else {}
+        # `dprun status --json` by dprun.cli.main in this process (a process took ~3 s a poll, most of it imports),
+        # finding the job by the status records its dprun keeps in procs' state folder
+        code, out, _ = in_process(["status", "--json"], tmp_path,
+                                  {"DPRUN_STATE_DIR": str(procs.scratch / "dprun-state")})
+        rows = {n["node_id"]: n for n in json.loads(out)["nodes"]} if code == 0 else {}
         return rows.get("node2", {}).get("room") == sum(reserved.values()) - 2 * mmap.PAGESIZE  # less the headers
 
     wait_for(room_on_the_dashboard, timeout=20, what="dprun status to show the spare's reserved memory")

@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import Processes, free_port, gone
+from conftest import free_port, gone
+from dpagent.save_manifest import complete_steps
 from dprun.slurm import controller_lost_notice
 from e2e import TRAIN, TRAIN_ARGS, controller_up, dprun, read_events, the_save, wait_for
 
@@ -24,15 +25,10 @@ pytestmark = pytest.mark.slow
 STEPS = 30
 
 
-@pytest.fixture(scope="module")
-def sha(tmp_path_factory) -> str:
-    procs = Processes()
-    try:
-        run = dprun(procs, tmp_path_factory.mktemp("ref"), "ref", "--nnodes", "2", "--spares", "0", steps=STEPS)
-    finally:
-        procs.kill_all()
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.summary["params_sha256"]
+@pytest.fixture
+def sha(unbroken) -> str:
+    """The parameters of the run that never stopped (conftest's session-wide run: test_e2e_faults's too)."""
+    return unbroken(2, STEPS).summary["params_sha256"]
 
 
 def _resumed(procs, tmp_path, folder: str, sha: str):
@@ -54,7 +50,7 @@ def test_a_job_out_of_spares_saves_its_state_and_a_resumed_job_ends_where_an_unb
     (saving,) = run.named("saving_state")
     (finished,) = run.named("job_finished")
     assert "no spare left" in finished["message"] and f"is saved in {saving['folder']}" in finished["message"]
-    assert sorted(f.name for f in (saved / f"step-{saving['step']}").iterdir()) == ["rank-0.dpsnap", "rank-1.dpsnap"]
+    assert [s.step for s in complete_steps(saved, 2)[0]] == [saving["step"]], "one step, every rank's file"
     _resumed(procs, tmp_path, saving["folder"], sha)
     fewer = saving["step"] - 2  # a typo in --steps, or the save of a longer run: nothing to train, and it says so
     short = dprun(procs, tmp_path, "short", "--nnodes", "2", "--spares", "0", "--resume-from", saving["folder"],
@@ -173,7 +169,7 @@ def test_resume_from_a_folder_that_is_not_a_saved_step_is_refused_in_one_line(pr
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert err.strip().splitlines() == [f"dprun: --resume-from: {tmp_path / 'nowhere'} is not a folder of saved "
-                                        "snapshots (give the step-S folder a stopped job named)"]
+                                        "steps (give a --save-dir, or one of its step-S folders)"]
 
 
 def test_save_dir_for_a_script_without_dpstate_is_refused_in_one_line(procs, tmp_path):
@@ -276,9 +272,10 @@ def test_a_dprun_stopped_past_the_heartbeat_timeout_ends_saying_so_and_its_nodes
 
 
 def _assert_a_step_complete(saved) -> None:
-    complete = [f.name for f in saved.iterdir() if sorted(g.name for g in f.iterdir()) == ["rank-0.dpsnap",
-                                                                                          "rank-1.dpsnap"]]
-    assert complete, f"no step has every rank's file: {[(f.name, sorted(g.name for g in f.iterdir())) for f in saved.iterdir()]}"
+    """Some step folder holds every rank's file at the size its manifest parts name (a node's own newer step may
+    lack the other's: the resume picks the newest complete one)."""
+    usable, _ = complete_steps(saved, 2)
+    assert usable, f"no step has every rank's file: {[(f.name, sorted(g.name for g in f.iterdir())) for f in saved.iterdir()]}"
 
 
 def test_a_member_signalled_by_its_dprun_then_by_slurm_counts_one_stop_and_serves_the_save(procs, tmp_path):

@@ -7,8 +7,6 @@ import json
 import random
 import re
 import statistics
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from dpstate.abort import AbortSignal
 from dpstate.interval import POLICY_NAME, SnapshotPolicy, interquartile_mean, interquartile_mean_error
 from dpstate.replication import Replicator
 from e2e import dprun
+from test_cli import in_process
 from test_dpstate_harness import TOKEN
 
 # ----------------------------------------------------------------------------- the policy (pure)
@@ -248,11 +247,11 @@ def test_replicator_takes_no_snapshot_when_off(monkeypatch):
 
 @pytest.mark.parametrize("value", ["0", "-1", "auto:3", "often"])
 def test_dprun_refuses_a_bad_interval(tmp_path, value):
+    """(dprun.cli.main in this process: test_cli shows that `python -m dprun` says the same)"""
     script = tmp_path / "x.py"
     script.write_text("print('hi')\n")
-    out = subprocess.run([sys.executable, "-m", "dprun", "--snapshot-interval", value, str(script)],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--snapshot-interval" in out.stderr, out.stderr
+    code, _, err = in_process(["--snapshot-interval", value, script], tmp_path)
+    assert code == 2 and "--snapshot-interval" in err, err
 
 
 # ----------------------------------------------------------------------------- real recoveries
@@ -260,28 +259,28 @@ def test_dprun_refuses_a_bad_interval(tmp_path, value):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_interval_five_and_auto_recover_to_a_snapshot_step_bitwise(procs, tmp_path):
+def test_interval_five_and_auto_recover_to_a_snapshot_step_bitwise(procs, tmp_path, unbroken):
     """A node killed after step 13: with an interval of 5 the job rolls back to step 10 (at most N + 1 lost);
     with auto every rank agrees on the interval (the decision is in the restored snapshots). Same result.
     Without landing (DP_SNAPSHOT_LANDING=0: the optimizer steps in place, as on CUDA) and with
     DP_SNAPSHOT_DEFER_ACKS=1 (CUDA's default) the gates wait for acks at snapshot steps only: the restore goes
-    to step 10, or 5 if 10 were still in flight (2N lost at most)."""
-    clean = dprun(procs, tmp_path, "clean", "--nnodes", "2", steps=24)
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    to step 10, or 5 if 10 were still in flight (2N lost at most). (30 steps: conftest's failure-free run of
+    that shape serves test_e2e_faults and test_e2e_saving too.)"""
+    clean = unbroken(2, 30)
     five = dprun(procs, tmp_path, "five", "--nnodes", "2", "--spares", "1", "--snapshot-interval", "5",
-                 "--inject", "kill-node:1@step=13", steps=24)
+                 "--inject", "kill-node:1@step=13", steps=30)
     assert five.returncode == 0, five.stderr[-3000:]
     (done,) = five.named("recovery_complete")
     assert done["restore_step"] == 10 and done["lost_steps"] <= 6
     assert five.summary["params_sha256"] == clean.summary["params_sha256"]
     deferred = dprun(procs, tmp_path, "deferred", "--nnodes", "2", "--spares", "1", "--snapshot-interval", "5",
-                     "--inject", "kill-node:1@step=13", steps=24, env={"DP_SNAPSHOT_LANDING": "0", "DP_SNAPSHOT_DEFER_ACKS": "1"})
+                     "--inject", "kill-node:1@step=13", steps=30, env={"DP_SNAPSHOT_LANDING": "0", "DP_SNAPSHOT_DEFER_ACKS": "1"})
     assert deferred.returncode == 0, deferred.stderr[-3000:]
     (done,) = deferred.named("recovery_complete")
     assert done["restore_step"] in (5, 10) and done["lost_steps"] <= 10
     assert deferred.summary["params_sha256"] == clean.summary["params_sha256"]
     auto = dprun(procs, tmp_path, "auto", "--nnodes", "2", "--spares", "1", "--snapshot-interval", "auto:0.5",
-                 "--inject", "kill-node:1@step=13", steps=24, env={"DP_SNAPSHOT_AUTO_STEPS": "1,2"})
+                 "--inject", "kill-node:1@step=13", steps=30, env={"DP_SNAPSHOT_AUTO_STEPS": "1,2"})
     assert auto.returncode == 0, auto.stderr[-3000:]
     assert "dpstate: snapshot interval auto" in auto.stderr
     assert auto.summary["params_sha256"] == clean.summary["params_sha256"]
