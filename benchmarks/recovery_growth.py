@@ -17,10 +17,10 @@ Three measurements in one run (docs/scaling.md has the method and the figures):
 * groups: processes that only build groups (no agent, no controller): R ranks over one TCPStore rebuild
   generation after generation with dpstate's own GroupManager, aligned first; per build the slowest rank's wall
   time (arrive, Gloo init, connection recording) and each rank's CPU time, then the first all-reduce and a
-  barrier. Variants, interleaved: `before` (Gloo's default rendezvous keys, 8 bytes per peer: as before
-  dpstate.pgroup set GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER), `now` (dpstate as it is), `proposed` (now + the
-  connections recorded from this process's new sockets instead of the netns' whole TCP table: a change that
-  dpstate/severing.py would need, patched here in the benchmark's own processes only).
+  barrier. Variants, interleaved: `before` (dpstate before both fixes of docs/scaling.md: Gloo's default
+  rendezvous keys, 8 bytes per peer, and the connections recorded from the network namespace's whole TCP
+  table), `table` (the keys of now, the TCP-table recording: dpstate before dpstate/severing.py recorded its own
+  new sockets) and `now` (dpstate as it is); the old recording is patched in the benchmark's processes only.
 * decide: the controller alone (benchmarks/controller_scale.py's path: a node failure in, the probe round, the
   plan and every Reconfigure out, through the real codec), CPU time at 2 ... 4,096 ranks (1 rank per node, and
   512 nodes x 8).
@@ -44,7 +44,6 @@ import json
 import math
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -58,7 +57,7 @@ TRAINER = C.REPO / "benchmarks" / "_state_trainer.py"
 PHASES = ("detect_s", "decide_s", "rebuild_s", "restore_s", "rest_s", "total_s")
 LAYOUTS = "2x1,4x1,8x1,16x1,16x2,8x4"
 QUICK_LAYOUTS = "2x1,4x1"
-VARIANTS = ("before", "now", "proposed")
+VARIANTS = ("before", "table", "now")
 DECIDE_SIZES = [(2, 1), (4, 1), (8, 1), (16, 1), (32, 1), (128, 1), (512, 1), (4096, 1), (512, 8)]
 QUICK_DECIDE_SIZES = [(2, 1), (4, 1), (64, 1)]
 PROJECT_TO = (512, 4096)
@@ -139,32 +138,31 @@ def run_jobs(args, work: C.Workdir, failures: C.Failures) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ groups
 
 
-def _proposed_recording(connections):
-    """What dpstate.severing.GroupConnections.recording would record if it looked at this process's new sockets
-    only (connected TCP ones: getpeername succeeds) rather than at the whole network namespace's TCP table,
-    whose size grows with every rank on the host (and every generation's leaked groups)."""
+def _table_recording(connections):
+    """How dpstate.severing.GroupConnections.recording found the build's connections before it looked at the
+    process's own new sockets only: every socket fd new since the build began, joined with the network
+    namespace's whole TCP table (/proc/self/net/tcp{,6}: non-listening), which on one host holds every rank's
+    connections and every leaked older generation's."""
     from dpstate import severing
+
+    def connected_inodes() -> set[str]:
+        inodes: set[str] = set()
+        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+            try:
+                with open(table) as f:
+                    next(f, None)
+                    inodes.update(f"socket:[{fields[9]}]" for fields in map(str.split, f)
+                                  if len(fields) > 9 and fields[3] != "0A")
+            except OSError:
+                continue
+        return inodes
 
     @contextlib.contextmanager
     def recording():
         before = severing._socket_fds()
         yield
-        new = {}
-        for fd, link in severing._socket_fds().items():
-            if before.get(fd) == link:
-                continue
-            try:
-                sock = socket.socket(fileno=os.dup(fd))
-            except OSError:
-                continue
-            try:
-                if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
-                    sock.getpeername()  # raises on a listening socket
-                    new[fd] = link
-            except OSError:
-                pass
-            finally:
-                sock.close()
+        connected = connected_inodes()
+        new = {fd: link for fd, link in severing._socket_fds().items() if link in connected and before.get(fd) != link}
         with connections._lock:
             connections._held.update(new)
 
@@ -185,7 +183,7 @@ def group_worker(endpoint: str, rank: int, schedule_path: str) -> int:
 
     torch.set_num_threads(1)
     spent: dict[str, float] = {}
-    proposed = [False]
+    table = [False]
 
     def timed(name, fn):
         def wrapper(*a, **kw):
@@ -200,7 +198,7 @@ def group_worker(endpoint: str, rank: int, schedule_path: str) -> int:
 
     @contextlib.contextmanager
     def timed_recording(self):
-        cm = _proposed_recording(self) if proposed[0] else original_recording(self)
+        cm = _table_recording(self) if table[0] else original_recording(self)
         t0 = time.perf_counter()
         cm.__enter__()
         spent["record"] = spent.get("record", 0.0) + time.perf_counter() - t0
@@ -224,7 +222,7 @@ def group_worker(endpoint: str, rank: int, schedule_path: str) -> int:
             os.environ["GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"] = "0"
         else:
             os.environ.pop("GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER", None)  # GroupManager.build sets it
-        proposed[0] = variant == "proposed"
+        table[0] = variant in ("before", "table")
         side.add(f"aligned/{generation}", 1)  # every rank starts the build together (not counted)
         delay = 0.001
         while side.add(f"aligned/{generation}", 0) < world:
@@ -462,7 +460,7 @@ def model_projection(jobs: list[dict], decide: list[dict], fits: dict, store: di
     for r in PROJECT_TO:
         measured = [d["decide_cpu_s"] for d in decide if d["ranks"] == r and d["nproc"] == 1]
         decide_s = measured[0] if measured else (decide_fit["projected"][str(r)] if decide_fit else None)
-        for variant in ("now", "proposed"):
+        for variant in ("table", "now"):
             cpu_fit = fits.get(f"group build_cpu_s ({variant})")
             parts = {"detect_s": small["detect_s"], "decide_s": decide_s,
                      "rebuild_cpu_s": cpu_fit["linear"]["at"][str(r)] if cpu_fit else None,

@@ -14,10 +14,7 @@ import contextlib
 import os
 import socket
 import threading
-from typing import Iterator
-
-_TCP_TABLES = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
-_LISTEN = "0A"  # the state column of a listening socket in /proc/net/tcp
+from collections.abc import Iterator
 
 
 def _socket_fds() -> dict[int, str]:
@@ -37,20 +34,21 @@ def _socket_fds() -> dict[int, str]:
     return found
 
 
-def _connected_tcp_inodes() -> set[str]:
-    """The "socket:[inode]" names of the TCP sockets in this network namespace that do not listen."""
-    inodes: set[str] = set()
-    for table in _TCP_TABLES:
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 9 and fields[3] != _LISTEN:
-                        inodes.add(f"socket:[{fields[9]}]")
-        except OSError:
-            continue
-    return inodes
+def _connected_tcp(fd: int) -> bool:
+    """Is `fd` a connected TCP socket (not a listener: getpeername fails on one; not a Unix socket)?"""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return False
+        sock.getpeername()
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
 class GroupConnections:
@@ -62,11 +60,12 @@ class GroupConnections:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        """Every TCP connection that appears while the block runs (and still exists after it) is the groups'."""
+        """Every TCP connection that appears while the block runs (and still exists after it) is the groups'.
+        Only this process's new sockets are looked at: the namespace's TCP table, which holds every rank's
+        connections on a host and every leaked generation's, made this O(R^2) per rank (docs/scaling.md)."""
         before = _socket_fds()
         yield
-        connected = _connected_tcp_inodes()
-        new = {fd: link for fd, link in _socket_fds().items() if link in connected and before.get(fd) != link}
+        new = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link and _connected_tcp(fd)}
         with self._lock:
             self._held.update(new)
 

@@ -197,16 +197,20 @@ def test_parallel_quick(procs, tmp_path):
 
 @pytest.mark.timeout(200)
 def test_saving_quick(procs, tmp_path):
-    """The background-save benchmark's smoke run: both throughputs and the overhead measured, the saves' bandwidth
-    against a plain write of the same size into the same folder (--dir), and their ratio."""
+    """The background-save benchmark's smoke run: the throughputs and the overhead measured, the saves' bandwidth
+    against a plain write of the same size into the same folder (--dir), and their ratio; the control run, a
+    plain write of that size beside training."""
     got = bench(procs, tmp_path, "saving", "--quick", "--dir", str(tmp_path / "saves"), timeout=180)
     assert got["failed"] == [], got["failed"]
-    assert set(got["throughput"]) == {"off", "save"}
+    assert set(got["throughput"]) == {"off", "save", "write"}
     assert all(v and v > 0 for v in got["throughput"].values()), got["throughput"]
     assert isinstance(got["overhead"], float) and isinstance(got["overhead_target_met"], bool)
     assert got["save_mb_per_s"] > 0 and got["save_bytes"] > 0 and got["save_writers"] >= 1
     assert got["plain_mb_per_s"]["one_writer"] > 0 and got["plain_mb_per_s"]["n_writers"] > 0
     assert got["bandwidth_ratio"] == pytest.approx(got["save_mb_per_s"] / got["plain_mb_per_s"]["one_writer"])
+    # the control: the same bytes written plainly beside a run without saves, its bandwidth and step cost
+    assert got["beside"]["mb_per_s"] > 0 and got["beside"]["step_cost"]["writes"] >= 1, got["beside"]
+    assert got["beside"]["bandwidth_ratio_beside"] == pytest.approx(got["save_mb_per_s"] / got["beside"]["mb_per_s"])
     assert not any((tmp_path / "saves").iterdir())  # the saves and plain writes are removed after
 
 
@@ -222,7 +226,7 @@ def test_recovery_growth_quick(procs, tmp_path):
         assert len(row["recoveries"]) == 1 and row["step_s"] > 0, row
         assert all(row[k] > 0 for k in ("detect_s", "decide_s", "rebuild_s", "restore_s", "total_s")), row
     assert {(g["ranks"], g["variant"]) for g in got["groups"]} == {(r, v) for r in (2, 4)
-                                                                   for v in ("before", "now", "proposed")}
+                                                                   for v in ("before", "table", "now")}
     assert all(g["build_s"] > 0 and g["build_cpu_s"] > 0 and g["allreduce_s"] > 0 for g in got["groups"])
     assert got["store"]["server_cpu_per_get_s"] > 0 and all(d["decide_cpu_s"] > 0 for d in got["decide"])
     for name in ("job total_s", "job rebuild_s", "group build_cpu_s (now)", "controller decide_cpu_s"):
