@@ -20,6 +20,11 @@ slow phases of a shared host hit both.
   done 3 times; median. Target: save / one writer >= 0.8. The plain write runs while nothing trains; the
   save runs beside training, which keeps both cores busy. Beside it, the CPU part of one writer's share
   alone (copied out of the buffer it refers to, then CRC32'd; cpu_part_s_per_writer): not the disk.
+* The control ("write"): a third run, without saves, during which a thread of the benchmark at the save
+  thread's priority (nice 19) writes the save's bytes as the plain write does (by as many concurrent writers)
+  each time training passes a multiple of N steps: what writing that much beside training costs on this host,
+  whatever writes it. Its bandwidth is the baseline the saves can be held to where training fills every core
+  (bandwidth_ratio_beside = save / that), and its step cost (below) the floor of theirs.
 * Step cost around a save, from the save runs' own timelines: the steps whose span overlaps a save (the
   event's [time - seconds, time]) against the median of the 2 steps before and 2 after that overlap none:
   the time they took beyond it, median over saves, and that over N of those steps (step_cost.overhead: the
@@ -27,7 +32,8 @@ slow phases of a shared host hit both.
 
 JSON: {"throughput": {"off", "save"} (tokens/s, medians), "overhead", "overhead_per_rep", "overhead_spread",
 "save_mb_per_s", "plain_mb_per_s": {"one_writer", "n_writers"}, "bandwidth_ratio", "bandwidth_ratio_n_writers",
-"cpu_part_s_per_writer", "step_cost": {"added_ms_per_save", "baseline_step_ms", "overhead", ...}, "saves",
+"cpu_part_s_per_writer", "step_cost": {"added_ms_per_save", "baseline_step_ms", "overhead", ...},
+"beside": {"mb_per_s", "bandwidth_ratio_beside", "step_cost"} (the control), "saves",
 "plain_writes", "runs", "failed"}. A run that fails (exit code, timeout, a save_failed event, no save at all) is
 said with the tail of its output and has no figure; the benchmark then exits 1. Missing a target never fails it.
 """
@@ -35,6 +41,8 @@ said with the tail of its output and has no figure; the benchmark then exits 1. 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import shutil
 import sys
@@ -43,12 +51,13 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Self
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
 
-CONFIGS = ("off", "save")
+CONFIGS = ("off", "save", "write")
 STEADY_FROM = 4  # as overhead.py: from step 4 on, both snapshot buffers have been written once
 OVERHEAD_TARGET = 0.005
 BANDWIDTH_TARGET = 0.8
@@ -66,9 +75,10 @@ def command(config: str, args, folder: Path, save_dir: Path) -> tuple[list[str],
             "--events-file", "events.jsonl", *saves, *script], env
 
 
-def plain_write(folder: Path, nbytes: int, writers: int) -> float:
+def plain_write(folder: Path, nbytes: int, writers: int, nice: int = 0) -> float:
     """Seconds to write `nbytes` into `folder` as `writers` files written concurrently (threads: a write and an
-    fsync release the GIL), each its share, in 4 MiB writes, fsynced, renamed into place; the files go after."""
+    fsync release the GIL), each its share, in 4 MiB writes, fsynced, renamed into place; the files go after.
+    `nice`: the writing threads' priority (the agents' save threads run at 19)."""
     shares = [nbytes // writers + (i < nbytes % writers) for i in range(writers)]
     block = memoryview(os.urandom(WRITE_CHUNK))  # content does not matter to the disk (no compression here)
     start = threading.Barrier(writers + 1)
@@ -76,6 +86,8 @@ def plain_write(folder: Path, nbytes: int, writers: int) -> float:
 
     def write(i: int, size: int) -> None:
         partial, path = folder / f"plain-{i}.partial", folder / f"plain-{i}.dpsnap"
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         start.wait()
         try:
             with open(partial, "wb") as f:
@@ -102,6 +114,53 @@ def plain_write(folder: Path, nbytes: int, writers: int) -> float:
     if errors:
         raise errors[0]
     return took
+
+
+class BesideWriter:
+    """The control run's writer: a thread that, each time the run in `folder` has passed a multiple of `every`
+    steps (its timings.jsonl), writes `nbytes` into `plain_dir` by `writers` writers at nice 19, as a save of
+    that step would, and keeps each write's [start, end] (Unix time) and bytes per second."""
+
+    def __init__(self, folder: Path, plain_dir: Path, nbytes: int, writers: int, every: int, last: int):
+        self.folder, self.plain_dir, self.nbytes, self.writers = folder, plain_dir, nbytes, writers
+        self.every, self.last = every, last
+        self.windows: list[tuple[float, float]] = []
+        self.mb_per_s: list[float] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="beside-writer", daemon=True)
+
+    def __enter__(self) -> Self:
+        self.plain_dir.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        shutil.rmtree(self.plain_dir, ignore_errors=True)
+
+    def _step(self) -> int:
+        path = self.folder / "timings.jsonl"
+        if not path.exists():
+            return 0
+        ends = C.step_times([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+        return max(ends, default=0)
+
+    def _run(self) -> None:
+        due = self.every
+        while due < self.last and not self._stop.wait(0.05):
+            if self._step() < due:
+                continue
+            t0 = time.time()
+            try:
+                took = plain_write(self.plain_dir, self.nbytes, self.writers, nice=19)
+            except OSError as exc:
+                self.error = exc
+                return
+            self.windows.append((t0, t0 + took))
+            self.mb_per_s.append(self.nbytes / 1e6 / took)
+            due = (self._step() // self.every + 1) * self.every
 
 
 def cpu_part_s(nbytes: int) -> float:
@@ -176,12 +235,26 @@ def main(argv: list[str] | None = None) -> int:
                 folder = work.new(f"r{rep}-{config}")
                 save_dir = saves_root / f"r{rep}"
                 cmd, env = command(config, args, folder, save_dir)
-                res = C.run(f"{config}#{rep}", cmd, folder=folder, env=env, timeout=args.timeout)
+                beside: BesideWriter | contextlib.nullcontext = contextlib.nullcontext()
+                if config == "write":
+                    if not saves:  # (rep 0 runs it after its save run; later reps have saves to size it by)
+                        print(f"  rep {rep} write: skipped, no save measured yet to give its size", flush=True)
+                        continue
+                    beside = BesideWriter(folder, saves_root / f"beside-r{rep}", int(C.median(e["bytes"] for e in saves)),
+                                          int(C.median(r["writers"] for r in runs if r["writers"]) or 1), args.every,
+                                          args.steps)
+                with beside:
+                    res = C.run(f"{config}#{rep}", cmd, folder=folder, env=env, timeout=args.timeout)
                 events = res.events()
                 done = [e for e in events if e.get("event") == "state_saved"]
-                print(f"  rep {rep} {config:4s} rc {res.returncode} wall {res.wall_s:6.1f} s"
-                      + (f"  {len(done)} saves" if config == "save" else ""), flush=True)
+                print(f"  rep {rep} {config:5s} rc {res.returncode} wall {res.wall_s:6.1f} s"
+                      + (f"  {len(done)} saves" if config == "save" else "")
+                      + (f"  {len(beside.windows)} plain writes beside" if isinstance(beside, BesideWriter) else ""),
+                      flush=True)
                 if not failures.check(res):  # a failed run's partial timings would pass for a measurement
+                    continue
+                if isinstance(beside, BesideWriter) and (beside.error or not beside.windows):
+                    failures.add(res.name, f"the plain write beside training: {beside.error or 'none was done'}")
                     continue
                 bad = [e for e in events if e.get("event") == "save_failed"]
                 if config == "save" and (bad or not done):
@@ -210,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
                              "machine_busy_s": round(res.machine_busy_s, 1),
                              "step_costs": (step_costs(timings, save_windows(events), STEADY_FROM, args.steps)
                                             if config == "save" else None)})
+                if isinstance(beside, BesideWriter):
+                    runs[-1].update(beside_mb_per_s=beside.mb_per_s, beside_bytes=beside.nbytes,
+                                    beside_writers=beside.writers,
+                                    beside_costs=step_costs(timings, beside.windows, STEADY_FROM, args.steps))
                 if config == "save":
                     # the baseline in the same phase of the host, into the same filesystem, of the same size
                     nbytes = int(C.median(e["bytes"] for e in done))
@@ -260,6 +337,16 @@ def main(argv: list[str] | None = None) -> int:
         cost = {"added_ms_per_save": added, "added_ms_spread": C.spread(c["added_ms"] for c in costs),
                 "baseline_step_ms": base, "saves": len(costs), "overhead": added / (args.every * base)}
         cost["overhead_target_met"] = cost["overhead"] <= OVERHEAD_TARGET
+    beside_bw = C.median(v for r in runs for v in r.get("beside_mb_per_s") or [])
+    beside_costs = [c for r in runs for c in r.get("beside_costs") or []]
+    beside = {"mb_per_s": beside_bw, "writers": C.median(r["beside_writers"] for r in runs if "beside_writers" in r),
+              "bandwidth_ratio_beside": save_bw / beside_bw if save_bw and beside_bw else None,
+              "step_cost": None}
+    if beside_costs:
+        added, base = C.median(c["added_ms"] for c in beside_costs), C.median(c["baseline_ms"] for c in beside_costs)
+        beside["step_cost"] = {"added_ms_per_write": added, "baseline_step_ms": base, "writes": len(beside_costs),
+                               "added_ms_spread": C.spread(c["added_ms"] for c in beside_costs),
+                               "overhead": added / (args.every * base)}
     result = {
         "benchmark": "saving", "machine": C.machine(), "steps": args.steps, "reps": args.reps, "every": args.every,
         "quick": args.quick, "dir": args.dir, "tokens_per_step": tokens,
@@ -275,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth_ratio": ratio, "bandwidth_ratio_n_writers": ratio_n, "bandwidth_target": BANDWIDTH_TARGET,
         "bandwidth_target_met": ratio >= BANDWIDTH_TARGET if ratio is not None else None,
         "cpu_part_s_per_writer": cpu_part,
-        "step_cost": cost,
+        "step_cost": cost, "beside": beside,
         "others_cpu_share": {c: C.median(r["others_cpu_share"] for r in runs if r["config"] == c) for c in CONFIGS},
         "saves": saves, "plain_writes": plains, "runs": runs, "failed": failures.as_json(),
     }
@@ -285,9 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for c in CONFIGS:
         lo_hi = spreads[c]
-        rows.append(["off" if c == "off" else f"save every {args.every}", C.fmt(throughput[c], ".0f"),
+        label = {"off": "off", "save": f"save every {args.every}", "write": f"plain write every {args.every}"}[c]
+        rows.append([label, C.fmt(throughput[c], ".0f"),
                      f"{lo_hi[0]:.0f}..{lo_hi[1]:.0f}" if lo_hi else "-",
-                     "-" if c == "off" or overhead is None else f"{overhead:+.2%}",
+                     f"{overhead:+.2%}" if c == "save" and overhead is not None else "-",
                      C.fmt(result["others_cpu_share"][c], ".0%")])
     print(C.table(["config", "tokens/s", "range", "overhead", "others' CPU"], rows))
     if overhead is not None:
@@ -317,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{lo:+.0f}..{hi:+.0f}) beyond the steps around them ({cost['baseline_step_ms']:.0f} ms): "
               f"{cost['overhead']:+.2%} of the {args.every} steps between saves (target <= {OVERHEAD_TARGET:.1%}: "
               + ("met)" if cost["overhead"] <= OVERHEAD_TARGET else "NOT met)"))
+    if beside_bw is not None:
+        bc = beside["step_cost"]
+        ratio_b = beside["bandwidth_ratio_beside"]
+        print(f"the control, a plain write of the same bytes at nice 19 beside training every {args.every} steps: "
+              f"{beside_bw:.0f} MB/s" + (f"; save / that: {ratio_b:.2f}" if ratio_b is not None else "")
+              + (f"; the steps overlapping it took {bc['added_ms_per_write']:+.0f} ms per write "
+                 f"({bc['overhead']:+.2%} of the {args.every} steps between)" if bc else ""))
     return failures.exit_code()
 
 
