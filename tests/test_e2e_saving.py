@@ -208,9 +208,10 @@ def test_nodes_that_lose_the_controller_write_their_copies_and_the_job_resumes_f
     _assert_a_step_complete(saved)
     (saved / f"step-{STEPS + 1}").mkdir()  # as a save that failed before a file was written leaves it
     run = _resumed(procs, tmp_path, str(saved), sha)
-    (said,) = [line for line in run.stderr.splitlines() if line.startswith("dprun: resuming from")]
-    assert re.fullmatch(rf"dprun: resuming from {re.escape(str(saved))}/step-\d+ \(the newest step saved for every "
-                        rf"rank; step-{STEPS + 1}(, step-\d+)* not whole, so passed over\)", said), said
+    lines = run.stderr.splitlines()
+    (said,) = [line for line in lines if line.startswith("dprun: resuming from")]
+    assert re.fullmatch(rf"dprun: resuming from {re.escape(str(saved))}/step-\d+ \(the newest complete step\)", said), said
+    assert any(line.startswith(f"dprun: passing over step-{STEPS + 1}: ") for line in lines), run.stderr[-3000:]
 
 
 def test_a_standalone_dprun_killed_by_sigkill_leaves_its_agents_to_save_the_state(procs, tmp_path, sha):
@@ -346,7 +347,9 @@ def test_sigterm_to_every_process_of_a_multinode_job_saves_its_state(procs, tmp_
     _, other_err = other.communicate(timeout=90)
     assert head.returncode == 128 + signal.SIGTERM, err[-3000:]
     saving = the_save(read_events(events), err[-3000:] + other_err[-3000:])
-    assert 8 <= saving["step"] < STEPS
+    # (progress names the furthest rank's step; the save, the newest step every rank's snapshot holds: one less
+    # at times)
+    assert 7 <= saving["step"] < STEPS
     for said in (err, other_err):  # each agent served the save (whether its own SIGTERM came before it or after)
         assert f"saved snapshots of step {saving['step']} in {saving['folder']}" in said, said[-3000:]
         assert "the controller did not stop the job" not in said, said[-3000:]
