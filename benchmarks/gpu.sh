@@ -301,7 +301,7 @@ XDIST=()
 if [[ $DRY != 1 && ${GPU_SH_TEST_WORKERS:-3} != 0 ]] && "$PY" -c "import xdist" >/dev/null 2>&1; then
     XDIST=(-n "${GPU_SH_TEST_WORKERS:-3}") # the hot swaps are mostly process start-up: they overlap well
 fi
-# (-o addopts=: not pyproject's -n 2, which needs xdist, wherever the machine lacks it)
+# (-o addopts=: this stage's options alone, whatever pyproject's addopts say)
 run_stage tests 150 "$REPO" "$PY" -m pytest -o addopts= -v -rfEs -p no:cacheprovider --basetemp="$WORK/pytest" \
     --junitxml="$OUT_DIR/tests.junit.xml" ${XDIST[@]+"${XDIST[@]}"} "${TESTS[@]}"
 
