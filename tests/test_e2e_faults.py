@@ -97,7 +97,8 @@ def test_a_whole_job_paused_past_the_heartbeat_timeout_goes_on_when_continued(pr
 
 
 def test_hung_worker_is_found_by_the_hang_timeout(procs, tmp_path, sha2):
-    run = dprun(procs, tmp_path, "hang", "--nnodes", "2", "--spares", "1", "--hang-timeout", "3",
+    # (8 s: the same timeout bounds each worker's exit after the last step, which took over 3 s on a busy 2-core host)
+    run = dprun(procs, tmp_path, "hang", "--nnodes", "2", "--spares", "1", "--hang-timeout", "8",
                 "--inject", "hang-worker:1@step=8", steps=STEPS)
     _recovered(run, sha2)
     (failed,) = run.named("node_failed")
