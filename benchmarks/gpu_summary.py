@@ -106,6 +106,15 @@ class Check:
         """A figure that is reported where there is one (not required)."""
         self.figures[name] = clean(value)
 
+    def load(self, path: Path) -> dict | None:
+        """The JSON object a stage wrote at `path`; None, with its file name listed as missing, where there is
+        none (no file, not JSON, not an object)."""
+        data = load_json(path)
+        if not isinstance(data, dict):
+            self.missing.append(path.name)
+            return None
+        return data
+
 
 def command_of(out: Path, name: str) -> list[str]:
     try:
@@ -123,9 +132,8 @@ def option(cmd: list[str], flag: str) -> str | None:
 
 def preflight_figures(out: Path, name: str, gpu: bool) -> Check:
     c = Check()
-    info = load_json(out / "preflight.json")
-    if not isinstance(info, dict):
-        c.missing.append("preflight.json")
+    info = c.load(out / "preflight.json")
+    if info is None:
         return c
     c.need("torch", info.get("torch"))
     c.put("python", info.get("python"))
@@ -175,9 +183,8 @@ def tests_figures(out: Path, name: str, gpu: bool) -> Check:
 
 def cuda_step_figures(out: Path, name: str, gpu: bool) -> Check:
     c = Check()
-    data = load_json(out / f"{name}.json")
-    if not isinstance(data, dict):
-        c.missing.append(f"{name}.json")
+    data = c.load(out / f"{name}.json")
+    if data is None:
         return c
     if data.get("skipped"):
         c.missing.append(f"everything: {data['skipped']}")
@@ -231,9 +238,8 @@ PIPELINE_RATES = ("copy", "crc", "replicate", "fetch", "verify", "load", "captur
 
 def pipeline_figures(out: Path, name: str, gpu: bool) -> Check:
     c = Check()
-    data = load_json(out / f"{name}.json")
-    if not isinstance(data, dict):
-        c.missing.append(f"{name}.json")
+    data = c.load(out / f"{name}.json")
+    if data is None:
         return c
     for failed in data.get("failed") or []:
         c.missing.append(f"{failed.get('run')}: {failed.get('cause')}")
@@ -294,8 +300,8 @@ def hotswap_figures(out: Path, name: str, gpu: bool) -> Check:
     stats = load_json(folder / "stats.json") or {}
     state = number(stats.get("state_bytes"))
     c.put("state_gb", state / 1e9 if state else None)
-    sizes = [per((load_json(p) or {}).get("bytes"), (load_json(p) or {}).get("captures"))
-             for p in folder.glob("profile.*.json")]  # each worker's (the killed node's writes none)
+    profiles = [load_json(p) or {} for p in folder.glob("profile.*.json")]  # each worker's (the killed node's: none)
+    sizes = [per(prof.get("bytes"), prof.get("captures")) for prof in profiles]
     snap = max([s for s in sizes if s], default=None)
     c.put("snapshot_gb", snap / 1e9 if snap else None)
     c.put("restore_GBps", gbps(snap, c.figures.get("restore_s")))
