@@ -180,10 +180,7 @@ class RunResult:
         return out
 
     def timings(self, name: str = "timings.jsonl") -> list[dict]:
-        path = self.folder / name
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_jsonl(self.folder / name)
 
     def json_file(self, name: str) -> Any:
         path = self.folder / name
@@ -353,6 +350,16 @@ def median(values: Iterable[float]) -> float | None:
 def spread(values: Iterable[float]) -> tuple[float, float] | None:
     vals = [v for v in values if v is not None]
     return (min(vals), max(vals)) if vals else None
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file, none where it does not exist. Text after the last newline is a record
+    its writer has not finished (read while the run goes on): left for the next read."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
 
 
 def step_times(timings: list[dict]) -> dict[int, float]:

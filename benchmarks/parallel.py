@@ -260,7 +260,7 @@ def overhead_command(config: str, args, folder: Path) -> tuple[list[str], dict[s
 def bench_log(res: C.RunResult) -> list[dict]:
     out = []
     for path in sorted(glob.glob(str(res.folder / "bench3d.*.jsonl"))):
-        out += [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        out += C.read_jsonl(Path(path))
     return out
 
 

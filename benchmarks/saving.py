@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -141,11 +140,7 @@ class BesideWriter:
         shutil.rmtree(self.plain_dir, ignore_errors=True)
 
     def _step(self) -> int:
-        path = self.folder / "timings.jsonl"
-        if not path.exists():
-            return 0
-        ends = C.step_times([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
-        return max(ends, default=0)
+        return max(C.step_times(C.read_jsonl(self.folder / "timings.jsonl")), default=0)
 
     def _run(self) -> None:
         due = self.every
