@@ -23,15 +23,10 @@ NODES = ["--nnodes", "3", "--nproc-per-node", "1"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> str:
-    """params_sha256 of the run that never failed and never saved."""
-    procs = Processes()
-    try:
-        run = dprun(procs, tmp_path_factory.mktemp("ref"), "ref", *NODES, "--spares", "0", steps=STEPS)
-    finally:
-        procs.kill_all()
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.summary["params_sha256"]
+def reference(unbroken) -> str:
+    """params_sha256 of the run that never failed and never saved (conftest's session-wide run of 3 nodes:
+    test_e2e_faults's too)."""
+    return unbroken(3, STEPS).summary["params_sha256"]
 
 
 @pytest.fixture(scope="module")
