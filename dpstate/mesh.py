@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import torch.distributed as dist
 
+from .torch_private import check_mesh_group_ranks, mesh_group_names
+
 DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "dp", "tp")
 
 
@@ -69,8 +71,9 @@ class MeshLayout:
 def build_mesh(layout: MeshLayout, device_type: str, backend: str, connect_timeout: datetime.timedelta,
                timeout: datetime.timedelta) -> Any:
     """The DeviceMesh of `layout` over the current default group: one new group per dim (never the default
-    group itself, whose collectives dpstate's own waits use), connected under `connect_timeout` (a rank that
-    died while connecting fails the build rather than holding it), then given the collective `timeout`."""
+    group itself, whose collectives dpstate's own waits use), named by the layout (torch_private says why),
+    connected under `connect_timeout` (a rank that died while connecting fails the build rather than holding
+    it), then given the collective `timeout`."""
     from torch.distributed.device_mesh import init_device_mesh
 
     override: dict[int | str, Any] = {}
@@ -78,7 +81,9 @@ def build_mesh(layout: MeshLayout, device_type: str, backend: str, connect_timeo
         options = dist.ProcessGroupGloo._Options()
         options._timeout = connect_timeout
         override = {name: ("gloo", options) for name in layout.names}
-    mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.names, backend_override=override)
+    with mesh_group_names(layout.describe()):
+        mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.names, backend_override=override)
+    check_mesh_group_ranks([mesh[name].get_group() for name in layout.names])
     for name in layout.names:
         dist.distributed_c10d._set_pg_timeout(timeout, mesh[name].get_group())
     return mesh

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from .mesh import MeshLayout
-from .torch_private import clear_dtensor_caches
 
 Build = Callable[[Any], Any]  # build(mesh) -> dict of parts, or (model, optimizer[, schedule])
 _TUPLE_NAMES = ("model", "optimizer", "schedule")
@@ -124,7 +123,8 @@ class Parts:
         return {name: part for name, part in parts.items() if part is not None}
 
     def retire(self) -> None:
-        """Make this generation's parts unusable, and let go of them and of what DTensor cached about them."""
+        """Make this generation's parts unusable and let go of them. DTensor's caches are kept: they hold no part,
+        and stay valid for the next generation's mesh of the same layout (torch_private.mesh_group_names)."""
         if not self._parts:
             return
         generation = self.generation
@@ -151,6 +151,5 @@ class Parts:
         on_gpu = any(p.is_cuda for part in self._parts.values() if isinstance(part, nn.Module)
                      for p in part.parameters())
         self.mesh, self._parts = None, {}
-        clear_dtensor_caches()
         if on_gpu:  # FSDP2 modules hold reference cycles: a GPU's memory goes back before the next build needs it
             gc.collect()  # (0.3-0.5 s with torch loaded, here: on a CPU host Python's own collections get to it)

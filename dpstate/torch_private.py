@@ -6,8 +6,10 @@ that the pinned torch has every one of them; a torch without one leaves that cor
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from typing import Any
+import zlib
+from typing import Any, Iterator
 
 import torch.distributed as dist
 
@@ -28,6 +30,39 @@ def name_groups_for(generation: int) -> None:
     world.group_count = max(world.group_count, generation * GROUP_NAMES_PER_GENERATION + 1)
 
 
+# A DeviceMesh's groups are named by its layout instead, the same in every generation: DTensor's caches key on meshes
+# that compare equal when their layouts do, and hand back results holding the first generation's sub-meshes; those
+# resolve their groups by name, so under these names they reach the current generation's group of the same ranks,
+# and the caches stay valid (a cold cache cost a recovery's first step ~2.7 s here). check_mesh_group_ranks makes
+# sure a name never changes its ranks.
+_MESH_NAMES_BASE = 10**11
+_MESH_GROUP_RANKS: dict[str, tuple[int, ...]] = {}
+
+
+@contextlib.contextmanager
+def mesh_group_names(layout_key: str) -> Iterator[None]:
+    """Name the groups made inside from `layout_key` alone (then go on with the generation's own names)."""
+    world = dist.distributed_c10d._world
+    before = world.group_count
+    world.group_count = _MESH_NAMES_BASE + zlib.crc32(layout_key.encode()) * GROUP_NAMES_PER_GENERATION
+    try:
+        yield
+    finally:
+        world.group_count = before
+
+
+def check_mesh_group_ranks(groups: list[Any]) -> None:
+    """Refuse a mesh group whose name meant other ranks in an earlier generation of this process: an old sub-mesh
+    (in DTensor's caches, or kept by user code) would then reach a group of another membership."""
+    for group in groups:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        known = _MESH_GROUP_RANKS.setdefault(group.group_name, ranks)
+        if known != ranks:
+            raise RuntimeError(f"dpstate: the mesh group named {group.group_name} holds ranks {list(ranks)} in this "
+                               f"generation but held {list(known)} in an earlier one: sub-meshes kept from then "
+                               "would reach the wrong ranks; build the mesh with the same layout, or report this")
+
+
 def keep_groups_alive() -> int:
     """Make every registered group's Python handle immortal; returns how many. ProcessGroupGloo's destructor
     joins its threads, which blocks on an op stuck on a frozen peer, and aborts the process if a peer's
@@ -39,8 +74,8 @@ def keep_groups_alive() -> int:
 
 
 def clear_dtensor_caches() -> None:
-    """Forget what DTensor cached about old meshes (sharding propagation, redistribute plans, mesh topology):
-    those caches hold old meshes, and so their groups and wrappers, after every user reference is gone."""
+    """Forget what DTensor cached about meshes (sharding propagation, redistribute plans, mesh topology): for a
+    process that plays several ranks in turn (a rank's results name its own sub-meshes)."""
     import sys
 
     if "torch.distributed.tensor" not in sys.modules:

@@ -1,6 +1,7 @@
 """A job's DeviceMesh with real processes over a real TCPStore: a collective waiting on a frozen peer is released
-by severing the old generation's connections; group names never repeat across generations; sharded state
-captured in one generation loads bit for bit into parts built anew in the next.
+by severing the old generation's connections; a mesh's groups keep their names across generations, so that a
+sub-mesh of an old generation (as DTensor's caches hold them) reaches the new group of the same ranks; sharded
+state captured in one generation loads bit for bit into parts built anew in the next.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ GENERATIONS = textwrap.dedent("""
     for generation in (1, 2):
         if parts.generation >= 0:
             tracked.remove(*parts.stateful())
-            old_model, old_mesh = parts.model, parts.mesh
+            old_model, old_mesh, old_tp = parts.model, parts.mesh, parts.mesh["tp"]
             parts.retire()
             groups.destroy()
         groups.build(generation, sys.argv[1], 0, 1, abort)
@@ -131,6 +132,7 @@ GENERATIONS = textwrap.dedent("""
             trained = {k: v.to_local().clone() for k, v in parts.model.state_dict().items()}
             moments = [s["exp_avg"].to_local().clone() for s in parts.optimizer.state.values()]
     print("names", names[1], names[2], flush=True)
+    print("old sub-mesh reaches the new group:", old_tp.get_group() is parts.mesh["tp"].get_group(), flush=True)
     fresh_equal = all(torch.equal(trained[k], v.to_local()) for k, v in parts.model.state_dict().items())
     tracked.restore(tree)
     print("fresh build equal to the trained state:", fresh_equal, flush=True)
@@ -158,7 +160,8 @@ def test_parts_rebuilt_in_a_new_generation_load_the_old_ones_shards(procs, store
     out, err = proc.communicate(timeout=100)
     assert proc.returncode == 0, err[-3000:]
     names = re.search(r"names (\[.*?\]) (\[.*?\])", out)
-    assert names and not set(eval(names.group(1))) & set(eval(names.group(2))), out
+    assert names and eval(names.group(1)) == eval(names.group(2)), out
+    assert "old sub-mesh reaches the new group: True" in out, out
     assert "fresh build equal to the trained state: False" in out, out
     assert "restored equal: True True True" in out, out + err[-3000:]
     assert "old model used" not in out and "old mesh used" not in out, out

@@ -132,6 +132,32 @@ def test_the_pinned_torch_has_the_private_names_we_use():
     dist.distributed_c10d._world.group_count = before
 
 
+def test_mesh_groups_are_named_by_layout_and_a_name_never_changes_its_ranks(monkeypatch):
+    import torch.distributed as dist
+
+    from dpstate import torch_private
+
+    world = dist.distributed_c10d._world
+    before = world.group_count
+    names = []
+    for layout in ("pp=2 x tp=2", "pp=2 x tp=2", "dp=4"):
+        with torch_private.mesh_group_names(layout):
+            names.append(world.group_count)
+        assert world.group_count == before
+    assert names[0] == names[1] != names[2] and min(names) > 10**6 * torch_private.GROUP_NAMES_PER_GENERATION
+
+    class Group:
+        def __init__(self, name, ranks):
+            self.group_name, self.ranks = name, ranks
+
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: group.ranks)
+    monkeypatch.setattr(torch_private, "_MESH_GROUP_RANKS", {})
+    torch_private.check_mesh_group_ranks([Group("7", [2, 3]), Group("8", [1, 3])])
+    torch_private.check_mesh_group_ranks([Group("7", [2, 3])])
+    with pytest.raises(RuntimeError, match=r"named 7 holds ranks \[1, 3\] in this generation but held \[2, 3\]"):
+        torch_private.check_mesh_group_ranks([Group("7", [1, 3])])
+
+
 def test_the_mesh_is_an_event_once_and_shows_in_the_dashboard_and_the_report():
     h = formed()
     for rank, node in enumerate(("a", "b")):
