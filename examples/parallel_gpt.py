@@ -16,6 +16,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# At the top, not inside build(mesh): a spare imports them (~2 s here) while it idles, not after its promotion
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 from train_gpt import GPT as DataParallelGPT
 
 TP_PLAN_KEYS = ("q", "k", "v", "proj", "mlp.0", "mlp.2")
@@ -109,8 +119,6 @@ def check_layout(n_layer: int, n_embd: int, n_head: int, batch_size: int, microb
 
 
 def tp_plan() -> dict:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "proj": RowwiseParallel(),
             "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
 
@@ -122,9 +130,6 @@ def build_stage(mesh: Any, *, vocab: int, block_size: int, n_layer: int, n_embd:
     mesh: a DeviceMesh with the dims "pp", "dp", "tp" (size 1 allowed). The full model is built on the CPU
     from `seed` in a forked RNG (the caller's global RNG is untouched), so every rank starts from the same
     tensors before they are sliced."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
-
     pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -143,10 +148,11 @@ def build_stage(mesh: Any, *, vocab: int, block_size: int, n_layer: int, n_embd:
 
 
 def build_parts(mesh: Any, *, vocab: int, block_size: int, n_layer: int, n_embd: int, n_head: int, seed: int,
-                lr: float, steps: int, warmup: int, microbatches: int,
+                lr: float, steps: int, warmup: int, microbatches: int, batch_size: int | None = None,
                 device: torch.device | str = "cpu") -> dict:
     """What train_gpt_3d's build(mesh) returns: model (this rank's stage), optimizer, scheduler and schedule
-    (a ScheduleGPipe over mesh["pp"], or None when pp == 1: call the model directly)."""
+    (a ScheduleGPipe over mesh["pp"], or None when pp == 1: call the model directly). With batch_size (a
+    replica's sequences per step) the stage is told its shapes up front (stage_shapes)."""
     stage = build_stage(mesh, vocab=vocab, block_size=block_size, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                         seed=seed, device=device)
     # torch's AdamW (not dpstate.AdamW: its landing path writes plain tensors, and these parameters are DTensors)
@@ -155,12 +161,24 @@ def build_parts(mesh: Any, *, vocab: int, block_size: int, n_layer: int, n_embd:
     schedule = None
     pp = mesh["pp"].size()
     if pp > 1:
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
         pipe_stage = PipelineStage(stage, mesh["pp"].get_local_rank(), pp, torch.device(device),
-                                   group=mesh["pp"].get_group())
+                                   group=mesh["pp"].get_group(),
+                                   **stage_shapes(stage, batch_size, microbatches, block_size, n_embd, vocab))
         schedule = ScheduleGPipe(pipe_stage, n_microbatches=microbatches, loss_fn=loss_fn)
     return dict(model=stage, optimizer=opt, scheduler=sched, schedule=schedule)
+
+
+def stage_shapes(stage: Stage, batch_size: int | None, microbatches: int, block_size: int, n_embd: int,
+                 vocab: int) -> dict:
+    """A stage's micro-batch input and output, as meta tensors: given them, a new PipelineStage skips its first
+    step's exchange of shapes with its neighbours (which every rebuild would pay again). {} without batch_size."""
+    if batch_size is None:
+        return {}
+    micro = batch_size // microbatches
+    hidden = torch.empty(micro, block_size, n_embd, device="meta")
+    return {"input_args": torch.empty(micro, block_size, dtype=torch.long, device="meta") if stage.first else hidden,
+            "output_args": torch.empty(micro, block_size, vocab, device="meta") if stage.last else hidden,
+            "input_grads": None if stage.first else hidden, "output_grads": None if stage.last else hidden}
 
 
 class LrSchedule:
@@ -177,8 +195,6 @@ class LrSchedule:
 
 def local_shards_sha256(model: nn.Module) -> str:
     """sha256 of this rank's local shards of every parameter (sorted by name; DTensors: to_local())."""
-    from torch.distributed.tensor import DTensor
-
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         t = p.to_local() if isinstance(p, DTensor) else p

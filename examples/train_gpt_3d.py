@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     def build(mesh) -> dict:
         return build_parts(mesh, vocab=len(vocab), block_size=args.block_size, n_layer=args.n_layer,
                            n_embd=args.n_embd, n_head=args.n_head, seed=args.seed, lr=args.lr, steps=args.steps,
-                           warmup=args.warmup, microbatches=args.microbatches, device=job.device)
+                           warmup=args.warmup, microbatches=args.microbatches, batch_size=args.batch_size,
+                           device=job.device)
 
     parts = job.parallelize(dims, build)
     # A rank keeps its coordinates (pp, dp, tp) in every generation: a replacement takes its global rank over.
