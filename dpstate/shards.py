@@ -69,7 +69,7 @@ class _Placed(Deferred):
 # (global shape, mesh shape, mesh coordinate, placements, mesh dim names) -> what place() says: a shard's place
 # depends on nothing else, and computing it (DTensor.__create_chunk_list__) costs ~55 us a tensor against ~4 us
 # for this key, on every capture of every sharded parameter and optimizer state. Plain values only, so that it
-# holds no mesh (an old generation's mesh holds its groups: dpstate.torch_private.clear_dtensor_caches).
+# holds no mesh (a mesh holds its groups alive).
 _PLACES: dict[tuple, tuple] = {}
 _PLACES_MAX = 4096
 # DeviceMesh.shape builds its answer anew (5.5 us, most of a cached place()); held weakly, as above
