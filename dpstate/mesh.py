@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import torch.distributed as dist
 
-from .torch_private import check_mesh_group_ranks, mesh_group_names
+from .torch_private import check_mesh_group_ranks, dtensor_caches_for, mesh_group_names
 
 DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "dp", "tp")
 
@@ -81,6 +81,7 @@ def build_mesh(layout: MeshLayout, device_type: str, backend: str, connect_timeo
         options = dist.ProcessGroupGloo._Options()
         options._timeout = connect_timeout
         override = {name: ("gloo", options) for name in layout.names}
+    dtensor_caches_for(dist.get_rank())
     with mesh_group_names(layout.describe()):
         mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.names, backend_override=override)
     check_mesh_group_ranks([mesh[name].get_group() for name in layout.names])

@@ -37,6 +37,7 @@ def name_groups_for(generation: int) -> None:
 # sure a name never changes its ranks.
 _MESH_NAMES_BASE = 10**11
 _MESH_GROUP_RANKS: dict[str, tuple[int, ...]] = {}
+_CACHES_RANK: list[int] = []  # the global rank whose sub-meshes DTensor's caches hold (empty: none yet)
 
 
 @contextlib.contextmanager
@@ -61,6 +62,14 @@ def check_mesh_group_ranks(groups: list[Any]) -> None:
             raise RuntimeError(f"dpstate: the mesh group named {group.group_name} holds ranks {list(ranks)} in this "
                                f"generation but held {list(known)} in an earlier one: sub-meshes kept from then "
                                "would reach the wrong ranks; build the mesh with the same layout, or report this")
+
+
+def dtensor_caches_for(rank: int) -> None:
+    """Clear DTensor's caches when this process now plays another global rank than the one that filled them:
+    meshes of two ranks compare equal, but a cached sub-mesh keeps its own rank's coordinates and group names."""
+    if _CACHES_RANK and _CACHES_RANK[0] != rank:
+        clear_dtensor_caches()
+    _CACHES_RANK[:] = [rank]
 
 
 def keep_groups_alive() -> int:

@@ -132,7 +132,7 @@ def test_the_pinned_torch_has_the_private_names_we_use():
     dist.distributed_c10d._world.group_count = before
 
 
-def test_mesh_groups_are_named_by_layout_and_a_name_never_changes_its_ranks(monkeypatch):
+def test_mesh_groups_are_named_by_layout_a_name_never_changes_its_ranks_and_caches_follow_the_rank(monkeypatch):
     import torch.distributed as dist
 
     from dpstate import torch_private
@@ -154,6 +154,12 @@ def test_mesh_groups_are_named_by_layout_and_a_name_never_changes_its_ranks(monk
     monkeypatch.setattr(torch_private, "_MESH_GROUP_RANKS", {})
     torch_private.check_mesh_group_ranks([Group("7", [2, 3]), Group("8", [1, 3])])
     torch_private.check_mesh_group_ranks([Group("7", [2, 3])])
+    cleared = []
+    monkeypatch.setattr(torch_private, "clear_dtensor_caches", lambda: cleared.append(True))
+    monkeypatch.setattr(torch_private, "_CACHES_RANK", [])
+    for rank in (3, 3, 5, 5):  # a process that plays another rank: its cached sub-meshes hold the old one's
+        torch_private.dtensor_caches_for(rank)
+    assert cleared == [True]
     with pytest.raises(RuntimeError, match=r"named 7 holds ranks \[1, 3\] in this generation but held \[2, 3\]"):
         torch_private.check_mesh_group_ranks([Group("7", [1, 3])])
 
