@@ -61,7 +61,8 @@ PROTOCOL_VERSION = 19  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.sn
 #                      16: WorkerExited.step (the newest step that worker made, as its agent heard)
 #                      17: Register.terms (what the node's dprun was told of the job: dprun.admission); Diverged
 #                      18: WorkerReady.mesh (a sharded or 3D-parallel job's layout: dpstate.parallel)
-#                      19: Welcome.world_size, SaveSnapshots.world_size/background/keep (background saves, manifests: --save-every),
+#                      19: Welcome.world_size, SaveSnapshots.world_size/background/keep (background saves,
+#                          manifests: --save-every),
 #                          LoadSnapshots.generation (a running job restored from disk)
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
@@ -407,7 +408,8 @@ class Standby:
 
 @_message
 class SaveSnapshots:
-    """The job is stopping, or with `background`, saves as it trains: write the snapshots of `ranks` at `step` as files in `directory`
+    """The job is stopping, or with `background`, saves as it trains: write the snapshots of `ranks` at `step` as
+    files in `directory`
     (dpagent.snapshot_files): those this node's replica store holds, or with `local`, relayed to the node's
     workers, their own local copies (a rank whose every replica died with its holder). Each answers with
     SnapshotFiles. `step` NO_RANK (from an agent that lost its controller, to its workers): every step each

@@ -224,7 +224,8 @@ class ReplicaServer:
         if isinstance(chunks, str):
             error = chunks
         else:
-            error = self.store.add(put, offer.meta, *chunks, base=offer.copy if len(blocks) < offer.digests.size else None)
+            base = offer.copy if len(blocks) < offer.digests.size else None
+            error = self.store.add(put, offer.meta, *chunks, base=base)
         self._answer(offer.incoming, put, error)
 
     def relabel_checked(self, done: RelabelChecked) -> None:

@@ -199,8 +199,8 @@ def run(
                                     "--steps / --max-steps argument)."),
     rdzv_timeout: float = typer.Option(300.0, "--rdzv-timeout", help="Seconds to wait for every node to register."),
     node_rank: int = typer.Option(-1, "--node-rank", "--node_rank", envvar="PET_NODE_RANK",
-                                  help="Multi-node: 0 hosts the controller; >= --nnodes joins as a spare. Under `srun`: "
-                                       "SLURM_NODEID."),
+                                  help="Multi-node: 0 hosts the controller; >= --nnodes joins as a spare. "
+                                       "Under `srun`: SLURM_NODEID."),
     token_file: Optional[Path] = typer.Option(
         None, "--token-file", help="File with the job's secret (multi-node); or set DP_JOB_TOKEN."),
     local_addr: Optional[str] = typer.Option(None, "--local-addr", "--local_addr", envvar="PET_LOCAL_ADDR",
@@ -313,7 +313,8 @@ def run(
         if spec.node_rank >= nnodes:
             _fail(f"--inject {spec}: node rank {spec.node_rank} does not exist with --nnodes {nnodes}")
         if spec.local_rank >= nproc_per_node:
-            _fail(f"--inject {spec}: local rank {spec.local_rank} does not exist with --nproc-per-node {nproc_per_node}")
+            _fail(f"--inject {spec}: local rank {spec.local_rank} does not exist with --nproc-per-node "
+                  f"{nproc_per_node}")
     token = os.environ.get("DP_JOB_TOKEN")
     if token_file is not None:
         token, problem = checks.read_token(token_file)

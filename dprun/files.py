@@ -349,8 +349,9 @@ class Files:
             said = f"{work.message}; saving the state of step {work.step} in {work.folder} failed: {why}"
             if not (work.hurried or work.refused):  # another step instead, if every rank still has a copy of one:
                 # a newer one where workers trained on past the copies asked (reported since; the nodes asked
-                # stopped their workers for the save), else an older one. Forgetting a step's copies is safe only because the
-                # job is ending: no recovery plans with the ledger after a save, and the stores keep the copies
+                # stopped their workers for the save), else an older one. Forgetting a step's copies is safe only
+                # because the job is ending: no recovery plans with the ledger after a save, and the stores keep
+                # the copies
                 self.ledger.forget(work.step)
                 self.saved = False
                 said = self._save_first(work.code, said, before=work)

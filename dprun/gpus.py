@@ -22,7 +22,8 @@ def plan_local_gpus(nodes: int, nproc_per_node: int, visible: list[str], backend
     each, on a host whose usable GPUs are `visible` (CUDA_VISIBLE_DEVICES entries); `backend`: DP_BACKEND as
     the user set it, if at all."""
     untouched = GpuPlan([{} for _ in range(nodes)])
-    # one training node (its spares replace it, never join it) sees every GPU, as with torchrun; DP_BACKEND: the user's call
+    # one training node (its spares replace it, never join it) sees every GPU, as with torchrun; DP_BACKEND: the
+    # user's call
     if (nodes if active is None else active) <= 1 or not visible or backend:
         return untouched
     need = nodes * nproc_per_node
@@ -31,7 +32,8 @@ def plan_local_gpus(nodes: int, nproc_per_node: int, visible: list[str], backend
                         for i in range(nodes)])
     notice = (f"dprun: {nodes} local nodes (spares included) x {nproc_per_node} worker(s) need {need} GPUs, one per "
               f"worker as NCCL requires, and {len(visible)} are visible: the workers run on the CPU with Gloo "
-              f"(start fewer nodes or spares to train on the GPUs; DP_BACKEND=gloo chooses the CPU without this notice)")
+              "(start fewer nodes or spares to train on the GPUs; DP_BACKEND=gloo chooses the CPU without this "
+              "notice)")
     return GpuPlan([{"CUDA_VISIBLE_DEVICES": ""} for _ in range(nodes)], notice)
 
 

@@ -183,7 +183,8 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
             spare_wait_timeout=opts.spare_wait_timeout, restart_mode=opts.restart_mode,
             max_restarts=opts.max_restarts, save_dir=opts.save_dir, resume_from=opts.resume_from,
             resume_step=opts.resume_step, resume_older=opts.resume_older, save_every=opts.save_every,
-            save_interval=opts.save_interval, save_keep=opts.save_keep, snapshots=opts.snapshot_interval != "off", command=tuple(opts.script),
+            save_interval=opts.save_interval, save_keep=opts.save_keep, snapshots=opts.snapshot_interval != "off",
+            command=tuple(opts.script),
         )
         _install_signal_handlers(server)
         if not opts.tui:

@@ -133,7 +133,8 @@ def receive_snapshot(ctx: zmq.Context, codec: P.Codec, abort: AbortSignal, endpo
         meta = bytes(P.payload_bytes(payload[0]))
         nbytes = msg.nbytes - len(meta)
         slot = reserve(max(nbytes, 0))
-        if _ChunkReader(sock, codec, msg, abort, deadline, endpoint).receive_into(slot.buffer[: max(nbytes, 0)]) != nbytes:
+        reader = _ChunkReader(sock, codec, msg, abort, deadline, endpoint)
+        if reader.receive_into(slot.buffer[: max(nbytes, 0)]) != nbytes:
             raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: size mismatch")
         slot.meta, slot.nbytes = meta, nbytes
         return slot, msg

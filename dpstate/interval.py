@@ -1,6 +1,7 @@
 """Which steps are snapshotted: every N-th, off, or auto (the measured cost of a snapshot against a budget).
 
-SnapshotPolicy is pure bookkeeping over step times; the session all-reduces its measurements so every rank decides alike.
+SnapshotPolicy is pure bookkeeping over step times; the session all-reduces its measurements so every rank decides
+alike.
 """
 
 from __future__ import annotations

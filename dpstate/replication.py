@@ -318,7 +318,8 @@ class Replicator:
             raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: {exc}") from None
         slot.checksum, slot.step = reply.checksum, step
         st = self.stats
-        st.fetches, st.fetch_s, st.fetch_verify_s = st.fetches + 1, st.fetch_s + t1 - t0, st.fetch_verify_s + time.perf_counter() - t1
+        st.fetches, st.fetch_s = st.fetches + 1, st.fetch_s + t1 - t0
+        st.fetch_verify_s += time.perf_counter() - t1
         return slot
 
     def fetch_first(self, sources: list[str], rank: int, step: int,
@@ -363,7 +364,10 @@ class Replicator:
                                     on_differs=lambda blocks, step=job.step: self._diverged(rank, step, blocks),
                                     cancelled=lambda e=epoch: e != self._epoch,
                                     gone=lambda endpoint: links[endpoint].gone())
-                offered = job.slot.digests is not None if job.tree is None else self.share and not job.slot.share_refused
+                if job.tree is None:
+                    offered = job.slot.digests is not None
+                else:
+                    offered = self.share and not job.slot.share_refused
                 if not offered and job.replicate:  # sent whole: holders make room while we capture, and the
                     reserve = self.codec.encode(delivery.reserve())  # snapshot lands in their oldest copy's memory
                     delivery.reserved = frozenset(e for e in endpoints if e not in job.held_at)

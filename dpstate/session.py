@@ -333,7 +333,8 @@ class Job:
                 timeout = self.reconfigure_timeout
                 if not self._abort.is_set():
                     detail = describe(error)[:1000]
-                    print(f"dpstate: rank {self.rank} generation {self.generation}: {detail}", file=sys.stderr, flush=True)
+                    print(f"dpstate: rank {self.rank} generation {self.generation}: {detail}", file=sys.stderr,
+                          flush=True)
                     self._send(P.PeerError(node_id=self.node_id, generation=self.generation, rank=self.rank,
                                            detail=detail))
             reconf = self._control.wait_reconfigure(newer_than, timeout)

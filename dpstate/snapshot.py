@@ -3,7 +3,8 @@
 Meta is JSON (plain data: a replica cannot carry code); the data buffer holds every tensor's bytes.
 
 Format: meta = {"format": 2, "skeleton": node, "tensors": [(dtype, shape, offset, nbytes)], "nbytes": int,
-"extra": dict[, "checks": dpagent.checksum.CheckPlan]}; a node is a tagged tuple (a list once read back): "T" tensor index | "v" plain value (None,
+"extra": dict[, "checks": dpagent.checksum.CheckPlan]}; a node is a tagged tuple (a list once read back):
+"T" tensor index | "v" plain value (None,
 bool, int, float, str) | "d" / "o" dict / OrderedDict (plain keys, value nodes [, _metadata]) | "D" dict with
 key nodes | "l" / "t" list / tuple of nodes | "L" / "P" list / tuple of plain values | "b" bytes (latin-1
 text) | "n" numpy array | "dt" dtype | "dev" device | "c" complex.
@@ -330,7 +331,8 @@ def unpack(meta: Any, data: Any, *, clone: bool = True) -> Any:
             count = 1
             for s in shape:
                 count *= s
-            if count * torch.empty((), dtype=dtype).element_size() != nbytes or offset < 0 or offset + nbytes > buf.numel():
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if count * itemsize != nbytes or offset < 0 or offset + nbytes > buf.numel():
                 raise SnapshotError(f"tensor of {nbytes} bytes at {offset} does not fit the snapshot data")
             if nbytes == 0:
                 tensors.append(torch.empty(shape, dtype=dtype))
