@@ -33,7 +33,7 @@ from .protocol import (FetchSnapshot, LoadSnapshots, LocalSnapshot, OfferSnapsho
                        SnapshotReserved, SnapshotStored, SnapshotWants)
 from .replica_store import ReplicaStore, Snapshot, intact
 from .save_manifest import prune
-from .snapshot_files import held_copies, read_files, store_loaded, write_copies
+from .snapshot_files import CopyRoom, held_copies, read_files, store_loaded, write_copies
 
 log = logging.getLogger("dpagent")
 DIFFERS_SAID_EVERY = 100  # snapshots of a rank whose blocks differ, between two warnings of it
@@ -129,6 +129,7 @@ class ReplicaServer:
         self._waiting: list[Offer] = []  # offers waiting for their step's local copy
         self._awaiting: dict[tuple, Offer] = {}  # (sender, rank, step) -> an offer waiting for its blocks
         self._differing: dict[int, int] = {}  # rank -> its snapshots whose data parallel blocks differed here
+        self._copy_room = CopyRoom()  # a background save's copy-out (one save at a time)
 
     def handle(self, incoming: Incoming) -> None:
         msg = incoming.msg
@@ -244,7 +245,7 @@ class ReplicaServer:
                     _idle_priority()
                 with pause():
                     written = write_copies(msg.directory, msg.step, copies, msg.world_size, self.node_id,
-                                           private=msg.background)
+                                           room=self._copy_room if msg.background else None)
                 if msg.keep and not any(written.values()):
                     prune(Path(msg.directory).parent, msg.keep)
                 return {**missing, **written}

@@ -82,6 +82,39 @@ def test_a_copy_whose_local_buffer_is_written_while_it_is_saved_leaves_no_file(t
     assert not list(tmp_path.iterdir())
 
 
+def test_a_background_save_copies_out_only_what_refers_to_a_worker_s_buffer_and_writes_it_whole(tmp_path):
+    """A background save (training goes on): the chunks that are views of this node's worker's snapshot buffer
+    (dedup) are copied into memory kept for it before the slow write, the frames received stay as they are; the
+    file reads back bit for bit. A buffer written again before its copy-out is done leaves no file."""
+    import mmap
+
+    from dpagent.snapshot_files import CopyRoom, write_copies
+
+    received = os.urandom(2 * CHECKSUM_BLOCK)
+    worker = mmap.mmap(-1, 3 * CHECKSUM_BLOCK)
+    worker.write(os.urandom(3 * CHECKSUM_BLOCK))
+    counter = np.ones(1, dtype=np.uint64)
+    base = LocalCopy(rank=0, step=7, nbytes=len(worker), writes=1, counter=counter,
+                     data=memoryview(worker).toreadonly(), digests=np.zeros(0, dtype=np.int64))
+    chunks = [base.data[: CHECKSUM_BLOCK], received, base.data[CHECKSUM_BLOCK:]]
+    whole = bytes(chunks[0]) + received + bytes(chunks[2])
+    store = ReplicaStore()
+    put = PutSnapshot(rank=0, step=7, generation=3, checksum=checksum_chunks(META, chunks), nbytes=len(META) + len(whole))
+    assert store.add(put, META, *chunks, base=base) == ""
+    room = CopyRoom()
+    copies = {0: store.get(0, 7)}
+    assert write_copies(step_folder(tmp_path, 7), 7, copies, 1, "n0", room=room) == {"0": ""}
+    assert room.take(0).base.size == 3 * CHECKSUM_BLOCK  # the worker's blocks only, not the received ones
+    worker.seek(0)
+    worker.write(b"\0" * len(worker))  # the worker's next snapshots, after the copy-out: the file is the copy's
+    _, meta, read = read_snapshot(rank_file(step_folder(tmp_path, 7), 0), generation=4)
+    assert meta == META and b"".join(read) == whole
+    counter[0] += np.uint64(1)  # written again before a save's copy-out: the bytes are not the step's any more
+    assert write_copies(step_folder(tmp_path, 8), 7, copies, 1, "n0", room=room) == {
+        "0": "the copy of rank 0 step 7 held here changed while it was written"}
+    assert not step_folder(tmp_path, 8).exists()
+
+
 def test_a_damaged_or_cut_file_is_refused_saying_so(tmp_path):
     folder = step_folder(tmp_path, 7)
     save_held(_store_with(0, 7, os.urandom(3 * CHECKSUM_BLOCK)), folder, 7, [0], 1, "n0")
