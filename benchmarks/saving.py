@@ -9,17 +9,17 @@ slow phases of a shared host hit both.
 
 * Throughput: tokens per second from step 4 to the end (overhead.py's window); overhead = 1 - throughput(save) /
   throughput(off) within a repetition, median over repetitions, with its spread. Target: <= 0.5 %.
-* Save bandwidth: each `state_saved` event's bytes / seconds (every rank's snapshot; from the controller's
-  request until the last node answered: the CRC over the payload, the writes, fsync, rename, the manifest
-  parts and the messages), median over all saves. Its baseline, measured right after each save run in the
-  same folder (so the same filesystem): a plain sequential write of the same number of bytes, 4 MiB writes,
-  fsync, rename, as dpagent.snapshot_files.write_snapshot does but without the CRC or anything else, by ONE
-  writer (the target's baseline: what the disk gives one stream) and by N concurrent writers each writing
-  its share, N = the nodes that wrote a save (its manifest parts; each agent writes the ranks it holds
-  concurrently with the others, so that is what the save's writers could get at most). Each plain write is
-  done 3 times; median. Target: save / one writer >= 0.8. The plain write runs while nothing trains; the
-  save runs beside training, which keeps both cores busy. Beside it, the CPU part of one writer's share
-  alone (copied out of the buffer it refers to, then CRC32'd; cpu_part_s_per_writer): not the disk.
+* Save bandwidth: each `state_saved` event's bytes / seconds (every rank's snapshot; from the controller's request
+  until the last node answered: the copy's checks (one pass of block digests), the writes, fsync, rename, the
+  manifest parts and the messages), median over all saves. Its baseline, measured right after each save run in the
+  same folder (so the same filesystem): a plain sequential write of the same number of bytes, 4 MiB writes, fsync,
+  rename, as dpagent.snapshot_files.write_snapshot does but without the checks or anything else, by ONE writer (the
+  target's baseline: what the disk gives one stream) and by N concurrent writers each writing its share, N = the
+  nodes that wrote a save (its manifest parts; each agent writes the ranks it holds concurrently with the others,
+  so that is what the save's writers could get at most). Each plain write is done 3 times; median. Target: save /
+  one writer >= 0.8. The plain write runs while nothing trains; the save runs beside training, which keeps both
+  cores busy. Beside it, the CPU part of one writer's share alone (copied out of the buffer it refers to, then
+  digested; cpu_part_s_per_writer): not the disk.
 * The control ("write"): a third run, without saves, during which a thread of the benchmark at the save
   thread's priority (nice 19) writes the save's bytes as the plain write does (by as many concurrent writers)
   each time training passes a multiple of N steps: what writing that much beside training costs on this host,
@@ -48,13 +48,16 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Self
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
+
+from dpagent.checksum import checksums_both
 
 CONFIGS = ("off", "save", "write")
 STEADY_FROM = 4  # as overhead.py: from step 4 on, both snapshot buffers have been written once
@@ -160,11 +163,14 @@ class BesideWriter:
 
 def cpu_part_s(nbytes: int) -> float:
     """Seconds one core takes for the CPU part of writing `nbytes` of a held copy (dpagent.snapshot_files.
-    write_copies): copying it out of the worker's buffer it refers to, then zlib.crc32 over it (the file's
-    checksum). With nothing else running: what of a save's time is not the disk, before contention."""
-    data = os.urandom(nbytes)
+    write_copies): copying it out of the worker's buffer it refers to, into memory kept for it, then one pass of
+    block digests for the file's checks (dpagent.checksum.checksums_both). With nothing else running: what of a
+    save's time is not the disk, before contention."""
+    data = np.frombuffer(os.urandom(nbytes), np.uint8)
+    room = np.zeros(nbytes, np.uint8)
     t0 = time.perf_counter()
-    zlib.crc32(bytes(memoryview(data)))
+    np.copyto(room, data)
+    checksums_both(b"{}", [memoryview(room)])
     return time.perf_counter() - t0
 
 
@@ -392,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
               + f"; target >= {BANDWIDTH_TARGET}: " + ("met" if result["bandwidth_target_met"] else "NOT met")
               + " (the plain write ran with nothing training; the saves beside training)")
     if cpu_part is not None and many:
-        print(f"of a save's {result['save_seconds']:.2f} s: one writer's share copied and CRC'd alone on one core "
+        print(f"of a save's {result['save_seconds']:.2f} s: one writer's share copied and digested alone on one core "
               f"{cpu_part:.2f} s, the plain write by {writers:.0f} writer(s) {result['save_bytes'] / 1e6 / many:.2f} s")
     if cost:
         lo, hi = cost["added_ms_spread"]

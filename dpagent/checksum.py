@@ -110,6 +110,25 @@ def checksum_chunks(meta: Any, chunks: Sequence[Any]) -> int:
     return crc
 
 
+def checksums_both(meta: Any, chunks: Sequence[Any]) -> tuple[int, int]:
+    """(checksum_chunks(meta, chunks), the same with every block digested whatever the meta's plan says), from
+    one pass over the bytes: a snapshot file's "checksum" and "check" (dpagent.snapshot_files)."""
+    plan = CheckPlan.from_meta(meta)
+    planned = every = zlib.crc32(meta)
+    first = 0
+    for i, chunk in enumerate(chunks):
+        buf = _uint8(chunk)
+        if i < len(chunks) - 1 and buf.size % CHECKSUM_BLOCK:
+            raise ValueError(f"chunk {i} of {len(chunks)} is {buf.size} bytes, not a multiple of {CHECKSUM_BLOCK}")
+        digests = block_digests(buf)
+        every = _fold(buf, digests, every)
+        if plan is not None and digests.size:
+            digests = np.where(plan.unchecked(first + digests.size)[first:], 0, digests)
+        planned = _fold(buf, digests, planned)
+        first += digests.size
+    return planned, every
+
+
 def checksum(meta: Any, data: Any, plan: Any = _FROM_META) -> int:
     """32 bits over meta then data (bytes-like): zlib.crc32 over meta, then over the digests of data's whole
     1 MiB blocks (block_digests; 0 for a block the plan leaves unchecked), then over data's tail. The plan is

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .snapshot_files import read_header, read_snapshot
+from .snapshot_files import file_check, read_header, read_snapshot
 
 FORMAT = "deadpool-save/1"
 MANIFEST_GLOB = "manifest.*.json"
@@ -29,7 +29,7 @@ class RankEntry:
 
     file: str  # its name in the step folder
     size: int  # bytes on disk
-    crc32: int  # of its payload (the file's header says the same)
+    check: int  # over every byte of its payload (the file's header says the same: snapshot_files.file_check)
     checksum: int  # the snapshot's own checksum
 
 
@@ -71,7 +71,7 @@ def write_manifest(folder: str | os.PathLike, step: int, world_size: int, ranks:
     for rank in sorted(ranks):  # background one) stay named
         file = folder / f"rank-{rank}.dpsnap"
         header = read_header(file)
-        entries[str(rank)] = {"file": file.name, "size": file.stat().st_size, "crc32": header.get("crc32", 0),
+        entries[str(rank)] = {"file": file.name, "size": file.stat().st_size, "check": file_check(header) or 0,
                               "checksum": header["checksum"]}
     body = {"format": FORMAT, "step": step, "world_size": world_size, "writer": writer,
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ranks": entries}
@@ -132,7 +132,8 @@ def read_step(folder: str | os.PathLike, step: int | None = None) -> SavedStep:
                 raise ValueError(f"not a manifest of step {step} ({FORMAT})")
             sizes.add(int(body["world_size"]))
             for rank, entry in body["ranks"].items():
-                saved.ranks[int(rank)] = RankEntry(entry["file"], int(entry["size"]), int(entry["crc32"]),
+                check = entry["check"] if "check" in entry else entry["crc32"]  # (a save of before: crc32)
+                saved.ranks[int(rank)] = RankEntry(entry["file"], int(entry["size"]), int(check),
                                                    int(entry["checksum"]))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             saved.problems.append(f"{part} is damaged: {exc}")
@@ -173,7 +174,7 @@ def verify_step(saved: SavedStep) -> list[str]:
             continue
         if (put.rank, put.step) != (rank, saved.step):
             problems.append(f"{path} holds rank {put.rank} step {put.step}, not rank {rank} step {saved.step}")
-        elif read_header(path).get("crc32", entry.crc32) != entry.crc32 or put.checksum != entry.checksum:
+        elif file_check(read_header(path)) not in (None, entry.check) or put.checksum != entry.checksum:
             problems.append(f"{path} is not the file its manifest names (its checksum differs)")
     return problems
 

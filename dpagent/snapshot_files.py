@@ -14,12 +14,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .checksum import checksum_chunks
+from .checksum import checksums_both
 from .protocol import CHUNK_BYTES, PutSnapshot, SnapshotStored
-from .replica_store import ReplicaStore, Snapshot, frame_view, intact
+from .replica_store import ReplicaStore, Snapshot, frame_view
 
 FORMAT = "deadpool-snapshot/1"
-HEADER_KEYS = ("rank", "step", "checksum", "nbytes", "meta_bytes")  # each an int; "crc32" too where present
+HEADER_KEYS = ("rank", "step", "checksum", "nbytes", "meta_bytes")  # each an int; so is "check" (or "crc32")
+FILE_CHECKS = ("check", "crc32")  # the payload's check over every byte: now, and in files of before
 CANNOT_WRITE = "cannot write"  # how a file that the disk refused is said (SnapshotFiles): no other step would fit
 
 
@@ -38,18 +39,18 @@ def rank_file(folder: str | os.PathLike, rank: int) -> Path:
 
 
 def write_snapshot(folder: str | os.PathLike, rank: int, step: int, checksum: int, meta: Any,
-                   chunks: list) -> Path:
+                   chunks: list, check: int | None = None) -> Path:
     """Write a snapshot (its meta and data chunks, bytes-like) as folder/rank-R.dpsnap, whole or not at all
     (a temporary file, synced, then renamed). Its header holds `checksum` (the snapshot's, which its check plan
-    may compute over a sample of its blocks) and "crc32", over every byte of meta and chunks, that the file is
-    checked against when read back."""
+    may compute over a sample of its blocks) and "check", the same checksum with every block digested
+    (dpagent.checksum.checksums_both; computed here unless given), that the file is checked against when read."""
     path = rank_file(folder, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = frame_view(meta)
     views = [frame_view(c) for c in chunks]
     header = {"format": FORMAT, "rank": rank, "step": step, "checksum": checksum,
               "nbytes": meta.nbytes + sum(v.nbytes for v in views), "meta_bytes": meta.nbytes,
-              "crc32": payload_crc(meta, views)}
+              "check": checksums_both(meta, views)[1] if check is None else check}
     partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.partial")  # two writers (a retry) do not mix
     try:
         with open(partial, "wb") as f:
@@ -66,12 +67,10 @@ def write_snapshot(folder: str | os.PathLike, rank: int, step: int, checksum: in
     return path
 
 
-def payload_crc(meta: Any, chunks: list) -> int:
-    """zlib.crc32 over meta then each chunk (bytes-like): what a file's "crc32" says."""
-    crc = 0
-    for buf in (meta, *chunks):
-        crc = zlib.crc32(buf, crc)
-    return crc
+def file_check(header: dict) -> int | None:
+    """A file's check over every byte of its payload as its header says it ("check"; "crc32" in the files of
+    before), None in the oldest files (checked against the snapshot's checksum alone)."""
+    return next((header[key] for key in FILE_CHECKS if key in header), None)
 
 
 def read_header(path: str | os.PathLike) -> dict:
@@ -85,7 +84,7 @@ def read_header(path: str | os.PathLike) -> dict:
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"{path} is not a DeadPool snapshot file ({FORMAT})")
-    bad = [key for key in HEADER_KEYS + ("crc32",) * ("crc32" in header) if not _count(header.get(key))]
+    bad = [key for key in HEADER_KEYS + tuple(k for k in FILE_CHECKS if k in header) if not _count(header.get(key))]
     if bad or header["meta_bytes"] > header["nbytes"]:
         raise ValueError(f"{path} is not a whole DeadPool snapshot file: its header's "
                          f"{', '.join(bad) or 'meta_bytes'} {'is' if len(bad) < 2 else 'are'} missing or wrong")
@@ -99,27 +98,29 @@ def _count(value: Any) -> bool:
 
 def read_snapshot(path: str | os.PathLike, generation: int) -> tuple[PutSnapshot, bytes, list[bytes]]:
     """A snapshot file as a put of `generation` with its payload (meta, data chunks), its bytes checked
-    against the checksum they were saved with: every byte against its "crc32" (a file written before there was
-    one: against the snapshot's checksum alone). ValueError: not a snapshot file, cut short or corrupt."""
+    against the checksums they were saved with: every byte against its "check" (or a file of before's "crc32";
+    the oldest: against the snapshot's checksum alone). ValueError: not a snapshot file, cut short or corrupt."""
     header = read_header(path)
     with open(path, "rb") as f:
         f.readline(4096)
         meta = f.read(header["meta_bytes"])
-        crc = zlib.crc32(meta)
         left = header["nbytes"] - len(meta)
         chunks = []
         while left > 0:
             chunk = f.read(min(CHUNK_BYTES, left))
             if not chunk:
                 break
-            crc = zlib.crc32(chunk, crc)
             chunks.append(chunk)
             left -= len(chunk)
     if left or len(meta) != header["meta_bytes"]:
         raise ValueError(f"{path} is cut short: {left} of {header['nbytes']} bytes missing")
     chunks = chunks or [b""]
-    if (header.get("crc32", crc) != crc
-            or checksum_chunks(memoryview(meta), [memoryview(c) for c in chunks]) != header["checksum"]):
+    planned, every = checksums_both(memoryview(meta), [memoryview(c) for c in chunks])
+    if "crc32" in header and "check" not in header:
+        every = zlib.crc32(meta)  # (a file of before: its check is zlib.crc32 over the payload)
+        for chunk in chunks:
+            every = zlib.crc32(chunk, every)
+    if file_check(header) not in (None, every) or planned != header["checksum"]:
         raise ValueError(f"{path} is corrupt: its bytes do not match the checksum it was saved with")
     put = PutSnapshot(rank=header["rank"], step=header["step"], generation=generation,
                       checksum=header["checksum"], nbytes=header["nbytes"])
@@ -174,11 +175,12 @@ def write_copies(folder: str | os.PathLike, step: int, copies: dict[int, Snapsho
             if snap is None:
                 results[str(rank)] = f"the copy of rank {rank} step {step} held here changed while it was written"
                 continue
-        if not intact(snap):  # a file that could not be resumed from is worse than none said
+        planned, every = checksums_both(frame_view(snap.meta), [frame_view(c) for c in snap.chunks])
+        if planned != snap.checksum:  # a file that could not be resumed from is worse than none said
             results[str(rank)] = f"the copy of rank {rank} step {step} held here is corrupt"
             continue
         try:
-            path = write_snapshot(folder, rank, step, snap.checksum, snap.meta, list(snap.chunks))
+            path = write_snapshot(folder, rank, step, snap.checksum, snap.meta, list(snap.chunks), check=every)
             results[str(rank)] = ""
         except OSError as exc:
             results[str(rank)] = cannot_write(rank, exc)

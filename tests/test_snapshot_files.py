@@ -156,20 +156,28 @@ def test_a_flipped_byte_in_a_block_the_snapshots_check_plan_leaves_unchecked_is_
     assert "corrupt" in read_files(step_folder(tmp_path, 7), 7, [0])[0]
 
 
-def test_a_file_written_before_files_had_a_crc32_is_still_read_and_checked(tmp_path):
-    path = write_snapshot(tmp_path, 0, 7, checksum_chunks(META, [b"abc"]), META, [b"abc"])
+@pytest.mark.parametrize("before", ["no check", "crc32"])
+def test_files_of_before_are_still_read_and_checked(tmp_path, before):
+    """The oldest files had only the snapshot's checksum; later ones a zlib.crc32 over the payload; now "check"
+    (the snapshot's checksum with every block digested: dpagent.checksum.checksums_both)."""
+    import zlib
+
+    data = os.urandom(2 * CHECKSUM_BLOCK + 5)
+    path = write_snapshot(tmp_path, 0, 7, checksum_chunks(META, [data]), META, [data])
     header, _, rest = path.read_bytes().partition(b"\n")
     old = json.loads(header)
-    del old["crc32"]
+    del old["check"]
+    if before == "crc32":
+        old["crc32"] = zlib.crc32(data, zlib.crc32(META))
     path.write_bytes(json.dumps(old).encode() + b"\n" + rest)
-    assert read_snapshot(path, generation=0)[2] == [b"abc"]
-    path.write_bytes(json.dumps(old).encode() + b"\n" + rest[:-1] + b"x")
+    assert b"".join(read_snapshot(path, generation=0)[2]) == data
+    path.write_bytes(json.dumps(old).encode() + b"\n" + rest[:-1] + bytes([rest[-1] ^ 1]))
     with pytest.raises(ValueError, match="corrupt"):
         read_snapshot(path, generation=0)
 
 
 @pytest.mark.parametrize("change", [{"meta_bytes": None}, {"nbytes": None}, {"rank": "0"}, {"step": True},
-                                    {"crc32": -1}, {"meta_bytes": 10 ** 6}])
+                                    {"check": -1}, {"crc32": "1"}, {"meta_bytes": 10 ** 6}])
 def test_a_header_missing_a_key_or_with_a_wrong_one_is_not_a_whole_snapshot_file(tmp_path, change):
     path = write_snapshot(tmp_path, 0, 7, checksum_chunks(META, [b"abc"]), META, [b"abc"])
     header, _, rest = path.read_bytes().partition(b"\n")
