@@ -96,3 +96,99 @@ def clear_dtensor_caches() -> None:
     for cached in (_redistribute._gen_transform_infos, _collective_utils.MeshTopoInfo.build_from_mesh,
                    _sharding_prop.ShardingPropagator._propagate_tensor_meta_cached):
         cached.cache_clear()
+
+
+# DTensor's sharding decisions (OpSchema -> OutputSharding, a pure function of the schema) that this process
+# computed, and those adopted from a survivor of the same pipeline stage (dpstate.sharding_share): a promoted
+# spare otherwise spends its first step computing them again (2.3 s of a 3D job's recovery here).
+_RECORDED: dict[Any, Any] = {}
+_ADOPTED: dict[Any, Any] = {}
+
+
+def record_sharding_decisions() -> None:
+    """Make DTensor's sharding propagation record what it computes and answer from what was adopted first.
+    Before the first DTensor op (it starts the cache afresh); once per process."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._sharding_prop import LocalLRUCache
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    if getattr(propagator, "_dpstate_records", False):
+        return
+    compute = propagator.propagate_op_sharding_non_cached
+
+    def propagate(schema: Any) -> Any:
+        decision = _ADOPTED.pop(schema, None)
+        if decision is None:
+            decision = compute(schema)
+        _RECORDED[schema] = decision
+        return decision
+
+    # torch's C++ cache calls the uncached one on a miss, its Python cache (where C++ made no key) the cached one
+    propagator.propagate_op_sharding_non_cached = propagate
+    propagator.propagate_op_sharding = LocalLRUCache(propagate)
+    propagator._dpstate_records = True
+
+
+def recorded_sharding_decisions() -> int:
+    return len(_RECORDED)
+
+
+def _rebuilt(cls: type, fields: dict) -> Any:
+    return cls(**fields)
+
+
+def _op(namespace: str, name: str, overload: str) -> Any:
+    import torch
+
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+def sharding_decisions_blob() -> bytes:
+    """What this process recorded, pickled without its meshes and operators (named by their dim names and
+    qualified names) and with every spec and schema rebuilt by its constructor on loading (they cache hashes
+    of this process's strings)."""
+    import dataclasses
+    import io
+    import pickle
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema
+    from torch._ops import OpOverload
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, DeviceMesh):
+                return ("mesh", tuple(obj.mesh_dim_names or ()))
+            if isinstance(obj, OpOverload):
+                namespace, _, name = obj._schema.name.partition("::")
+                return ("op", namespace, name, obj._overloadname)
+            return None
+
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, (DTensorSpec, OpSchema)):
+                fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+                          if f.init and not f.name.startswith("_")}
+                return _rebuilt, (type(obj), fields)
+            return NotImplemented
+
+    out = io.BytesIO()
+    Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(list(_RECORDED.items()))
+    return out.getvalue()
+
+
+def adopt_sharding_decisions(blob: bytes, mesh: Any) -> int:
+    """Take another rank's recorded decisions (sharding_decisions_blob) as this process's, its meshes replaced
+    by this process's own of the same dim names; returns how many."""
+    import io
+    import pickle
+
+    class Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            if pid[0] == "mesh":
+                return mesh if pid[1] == tuple(mesh.mesh_dim_names) else mesh[pid[1]]
+            return _op(*pid[1:])
+
+    decisions = Unpickler(io.BytesIO(blob)).load()
+    _ADOPTED.update(decisions)
+    return len(decisions)

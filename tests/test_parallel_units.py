@@ -198,3 +198,49 @@ def test_an_error_that_pipelining_wraps_is_classified_by_what_it_wraps():
         assert describe(wrapped) == "DistNetworkError: Connection reset by peer"
     assert classify(RuntimeError("[Stage 0] failed to run forward")) is None
     assert classify(StalePartsError("dpstate: this model was built for generation 0 ...")) is None
+
+
+def test_sharding_decisions_recorded_in_one_process_are_adopted_in_place_of_computing_them():
+    """What a promoted spare does (dpstate.sharding_share): the decisions a survivor recorded, pickled without
+    their meshes and operators, are answered from when the same ops come again, and give the same results."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dpstate import torch_private
+
+    def work(mesh):
+        torch.manual_seed(0)
+        a = distribute_tensor(torch.randn(8, 8), mesh["tp"], [Shard(0)])
+        b = distribute_tensor(torch.randn(8, 8), mesh["tp"], [Replicate()])
+        return ((a @ b).relu().sum() + (a * 2).mean()).full_tensor()
+
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch_private.record_sharding_decisions()
+        torch_private.clear_dtensor_caches()
+        torch_private._RECORDED.clear()
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        computed = work(mesh)
+        recorded = torch_private.recorded_sharding_decisions()
+        blob = torch_private.sharding_decisions_blob()
+        torch_private.clear_dtensor_caches()  # a fresh process, as far as DTensor knows
+        torch_private._RECORDED.clear()
+        assert torch_private.adopt_sharding_decisions(blob, mesh) == recorded >= 4
+        assert torch.equal(work(mesh), computed)
+        assert not torch_private._ADOPTED  # every one answered from
+    finally:
+        torch_private._ADOPTED.clear()
+        if ours:
+            dist.destroy_process_group()
+
+
+def test_two_survivors_of_each_stage_publish_their_decisions_on_different_nodes():
+    from dpstate.sharding_share import coordinates, is_donor
+
+    layout = MeshLayout.parse({"pp": 2, "dp": 2, "tp": 2}, 8)
+    assert coordinates(layout, 6) == {"pp": 1, "dp": 1, "tp": 0}
+    assert [r for r in range(8) if is_donor(layout, r)] == [0, 2, 4, 6]  # nodes of 2: 0, 1, 2, 3
+    assert [r for r in range(4) if is_donor(MeshLayout.parse({"dp": 4}, 4), r)] == [0, 1]
