@@ -33,7 +33,7 @@ from .protocol import (FetchSnapshot, LoadSnapshots, LocalSnapshot, OfferSnapsho
                        SnapshotReserved, SnapshotStored, SnapshotWants)
 from .replica_store import ReplicaStore, Snapshot, intact
 from .save_manifest import prune
-from .snapshot_files import CopyRoom, held_copies, read_files, store_loaded, write_copies
+from .snapshot_files import CopyRoom, copy_out, held_copies, read_files, store_loaded, write_copies
 
 log = logging.getLogger("dpagent")
 DIFFERS_SAID_EVERY = 100  # snapshots of a rank whose blocks differ, between two warnings of it
@@ -241,14 +241,15 @@ class ReplicaServer:
             copies, missing = held_copies(self.store, msg.step, msg.ranks)  # (the store: here, on the loop)
 
             def work() -> dict:
-                if msg.background:
+                held, changed = copies, {}
+                if msg.background:  # training goes on: copy out first, then yield to it
+                    held, changed = copy_out(copies, msg.step, self._copy_room)
                     _idle_priority()
                 with pause():
-                    written = write_copies(msg.directory, msg.step, copies, msg.world_size, self.node_id,
-                                           room=self._copy_room if msg.background else None)
+                    written = write_copies(msg.directory, msg.step, held, msg.world_size, self.node_id)
                 if msg.keep and not any(written.values()):
                     prune(Path(msg.directory).parent, msg.keep)
-                return {**missing, **written}
+                return {**missing, **changed, **written}
         else:
             for rank in msg.ranks:  # what the files replace: a timeline past them, or a damaged step passed over
                 self.store.drop_after(rank, msg.step)

@@ -149,9 +149,10 @@ def held_copies(store: ReplicaStore, step: int, ranks: list[int]) -> tuple[dict[
 
 
 class CopyRoom:
-    """Memory kept for a background save's copy-out, faulted in once and reused by every rank of every save
-    (one save is written at a time): copying into it runs at memcpy speed without the GIL (7.8 GB/s here),
-    where a fresh bytes object (page faults, the GIL held) ran at 1.0 GB/s beside the agent's other work."""
+    """Memory kept for a background save's copy-out, faulted in once and reused by every save (one is written
+    at a time): the part of each rank it writes that refers to a worker's buffer, which is most of a data
+    parallel rank's state. Copying into it runs at memcpy speed without the GIL (7.8 GB/s here), where a fresh
+    bytes object (page faults, the GIL held) ran at 1.0 GB/s."""
 
     def __init__(self) -> None:
         self._buffer = np.empty(0, np.uint8)
@@ -162,19 +163,33 @@ class CopyRoom:
         return self._buffer[:nbytes]
 
 
+def copy_out(copies: dict[int, Snapshot], step: int, room: CopyRoom) -> tuple[dict[int, Snapshot], dict[str, str]]:
+    """A background save's first part, done before its thread yields to training (the worker writes its buffer
+    over two snapshots on, and a copy-out at nice 19 beside busy cores lost that race): every copy with what
+    refers to a worker's buffer copied into `room`, and why each one whose buffer was written meanwhile is not."""
+    local = {rank: snap for rank, snap in copies.items() if snap.base is not None}
+    sizes = {rank: sum(v.nbytes for v in map(frame_view, snap.chunks) if v.obj is snap.base.data.obj)
+             for rank, snap in local.items()}
+    space, at, missed = room.take(sum(sizes.values())), 0, {}
+    out = dict(copies)
+    for rank, snap in local.items():
+        copied = _copied(snap, space[at : at + sizes[rank]])
+        at += sizes[rank]
+        if copied is None:
+            del out[rank]
+            missed[str(rank)] = f"the copy of rank {rank} step {step} held here changed while it was written"
+        else:
+            out[rank] = copied
+    return out, missed
+
+
 def write_copies(folder: str | os.PathLike, step: int, copies: dict[int, Snapshot], world_size: int,
-                 writer: str, room: CopyRoom | None = None) -> dict[str, str]:
+                 writer: str) -> dict[str, str]:
     """Write each copy as its rank's file in `folder`, then `writer`'s manifest part naming those written
     (dpagent.save_manifest): for each rank, "" or why not (a damaged copy, a full disk, a copy whose local buffer
-    was written meanwhile: dpagent.dedup). `room`: the workers train on meanwhile (a background save), and what
-    refers to a worker's buffer is copied out into it first."""
+    was written meanwhile: dpagent.dedup)."""
     results = {}
     for rank, snap in copies.items():
-        if room is not None and snap.base is not None:  # training goes on: copy out what refers to a worker's
-            snap = _copied(snap, room)  # buffer, which it writes over two snapshots on (a fast copy, a slow disk)
-            if snap is None:
-                results[str(rank)] = f"the copy of rank {rank} step {step} held here changed while it was written"
-                continue
         planned, every = checksums_both(frame_view(snap.meta), [frame_view(c) for c in snap.chunks])
         if planned != snap.checksum:  # a file that could not be resumed from is worse than none said
             results[str(rank)] = f"the copy of rank {rank} step {step} held here is corrupt"
@@ -191,14 +206,12 @@ def write_copies(folder: str | os.PathLike, step: int, copies: dict[int, Snapsho
     return finish_files(folder, step, results, world_size, writer)
 
 
-def _copied(snap: Snapshot, room: CopyRoom) -> Snapshot | None:
-    """`snap` with the chunks that refer to its local buffer copied into `room` (the others are the store's own
+def _copied(snap: Snapshot, space: np.ndarray) -> Snapshot | None:
+    """`snap` with the chunks that refer to its local buffer copied into `space` (the others are the store's own
     frames, which nothing writes over); None if that buffer was written meanwhile."""
     local = snap.base.data.obj
-    views = [frame_view(chunk) for chunk in snap.chunks]
-    space = room.take(sum(v.nbytes for v in views if v.obj is local))
     chunks, at = [], 0
-    for view in views:
+    for view in map(frame_view, snap.chunks):
         if view.obj is local:
             np.copyto(space[at : at + view.nbytes], np.frombuffer(view, np.uint8))
             view, at = memoryview(space[at : at + view.nbytes]), at + view.nbytes

@@ -88,7 +88,7 @@ def test_a_background_save_copies_out_only_what_refers_to_a_worker_s_buffer_and_
     file reads back bit for bit. A buffer written again before its copy-out is done leaves no file."""
     import mmap
 
-    from dpagent.snapshot_files import CopyRoom, write_copies
+    from dpagent.snapshot_files import CopyRoom, copy_out, write_copies
 
     received = os.urandom(2 * CHECKSUM_BLOCK)
     worker = mmap.mmap(-1, 3 * CHECKSUM_BLOCK)
@@ -103,16 +103,16 @@ def test_a_background_save_copies_out_only_what_refers_to_a_worker_s_buffer_and_
     assert store.add(put, META, *chunks, base=base) == ""
     room = CopyRoom()
     copies = {0: store.get(0, 7)}
-    assert write_copies(step_folder(tmp_path, 7), 7, copies, 1, "n0", room=room) == {"0": ""}
+    held, changed = copy_out(copies, 7, room)
+    assert changed == {} and held[0].base is None
+    assert write_copies(step_folder(tmp_path, 7), 7, held, 1, "n0") == {"0": ""}
     assert room.take(0).base.size == 3 * CHECKSUM_BLOCK  # the worker's blocks only, not the received ones
     worker.seek(0)
     worker.write(b"\0" * len(worker))  # the worker's next snapshots, after the copy-out: the file is the copy's
     _, meta, read = read_snapshot(rank_file(step_folder(tmp_path, 7), 0), generation=4)
     assert meta == META and b"".join(read) == whole
     counter[0] += np.uint64(1)  # written again before a save's copy-out: the bytes are not the step's any more
-    assert write_copies(step_folder(tmp_path, 8), 7, copies, 1, "n0", room=room) == {
-        "0": "the copy of rank 0 step 7 held here changed while it was written"}
-    assert not step_folder(tmp_path, 8).exists()
+    assert copy_out(copies, 7, room) == ({}, {"0": "the copy of rank 0 step 7 held here changed while it was written"})
 
 
 def test_a_damaged_or_cut_file_is_refused_saying_so(tmp_path):
