@@ -36,7 +36,7 @@ from .sharding_share import adopt, publish
 from .sources import SnapshotSources, named_sources
 from .standby import RestoreRoom
 from .state import Tracked
-from .torch_private import record_sharding_decisions, recorded_sharding_decisions
+from .torch_private import record_sharding_decisions
 from .uncaught import hint_unwrapped_steps
 from .watch import WATCHER
 
@@ -406,10 +406,9 @@ class Job:
     def _build_parts(self, generation: int) -> None:
         """This generation's mesh and the parts build(mesh) makes on it, tracked in place of the old ones."""
         assert self._parts is not None
-        fresh = not recorded_sharding_decisions()  # (build(mesh) records some: it runs DTensor ops)
         self._parts.build(self._groups.build_mesh(self._parts.layout, self.device.type), generation)
         self.track(**self._parts.stateful())
-        if fresh and self._groups.store is not None:
+        if self._groups.store is not None:
             adopt(self._groups.store, self._parts.layout, self.rank, self._parts.mesh, self._abort)
 
     def _retire_parts(self) -> None:

@@ -48,16 +48,10 @@ def publish(store: dist.Store, layout: MeshLayout, rank: int, abort: AbortSignal
 
 
 def adopt(store: dist.Store, layout: MeshLayout, rank: int, mesh: Any, abort: AbortSignal) -> None:
-    """(after this rank, which had recorded no decision before, built its parts) Take its stage's, if published."""
-    key = _key(layout, rank)
-
-    def take() -> None:
-        if store.check([key]):
-            count = adopt_sharding_decisions(store.get(key), mesh)
-            print(f"dpstate: rank {rank} adopted {count} DTensor sharding decisions of its pipeline stage",
-                  file=sys.stderr, flush=True)
-
-    _safely(take, abort)
+    """(after this rank built its parts) A rank that recorded none takes its stage's, if published."""
+    if not recorded_sharding_decisions():
+        key = _key(layout, rank)
+        _safely(lambda: store.check([key]) and adopt_sharding_decisions(store.get(key), mesh), abort)
 
 
 def _safely(work: Any, abort: AbortSignal) -> None:
