@@ -159,7 +159,7 @@ def sharding_decisions_blob() -> bytes:
     class Pickler(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
             if isinstance(obj, DeviceMesh):
-                return ("mesh", tuple(obj._mesh_dim_names or ()))  # (a retired root mesh refuses public names)
+                return ("mesh", tuple(obj.mesh_dim_names or ()))
             if isinstance(obj, OpOverload):
                 namespace, _, name = obj._schema.name.partition("::")
                 return ("op", namespace, name, obj._overloadname)
