@@ -167,11 +167,6 @@ class GroupManager:
             raise RuntimeError(f"{arrived} ranks arrived at {key} for generation {generation} of world size "
                                f"{world_size}")
 
-    @property
-    def store(self) -> dist.Store | None:
-        """The current generation's store (its prefix), None without an agent."""
-        return self._gen_store
-
     def build_mesh(self, layout: MeshLayout, device_type: str):
         """The DeviceMesh of `layout` over this generation's group (dpstate.mesh), its connections recorded.
         Ranks first meet at an abortable count, as for the group: a promoted spare reaches its

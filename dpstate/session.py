@@ -32,11 +32,9 @@ from .optim import AdamW
 from .parallel import Build, Parts
 from .replication import Replicator, ReplicationError, Slot
 from .saving import save_local
-from .sharding_share import adopt, publish
 from .sources import SnapshotSources, named_sources
 from .standby import RestoreRoom
 from .state import Tracked
-from .torch_private import record_sharding_decisions
 from .uncaught import hint_unwrapped_steps
 from .watch import WATCHER
 
@@ -145,8 +143,6 @@ class Job:
         if warning and self.rank == 0:
             print(warning, file=sys.stderr, flush=True)
         self._parts = Parts(layout, build)
-        if not self._standalone:
-            record_sharding_decisions()  # (dpstate.sharding_share: what a promoted spare adopts)
         # (Gloo: NCCL's own sockets are not ours to cut; its communicators are aborted in destroy())
         self._groups.sever_on_abort = not self._standalone and self.backend == "gloo"
         try:
@@ -377,8 +373,6 @@ class Job:
                 self._sources.prefetch(reconf, self.rank)
             self._groups.build(reconf.generation, reconf.store_endpoint, self.rank, self.world_size, self._abort)
             if self._parts is not None:
-                if self._groups.store is not None:  # (for a spare's adopt: dpstate.sharding_share)
-                    publish(self._groups.store, self._parts.layout, self.rank, self._abort)
                 self._build_parts(reconf.generation)
             self._rebuild_s = time.perf_counter() - t0
         if not restore:
@@ -408,8 +402,6 @@ class Job:
         assert self._parts is not None
         self._parts.build(self._groups.build_mesh(self._parts.layout, self.device.type), generation)
         self.track(**self._parts.stateful())
-        if self._groups.store is not None:
-            adopt(self._groups.store, self._parts.layout, self.rank, self._parts.mesh, self._abort)
 
     def _retire_parts(self) -> None:
         """The parts of the generation that ends leave the snapshots and become unusable (dpstate.parallel)."""
