@@ -177,7 +177,7 @@ def copy_out(copies: dict[int, Snapshot], step: int, room: CopyRoom) -> tuple[di
         at += sizes[rank]
         if copied is None:
             del out[rank]
-            missed[str(rank)] = f"the copy of rank {rank} step {step} held here changed while it was written"
+            missed[str(rank)] = _changed(rank, step)
         else:
             out[rank] = copied
     return out, missed
@@ -202,8 +202,13 @@ def write_copies(folder: str | os.PathLike, step: int, copies: dict[int, Snapsho
             continue
         if snap.stale():  # its local copy (dedup) was written meanwhile: the file may mix two steps
             path.unlink(missing_ok=True)
-            results[str(rank)] = f"the copy of rank {rank} step {step} held here changed while it was written"
+            results[str(rank)] = _changed(rank, step)
     return finish_files(folder, step, results, world_size, writer)
+
+
+def _changed(rank: int, step: int) -> str:
+    """Why a copy that refers to a worker's buffer (dedup) is not saved: the worker wrote the buffer again."""
+    return f"the copy of rank {rank} step {step} held here changed while it was written"
 
 
 def _copied(snap: Snapshot, space: np.ndarray) -> Snapshot | None:
