@@ -18,6 +18,7 @@ from .controller_io import (  # noqa: F401  (re-exported: the controller's input
 from .faults import FaultPlan
 from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
+from .phase import Phase, check_transition
 from .injection import FaultInjection
 from .deadlines import FORMING_NOTE_EVERY_S, Deadlines
 from .background_saves import BackgroundSaves
@@ -62,7 +63,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.training_since: float | None = None
         self.generation = -1  # -1 while the first generation forms
         self.layout: list[str] = []  # node rank -> node id
-        self.finished = False
+        self.phase = Phase.FORMING  # (dprun.phase: the phases and the transitions between them)
         self.recovery: Recovery | None = None  # decided, waiting for its first step
         self.pending: Recovery | None = None  # failures known, decision waiting for the flush
         self.flush: Flush | None = None
@@ -109,10 +110,10 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
 
     def handle(self, event: Any, now: float) -> list:
         self._out = []
-        if self.finished:
+        if self.phase is Phase.FINISHED:
             return []
         self.now = now
-        if self.files is not None:
+        if self.phase in (Phase.SAVING, Phase.LOADING):
             self._while_files(event, now)
         elif isinstance(event, Received):
             self._received(event.node_id, event.msg, now)
@@ -128,12 +129,20 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             self._finish(event.exit_code, event.reason)
         else:
             raise TypeError(f"unknown input {event!r}")
-        if self.files is None:
+        if self.phase not in (Phase.SAVING, Phase.LOADING):
             self._maybe_decide(now)
         out, self._out = self._out, []
         return out
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        """The job's end was decided (Finish returned): nothing more is handled."""
+        return self.phase is Phase.FINISHED
+
+    def _enter(self, phase: Phase) -> None:
+        self.phase = check_transition(self.phase, phase)
 
     def _send(self, node_id: str, msg: Any) -> None:
         self._out.append(Send(node_id, msg))
@@ -170,7 +179,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.faults.pending.clear()
         self._publish("job_finished", exit_code=code, message=message)
         self._out.append(Finish(code, message, self.saved_in))
-        self.finished = True
+        self._enter(Phase.FINISHED)
 
     def ranks_of(self, node_rank: int) -> range:
         n = self.spec.nproc_per_node
@@ -241,7 +250,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             self._send(sender, p.Stop(reason=why, exit_code=2))
             self._publish("node_refused", node=sender, host=msg.host, reason=why)
             return
-        forming = self.generation < 0
+        forming = self.phase is Phase.FORMING
         claimed = [(n.node_id, n.want_rank) for n in self.table.nodes.values() if n.role != FAILED] if forming else []
         for warning in admission.warnings(self.spec, msg, claimed):  # (once formed, a rank goes where room is)
             self._publish("node_warning", node=sender, warning=warning)
@@ -450,6 +459,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
     def _start_first_generation(self, restore_step: int, sources: dict[int, str]) -> None:
         """Generation 0: a fresh start, or every rank restores `restore_step` from `sources` (resumed)."""
         self.training_since = self.last_progress_at = self.now
+        self._enter(Phase.TRAINING)
         if restore_step >= 0:
             self.max_step = restore_step
             self.rank_step = {rank: restore_step for rank in range(self.spec.world_size)}

@@ -16,6 +16,7 @@ from dpagent.snapshot_files import CANNOT_WRITE, step_folder
 from .controller_io import NodeGone, Paused, Received, Recovery, Shutdown, Tick
 from .ledger import INIT
 from .nodes import FAILED
+from .phase import Phase
 
 ANY_STEP = 2**62  # ReplicaLedger.plan's no_local: a rank's own local copy does not count, whatever its step
 WAITING_FOR_FILES = (p.SnapshotFiles, p.SnapshotStored, p.Heartbeat, p.Pong, p.Register)
@@ -54,7 +55,7 @@ class Files:
         replica died with its holder, by its worker from its local copy. None: the job ends once they answered;
         else the message to end with now (nothing to save). `before`: a save of a newer step that failed (the
         workers and nodes it lost are not asked again)."""
-        if code == 0 or not self.spec.save_dir or self.saved or self.generation < 0 or self.spec.restart_mode:
+        if code == 0 or not self.spec.save_dir or self.saved or self.phase is Phase.FORMING or self.spec.restart_mode:
             return message
         self.saved = True
         gone, dead = (before.gone, before.dead_workers) if before else (set(), set())
@@ -74,6 +75,7 @@ class Files:
         deadline = before.deadline if before else self.now + self.spec.files_timeout  # for every step tried
         self.files = FileWork(True, folder, plan.step, {}, deadline, code=code,
                               message=message, gone=set(gone), dead_workers=set(dead))
+        self._enter(Phase.SAVING)
         first: dict[tuple[str, bool], list[int]] = {}
         for rank, planned in sorted(plan.sources.items()):
             holders = sorted(self.ledger.holders_of(rank, plan.step), key=lambda holder: holder != planned)
@@ -99,8 +101,7 @@ class Files:
         """--save-every / --save-interval: once due, the stores holding the newest step of every rank write it
         (each rank by one of them) while training goes on; one save at a time (dprun.background_saves)."""
         saves = self.saves
-        if (not saves.enabled or self.generation < 0 or self.finished or self.files is not None
-                or self.recovery is not None or self.pending is not None or not saves.due(self.max_step, now)):
+        if not saves.enabled or self.phase is not Phase.TRAINING or not saves.due(self.max_step, now):
             return
         ranks = range(self.spec.world_size)
         plan = self.ledger.plan(self.spec.world_size, set(), no_local=dict.fromkeys(ranks, ANY_STEP))
@@ -150,7 +151,7 @@ class Files:
         it (the script's error on every rank, no spare left) can still save the copies it holds; meanwhile
         they serve that recovery's restores too (a worker lost on each node at once: each store kept the
         other's only copy)."""
-        if not self.spec.save_dir or self.spec.restart_mode or self.generation < 0:
+        if not self.spec.save_dir or self.spec.restart_mode or self.phase is Phase.FORMING:
             return False
         node.keeps_store = True
         return True
@@ -206,6 +207,7 @@ class Files:
         is restored from the peer's copy. (Such a read that fails leaves that copy out only.)"""
         waiting = {rank: self.node_of_rank(rank) for rank in range(self.spec.world_size)}
         self.files = FileWork(False, folder, step, waiting, self.now + self.spec.files_timeout, recovery=rec)
+        self._enter(Phase.LOADING)
         reads = {node_id: list(self.ranks_of(i)) for i, node_id in enumerate(self.layout)}
         for i, node_id in enumerate(self.layout):
             for holder in self.replica_holders(i):
@@ -290,6 +292,7 @@ class Files:
             self.ledger.holder_lost(node_id)
             return
         self.files, self.recovery = None, work.recovery  # (the loss carries it on: _open_pending)
+        self._enter(Phase.RECOVERING)
         if exited is not None:
             self._received(node_id, exited, self.now)
         else:
@@ -382,3 +385,4 @@ class Files:
         self._publish("reconfigure", generation=self.generation, restore_step=step, layout=list(self.layout),
                       decide_s=round(self.now - rec.t_detect, 4))
         self.recovery = rec
+        self._enter(Phase.RECOVERING)

@@ -9,13 +9,14 @@ from __future__ import annotations
 from dpagent import protocol as p
 
 from .nodes import ACTIVE, SPARE
+from .phase import Phase
 
 
 class FaultInjection:
     """The fault-firing part of dprun.controller.Controller (its state lives there: faults, injected_at, frozen_at)."""
 
     def _fire_faults(self, now: float, recovering: bool = False) -> None:
-        if self.generation < 0 or not self.faults.pending:
+        if self.phase is Phase.FORMING or not self.faults.pending:
             return
         steps = {node.node_rank: node.last_step for node in self.table.with_role(ACTIVE)}
         for spec in self.faults.due(steps, now - (self.training_since or now), recovering):

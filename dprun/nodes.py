@@ -5,9 +5,21 @@ Pure data with a few queries; the controller decides, this only records.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-ACTIVE, SPARE, FAILED = "active", "spare", "failed"
+
+class Role(enum.StrEnum):
+    """A node's role. Transitions: SPARE -> ACTIVE (promoted into a failed node's ranks, or placed as the first
+    generation forms); ACTIVE or SPARE -> FAILED (fenced: its later messages are refused). FAILED is final: a
+    node that comes back registers afresh under a new id. (Strings on the wire and in events: "active"...)"""
+
+    ACTIVE = "active"
+    SPARE = "spare"
+    FAILED = "failed"
+
+
+ACTIVE, SPARE, FAILED = Role.ACTIVE, Role.SPARE, Role.FAILED
 
 
 @dataclass
@@ -17,7 +29,7 @@ class Node:
     pid: int
     nproc: int
     replica_endpoint: str
-    role: str
+    role: Role
     registered_at: float
     last_heard: float
     node_rank: int = -1  # in the current layout; -1 for spares and nodes not yet placed
@@ -35,13 +47,13 @@ class NodeTable:
 
     def __init__(self):
         self.nodes: dict[str, Node] = {}
-        self._by_role: dict[str, dict[str, None]] = {ACTIVE: {}, SPARE: {}, FAILED: {}}  # ordered sets
+        self._by_role: dict[Role, dict[str, None]] = {role: {} for role in Role}  # ordered sets
 
     def add(self, node: Node) -> None:
         self.nodes[node.node_id] = node
         self._by_role[node.role][node.node_id] = None
 
-    def set_role(self, node: Node, role: str) -> None:
+    def set_role(self, node: Node, role: Role) -> None:
         del self._by_role[node.role][node.node_id]
         node.role = role
         self._by_role[role][node.node_id] = None
@@ -49,13 +61,13 @@ class NodeTable:
     def get(self, node_id: str) -> Node | None:
         return self.nodes.get(node_id)
 
-    def with_role(self, role: str) -> list[Node]:
+    def with_role(self, role: Role) -> list[Node]:
         return [self.nodes[n] for n in self._by_role[role]]
 
-    def count(self, role: str) -> int:
+    def count(self, role: Role) -> int:
         return len(self._by_role[role])
 
-    def all_in_role(self, node_ids: set[str], role: str) -> bool:
+    def all_in_role(self, node_ids: set[str], role: Role) -> bool:
         """Has every one of `node_ids` this role? (a set comparison: cheap for thousands of nodes)"""
         return self._by_role[role].keys() >= node_ids
 

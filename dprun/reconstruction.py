@@ -11,6 +11,7 @@ from dpagent import protocol as p
 from .controller_io import Flush, Recovery
 from .ledger import RestorePlan
 from .nodes import ACTIVE, FAILED, SPARE
+from .phase import Phase
 
 MAX_REPLANS = 3  # generations planned again in a row with no node lost before the job gives up
 
@@ -23,6 +24,7 @@ class Reconstruction:
         complete yet). True if it carries one on."""
         if self.pending is not None:
             return False
+        self._enter(Phase.DECIDING)
         if self.recovery is None:
             self.pending = Recovery(failed=[], t_fail=now, t_detect=now, peak_step=self.max_step)
             return False
@@ -66,9 +68,9 @@ class Reconstruction:
         if was == SPARE:
             self._publish("spare_lost", node=node_id, spares_left=len(self.table.with_role(SPARE)))
             finishing = any(self.table.nodes[n].exited_ok for n in self.layout)
-            if self.generation < 0 or finishing or not any(node_id in held for held in self.holders.values()):
+            if self.phase is Phase.FORMING or finishing or not any(node_id in held for held in self.holders.values()):
                 return
-        elif self.generation < 0:  # still forming: the slot opens for the next node to register
+        elif self.phase is Phase.FORMING:  # still forming: the slot opens for the next node to register
             return
         elif not (self.spec.snapshots or self.spec.restart_mode or self.all_finished_at is not None):
             if not self.finished:  # (the first of several failed at once says it)
@@ -92,6 +94,8 @@ class Reconstruction:
         self.seq += 1
         waiting = {n.node_id for n in self.table.live()}
         self.flush = Flush(seq=self.seq, deadline=now + self.spec.probe_timeout, waiting=waiting)
+        if self.pending is not None:  # (a plan that waited decides again once every node answered)
+            self._enter(Phase.DECIDING)
         for node_id in sorted(waiting):
             self._send(node_id, p.Ping(seq=self.seq))
 
@@ -108,6 +112,7 @@ class Reconstruction:
     def _reconstruct(self, rec: Recovery, now: float) -> None:
         failed_slots = [i for i, n in enumerate(self.layout) if self.table.nodes[n].role == FAILED]
         if not failed_slots and not rec.replan:
+            self._enter(Phase.TRAINING)
             return
         if any(self.table.nodes[n].exited_ok for n in self.layout):
             # ranks that exited cannot join a new generation: say so rather than wait for them
@@ -131,6 +136,7 @@ class Reconstruction:
                 self._publish("waiting_for_spare", needed=len(failed_slots) - len(spares), failed=names,
                               timeout_s=self.spec.spare_wait_timeout)
             self.pending = rec  # decided again when a node registers as a spare
+            self._enter(Phase.WAITING)
             return
         if self.spec.restart_mode:
             if self.restarts >= self.spec.max_restarts:
@@ -162,6 +168,7 @@ class Reconstruction:
                               timeout_s=self.spec.restore_wait)
             if now < rec.restoring_until:
                 self.pending = rec
+                self._enter(Phase.WAITING)
                 return
         if plan.lost and self.saves.safe is not None and self.spec.snapshots:
             self._restore_from_disk(rec, now, failed_slots, spares, plan.lost)
@@ -178,7 +185,7 @@ class Reconstruction:
                             f"{more}")
             return
         if not failed_slots and not self.spec.restart_mode and not self._one_more_replan(rec):
-            return
+            return  # (it ended the job)
         self._begin_generation(rec, now, failed_slots, spares, plan.step)
         rec.sources = dict(plan.sources)
         # faults due "during recovery" go out first: a replica corrupted for this plan is damaged before a
@@ -188,6 +195,7 @@ class Reconstruction:
         self._publish("reconfigure", generation=self.generation, restore_step=plan.step,
                       layout=list(self.layout), decide_s=round(now - rec.t_detect, 4))
         self.recovery = rec
+        self._enter(Phase.RECOVERING)
 
     def _begin_generation(self, rec: Recovery, now: float, failed_slots: list[int], spares: list, step: int) -> None:
         """The next generation: spares promoted into the failed slots, every rank going back to `step`."""
@@ -329,4 +337,5 @@ class Reconstruction:
                       **({"from_disk": rec.from_disk} if rec.from_disk else {}))
         self.recoveries.append(rec)
         self.recovery = None
+        self._enter(Phase.TRAINING)
         self._release_kept("the recovery that replaced it completed")

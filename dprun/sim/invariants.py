@@ -11,6 +11,7 @@ import re
 from dpagent import protocol as p
 from dprun.controller import ANY_GENERATION, Finish, Publish, Received, Send
 from dprun.nodes import ACTIVE, FAILED
+from dprun.phase import Phase
 from dprun.repeats import without_rank_prefix
 
 
@@ -44,6 +45,21 @@ def is_stale(controller, event) -> bool:
             and not isinstance(event.msg, ANY_GENERATION) and not controller._late_copy(event.msg))
 
 
+def records_of(c) -> Phase:
+    """The phase that the controller's records show (its recovery, plan, files, generation): invariant 12 holds
+    them equal to its explicit phase after every input."""
+    if c.phase is Phase.FINISHED:
+        return Phase.FINISHED
+    if c.files is not None:
+        return Phase.SAVING if c.files.saving else Phase.LOADING
+    if c.generation < 0:
+        return Phase.FORMING
+    if c.pending is not None:
+        waits = c.pending.waiting_since is not None or c.pending.restoring_until is not None
+        return Phase.WAITING if waits and c.flush is None else Phase.DECIDING
+    return Phase.RECOVERING if c.recovery is not None else Phase.TRAINING
+
+
 class Checker:
     """Observer for World: per-event safety invariants 1-3."""
 
@@ -70,6 +86,9 @@ class Checker:
         c = world.controller
         if self.before is not None and fingerprint(c) != self.before:
             raise InvariantViolation(f"invariant 2: a stale message changed state: {event}")
+        if (kept := records_of(c)) != c.phase:
+            raise InvariantViolation(f"invariant 12: the controller is {c.phase.name} but its records are those of "
+                                     f"{kept.name} after {event}")
         if c.generation >= 0:
             self._one_owner_per_rank(world)
         for action in actions:
@@ -101,7 +120,7 @@ class Checker:
         in_layout = set(layout)
         if len(layout) != c.spec.nnodes or len(in_layout) != len(layout):
             raise InvariantViolation(f"invariant 1: layout {layout} does not give each node rank one node")
-        if not c.finished and c.files is None and not c.table.all_in_role(in_layout, ACTIVE):
+        if c.phase not in (Phase.FINISHED, Phase.SAVING, Phase.LOADING) and not c.table.all_in_role(in_layout, ACTIVE):
             if c.pending is None and c.flush is None:
                 raise InvariantViolation(f"invariant 1: a failed node still owns ranks with no recovery under way: "
                                          f"{[(n, c.table.nodes[n].role) for n in layout]}")
