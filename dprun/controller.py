@@ -14,6 +14,7 @@ from dpagent import protocol as p
 
 from .controller_io import (  # noqa: F401  (re-exported: the controller's inputs and actions)
     ConnectionDropped, Finish, Flush, JobSpec, NodeGone, Paused, Publish, Received, Recovery, Send, Shutdown, Tick,
+    WakeNode,
 )
 from .faults import FaultPlan
 from .ledger import INIT, ReplicaLedger
@@ -84,6 +85,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.max_step = 0
         self.peaks: dict[int, int] = {}  # generation -> the newest step made in it, once a newer one was planned
         self.last_progress_event = float("-inf")
+        self.progress_said = 0  # the step the last "progress" event named
         self.recoveries: list[Recovery] = []
         self.restarts = 0
         self.finished_ranks: dict[int, int] = {}  # rank -> its last step, once past job.steps()' final barrier
@@ -177,6 +179,9 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         for spec in self.faults.pending:  # a rehearsal whose fault never fired must not pass for one survived
             self._publish("fault_skipped", spec=str(spec), reason="the job ended before it was due")
         self.faults.pending.clear()
+        if self.max_step > self.progress_said:  # (progress events are throttled: the last step is said too)
+            self._publish("progress", generation=self.generation, step=self.max_step,
+                          made_before_s=round(self.now - self.last_progress_at, 6))
         self._publish("job_finished", exit_code=code, message=message)
         self._out.append(Finish(code, message, self.saved_in))
         self._enter(Phase.FINISHED)
@@ -297,7 +302,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             self.last_progress_at = now
             self.stepped = True
         if now - self.last_progress_event >= PROGRESS_EVERY_S:
-            self.last_progress_event = now
+            self.last_progress_event, self.progress_said = now, self.max_step
             self._publish("progress", generation=self.generation, step=self.max_step, **msg.metrics)
         rec = self.recovery
         if rec is not None and msg.step > rec.restore_step:
@@ -409,6 +414,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             return
         if node.role == SPARE and msg.exitcode == 0:
             return
+        self._worker_exit_said(node, msg)
         how = p.describe_end(msg.exitcode, msg.detail, msg.oom_killed)
         cause = f"worker {msg.local_rank} (pid {msg.pid}) {how}"
         # a crash as it exited on a Python exception counts as the exit 1 of that exception (p.WorkerExited.raised)
@@ -426,6 +432,16 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self._node_failed(node.node_id, cause, now, agent_alive=True)
         if same is not None and not self.finished:
             self._finish(1, same)
+
+    def _worker_exit_said(self, node: Node, msg: p.WorkerExited) -> None:
+        """A live node's worker ended with an error or a signal: said as an event (the job's failure summary,
+        `dprun report`) before what comes of it."""
+        if msg.exitcode == 0 or node.role == FAILED:
+            return
+        rank = node.node_rank * self.spec.nproc_per_node + msg.local_rank if node.node_rank >= 0 else None
+        self._publish("worker_exited", node=node.node_id, local_rank=msg.local_rank, rank=rank, pid=msg.pid,
+                      exitcode=msg.exitcode, cause=p.describe_end(msg.exitcode, msg.detail, msg.oom_killed),
+                      tail=msg.stderr_tail, log=msg.log_path)
 
     # -- forming the first generation ------------------------------------------------------------
 

@@ -107,6 +107,16 @@ class Publish:
 
 
 @dataclass(frozen=True)
+class WakeNode:
+    """Fault injection's wake-node: continue (SIGCONT) the node frozen by freeze-node. Its agent cannot act, so
+    the launcher that started it must: the shell does it where that node runs on its machine, and says so where
+    it cannot."""
+
+    node_id: str
+    spec: str
+
+
+@dataclass(frozen=True)
 class Finish:
     exit_code: int
     message: str

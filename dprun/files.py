@@ -223,6 +223,8 @@ class Files:
         if isinstance(event, Received) and isinstance(event.msg, WAITING_FOR_FILES):
             self._received(event.node_id, event.msg, now)
         elif isinstance(event, Received) and isinstance(event.msg, p.WorkerExited):
+            if (node := self.table.get(event.node_id)) is not None:
+                self._worker_exit_said(node, event.msg)
             self._worker_lost(event.node_id, event.msg)
         elif isinstance(event, NodeGone):
             self._files_failed(event.node_id, event.cause)

@@ -1,5 +1,5 @@
 """Fault injection as the controller fires it: each --inject spec that is due goes to its target node as an
-Inject message (wake-node to the launcher of the node frozen at that rank), and is published as an event.
+Inject message (wake-node: a WakeNode action, for the launcher of the node frozen at that rank), and an event.
 
 A part of the Controller state machine (it inherits this); dprun.faults parses the specs and says when each is due.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dpagent import protocol as p
 
+from .controller_io import WakeNode
 from .nodes import ACTIVE, SPARE
 from .phase import Phase
 
@@ -28,8 +29,10 @@ class FaultInjection:
                 self.frozen_at[spec.node_rank] = node_id
             if spec.kind != "wake-node":
                 self.injected_at[node_id] = now
-            # wake-node goes to the launcher of a frozen node (its agent cannot act); see dprun/server.py
-            self._send(node_id, p.Inject(kind=spec.kind, local_rank=spec.local_rank))
+            if spec.kind == "wake-node":  # (a frozen node's agent cannot act: its launcher must)
+                self._out.append(WakeNode(node_id, str(spec)))
+            else:
+                self._send(node_id, p.Inject(kind=spec.kind, local_rank=spec.local_rank))
             self._publish("fault_injected", node=node_id, node_rank=spec.node_rank, kind=spec.kind, spec=str(spec))
 
     def _fault_target(self, spec) -> str | None:

@@ -148,7 +148,8 @@ class JobView:
                 node.role = "active"
 
     def _ev_progress(self, e: dict, t: float) -> None:
-        t = min(t, float(e.get("made_at", t)))  # (the last step, said as the job finished: when it was made)
+        # the last step, said as the job finished: when it was made (made_at: event files of an older dprun)
+        t = min(t - float(e.get("made_before_s", 0.0)), float(e.get("made_at", t)))
         self._job_step(int(e.get("step", 0)), e, t)
         if self.timeline:
             self.progress_points.append((t, int(e.get("step", 0)), int(e.get("generation", 0))))
@@ -377,7 +378,7 @@ def controller_state(ctrl: Any, now: float) -> dict:
         entry = {"host": node.host, "pid": node.pid, "role": node.role, "node_rank": node.node_rank,
                  "age": round(max(0.0, now - node.last_heard), 3), "cause": node.cause,
                  "last_step": getattr(node, "last_step", -1),
-                 "room": sum(w.get("room", 0) for w in getattr(node, "workers", {}).values() if isinstance(w, dict))}
+                 "room": sum(w.room for w in getattr(node, "workers", {}).values())}
         r = rank_of.get(node_id, -1)
         if r >= 0 and node.role == "active":
             holder = holders.get(r, [])

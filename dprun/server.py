@@ -22,6 +22,7 @@ from dpagent.liveness import PAUSED_AFTER_S
 
 from .controller import (
     ConnectionDropped, Controller, Finish, JobSpec, NodeGone, Paused, Publish, Received, Send, Shutdown, Tick,
+    WakeNode,
 )
 from .events import EventSink
 from .jobview import JobView, controller_state
@@ -49,7 +50,6 @@ class ControllerServer:
         self._stores: dict[int, tuple[object, str]] = {}
         self._rendezvous: dict[int, float] = {}  # restart mode: generation -> wall time of the failure
         self._next_view = 0.0
-        self._last_progress_step = -1
         if view is not None:
             sink.listeners.append(view.on_event)
         self.ctx = zmq.Context.instance()
@@ -164,23 +164,13 @@ class ControllerServer:
         self.view.on_heard(sender, now)
         if isinstance(msg, p.Progress):
             self.view.on_progress(sender, msg.step, msg.generation, msg.metrics, now)
-        elif isinstance(msg, p.WorkerExited) and msg.exitcode != 0:
-            ctl = self.controller
-            node = ctl.table.get(sender) if ctl is not None else None
-            if node is None or node.role == "failed" or ctl.finished:
-                return  # a fenced node's workers, or the job's own Stop: not a failure of their own
-            rank = node.node_rank * ctl.spec.nproc_per_node + msg.local_rank if node.node_rank >= 0 else None
-            self.sink.emit({"event": "worker_exited", "node": sender, "local_rank": msg.local_rank, "rank": rank,
-                            "pid": msg.pid, "exitcode": msg.exitcode,
-                            "cause": p.describe_end(msg.exitcode, msg.detail, msg.oom_killed),
-                            "tail": getattr(msg, "stderr_tail", ""), "log": getattr(msg, "log_path", "")})
 
     def _apply(self, actions) -> Finish | None:
         finish = None
         for action in actions:
-            if isinstance(action, Send) and isinstance(action.msg, p.Inject) and action.msg.kind == "wake-node":
-                if not (self.wake_node and self.wake_node(action.node_id)):  # a frozen agent cannot act
-                    self.sink.emit({"event": "fault_skipped", "spec": f"wake-node {action.node_id}",
+            if isinstance(action, WakeNode):
+                if not (self.wake_node and self.wake_node(action.node_id)):
+                    self.sink.emit({"event": "fault_skipped", "spec": action.spec,
                                     "reason": "wake-node needs the node's agent on the head's machine"})
             elif isinstance(action, Send):
                 msg = action.msg
@@ -193,15 +183,8 @@ class ControllerServer:
                     pass  # the node is gone or not connected yet: heartbeats and probes handle it
             elif isinstance(action, Publish):
                 event = action.event
-                if event["event"] == "progress":
-                    self._last_progress_step = event.get("step", -1)
-                elif event["event"] == "recovery_complete" and event.get("mode") == "restart":
+                if event["event"] == "recovery_complete" and event.get("mode") == "restart":
                     self._rendezvous[event["generation"]] = time.time() - event["phases"]["total_s"]
-                elif event["event"] == "job_finished" and self.controller is not None \
-                        and self.controller.max_step > max(0, self._last_progress_step):  # events are throttled
-                    made = time.time() - (time.monotonic() - self.controller.last_progress_at)  # (not now: the
-                    self.sink.emit({"event": "progress", "generation": self.controller.generation,  # final barrier
-                                    "step": self.controller.max_step, "made_at": round(made, 6)})  # is no step)
                 self.sink.emit(event, console=event.get("first", True))  # (a failure said once per kind)
             elif isinstance(action, Finish):
                 finish = action
