@@ -1,5 +1,5 @@
-"""Checks of dprun's options that cli.py runs before anything starts: each returns None when the input is
-fine, else the one line that says what is wrong and what to do (cli.py prints it and exits 2)."""
+"""Checks of dprun's options, one rule each, that dprun.run_options runs before anything starts: each returns
+None when the input is fine, else the one line that says what is wrong and what to do (dprun prints it, exits 2)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import socket
 import stat
 import tempfile
 from pathlib import Path
+
+from .faults import FaultSpec
 
 MAX_NPROC_PER_NODE = 1024  # more workers than this per node: their heartbeats outgrow a message (1 MiB)
 MAX_LOCAL_NODES = 256  # standalone: nodes + spares, all of them agents on this machine
@@ -52,6 +54,23 @@ def snapshot_interval_problem(text: str) -> str | None:
         return None
     return (f"--snapshot-interval {text}: the budget is the share of step time that snapshots may cost, more "
             "than 0 and less than 1 (e.g. auto:0.02) or than 100% (e.g. auto:2%)")
+
+
+def snapshot_check_problem(text: str) -> str | None:
+    """full, or N > 0 as dpstate.checks reads it: one data parallel block in N is checksummed per snapshot."""
+    if re.fullmatch(r"full|[1-9][0-9]*", text):
+        return None
+    return f"--snapshot-check must be a positive number of blocks (1 in N is checked) or full, got {text!r}"
+
+
+def replicas_problem(replicas: int, nnodes: int) -> str | None:
+    """Each node's snapshots go to the next --replicas training nodes of the ring (a single node's: its spares)."""
+    if replicas < 1:
+        return f"--replicas must be at least 1, got {replicas}"
+    if nnodes > 1 and replicas > nnodes - 1:
+        return (f"--replicas {replicas} needs {replicas + 1} nodes or more: each node's snapshots go to the next "
+                f"--replicas training nodes of the ring; use --replicas {nnodes - 1} or a larger --nnodes")
+    return None
 
 
 def counts_problem(nnodes: int, spares: int, nproc_per_node: int, standalone: bool) -> str | None:
@@ -127,6 +146,33 @@ def folder_problem(flag: str, folder: Path) -> str | None:
             pass
     except OSError as exc:
         return f"{flag} {folder}: cannot write there ({exc.strerror}); give a folder every node can write"
+    return None
+
+
+def events_file_problem(events_file: Path) -> str | None:
+    """The events are appended to the file: open it so (creating it) now, not once the job runs."""
+    try:
+        with open(events_file, "a"):
+            pass
+    except OSError as exc:
+        return f"--events-file {events_file}: {exc.strerror}"
+    return None
+
+
+def fault_problem(spec: FaultSpec, restart_mode: bool, nnodes: int, spares: int, nproc_per_node: int) -> str | None:
+    """An --inject fault must name a node, spare and worker that the job has, and a step only where dprun sees
+    steps (a script that uses dpstate)."""
+    if restart_mode and spec.trigger == "step":
+        return (f"--inject {spec}: this script does not use dpstate, so dprun does not see its steps; trigger it at "
+                f"a time instead ({spec.kind}:{spec.node_rank}@t=SECONDS)")
+    if spec.on_spare:
+        if spec.node_rank >= spares:
+            return f"--inject {spec}: spare {spec.node_rank} does not exist with --spares {spares}"
+        return None
+    if spec.node_rank >= nnodes:
+        return f"--inject {spec}: node rank {spec.node_rank} does not exist with --nnodes {nnodes}"
+    if spec.local_rank >= nproc_per_node:
+        return f"--inject {spec}: local rank {spec.local_rank} does not exist with --nproc-per-node {nproc_per_node}"
     return None
 
 

@@ -17,7 +17,7 @@ import threading
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -39,16 +39,20 @@ from .slurm import SlurmJob, controller_lost_notice
 from .status import StatusFeed
 
 
-@dataclass
+@dataclass(frozen=True)
 class JobOptions:
+    """One job as dprun's command line gave it, checked (dprun.run_options makes it): what the head, the agents
+    and their workers are started with."""
+
     nnodes: int
     spares: int
     nproc_per_node: int
-    script: list[str]  # the worker command after the interpreter: SCRIPT ARGS...
+    script: tuple[str, ...]  # the worker command after the interpreter: SCRIPT ARGS...
     events_file: str | None = None
-    faults: list[FaultSpec] = field(default_factory=list)
+    faults: tuple[FaultSpec, ...] = ()
     replicas: int = 1
     snapshot_interval: str | None = None  # DP_SNAPSHOT_INTERVAL of the workers (None: theirs, default every step)
+    snapshot_check: str | None = None  # DP_SNAPSHOT_CHECK of the workers (None: theirs, default 8)
     hang_timeout: float = 600.0
     on_spare_exhausted: str = "fail"
     on_controller_lost: str = "cancel"  # under srun: what to do with the Slurm job once its batch script's node died
@@ -289,6 +293,10 @@ def run_multinode(opts: JobOptions) -> int:
 def _worker_settings(opts: JobOptions) -> dict[str, str]:
     """Environment for workers (through their agents) that follows from the job's options."""
     settings = {"DP_STATUS_INTERVAL": str(opts.heartbeat_interval)}
+    if opts.snapshot_interval is not None:  # (not given: the workers' own, else every step)
+        settings["DP_SNAPSHOT_INTERVAL"] = opts.snapshot_interval
+    if opts.snapshot_check is not None:
+        settings["DP_SNAPSHOT_CHECK"] = opts.snapshot_check
     if opts.on_spare_exhausted == "wait":  # survivors wait for a spare as long as the controller does
         settings["DP_RECONFIGURE_TIMEOUT"] = str(max(120.0, opts.spare_wait_timeout + 60.0))
     return settings
