@@ -39,12 +39,12 @@ import dataclasses
 import hashlib
 import hmac
 import json
-import signal
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .checksum import CHECKSUM_BLOCK
+from .exit_wording import OOM_KILLED, OWN_SIGNALS, describe_end, describe_exit  # (older call sites name them here)
 
 PROTOCOL_VERSION = 19  # 2: PutSnapshot.held; 3: ReserveSnapshot; 4: Progress.snapshot; 5: data in chunks;
 #                      6: a fetch's chunks stream as SnapshotChunk messages; 7: dedup (OfferSnapshot, ...);
@@ -170,37 +170,6 @@ class WorkerExited:
     raised: str = ""
     oom_killed: bool = False
     step: int = NO_RANK
-
-
-OOM_KILLED = "killed by the kernel's OOM killer: out of memory"
-
-
-def describe_exit(exitcode: int, oom_killed: bool = False) -> str:
-    """A WorkerExited.exitcode (or any subprocess return code) in words: "exit code 1", "killed by SIGKILL", or
-    OOM_KILLED where the kernel's OOM killer sent that SIGKILL (dpagent.oom)."""
-    if oom_killed:
-        return OOM_KILLED
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
-OWN_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)  # a process's own fault
-
-
-def describe_end(exitcode: int, detail: str, oom_killed: bool = False) -> str:
-    """How a worker ended and what it last said (WorkerExited.detail): after a colon where that may be why (its
-    own exit or crash); in parentheses where a signal came from outside (SIGKILL: the OOM killer, a kill -9),
-    which its last line cannot explain."""
-    how = describe_exit(exitcode, oom_killed)
-    if not detail or detail == describe_exit(exitcode):
-        return how
-    if exitcode < 0 and -exitcode not in OWN_SIGNALS:
-        return f"{how} (its last line before: {detail})"
-    return f"{how}: {detail}"
 
 
 @_message
@@ -729,4 +698,8 @@ __all__ = [name for name in _REGISTRY] + [
     "refusal",
     "message_types",
     "payload_bytes",
+    "OOM_KILLED",
+    "OWN_SIGNALS",
+    "describe_exit",
+    "describe_end",
 ]

@@ -11,9 +11,10 @@ import signal
 import subprocess
 import time
 
+from .exit_wording import describe_exit
 from .output import CRASHES, exception_name, raised_exception
 from .protocol import NO_RANK, PeerError, Reconfigure, WorkerExited, WorkerReady
-from .workers import describe_exit, restart_env
+from .workers import restart_env
 
 log = logging.getLogger("dpagent")
 

@@ -11,6 +11,7 @@ import signal
 import time
 
 from .channel import Incoming
+from .exit_wording import describe_exit
 from .output import crash_exception, failure_detail
 from .protocol import (
     NO_RANK, Diverged, Hello, PeerError, Progress, RankFinished, RestoreFailed, SnapshotFiles, Stop, WorkerExited,
@@ -18,7 +19,7 @@ from .protocol import (
 )
 from .replica_server import FilesDone, RelabelChecked
 from .shutdown import SENT_BY_PHASE
-from .workers import WorkerDone, describe_exit, worker_env
+from .workers import WorkerDone, worker_env
 
 log = logging.getLogger("dpagent")
 FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, Diverged, SnapshotFiles)  # relayed on

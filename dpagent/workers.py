@@ -21,9 +21,9 @@ from typing import Collection, Mapping, Sequence
 import psutil
 
 from .events import EventPipe
+from .exit_wording import describe_exit as describe_exit  # (re-exported: tests name it here)
 from .output import OutputSpec, WorkerOutput
 from .process import child_preexec, signal_tree
-from .protocol import describe_exit as protocol_describe_exit
 
 log = logging.getLogger("dpagent")
 
@@ -266,6 +266,3 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except psutil.NoSuchProcess:
         return False
-
-
-describe_exit = protocol_describe_exit  # re-exported: agent.py and restart.py use it from here

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dpagent.protocol import OOM_KILLED
+from dpagent.exit_wording import OOM_KILLED
 
 HUNG = "no progress within --hang-timeout"  # a rank failed as hung (not an exit): the script's, where it follows
 STEP_SLACK = 1  # steps apart that still count as "the same step": a rank reports its step after making it
