@@ -15,7 +15,7 @@ from .exit_wording import describe_exit
 from .output import crash_exception, failure_detail
 from .protocol import (
     NO_RANK, Diverged, Hello, PeerError, Progress, RankFinished, RestoreFailed, SnapshotFiles, Stop, WorkerExited,
-    WorkerReady, WorkerStatus,
+    WorkerReady, WorkerStatus, WorkerSummary,
 )
 from .replica_server import FilesDone, RelabelChecked
 from .shutdown import SENT_BY_PHASE
@@ -48,10 +48,10 @@ class WorkerLink:
         log.info("worker %d started (pid %d)%s", local_rank, worker.pid, f"; logs in {folder}" if folder else "")
         return worker
 
-    def _worker_statuses(self, now: float) -> dict:
+    def _worker_statuses(self, now: float) -> dict[str, WorkerSummary]:
         """Each worker's latest status and its age: a stopped or wedged worker's age keeps growing."""
-        return {str(local): {"rank": st.rank, "step": st.step, "activity": st.activity, "age": round(now - t, 3),
-                             "room": st.room, "pid": self._pid(local)}
+        return {str(local): WorkerSummary(rank=st.rank, step=st.step, activity=st.activity, age=round(now - t, 3),
+                                          room=st.room, pid=self._pid(local) or 0)
                 for local, (st, t) in self._statuses.items()}
 
     def _pid(self, local_rank: int) -> int | None:

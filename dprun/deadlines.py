@@ -127,9 +127,8 @@ class Deadlines:
         """Before a generation's first step, start-up (the script's own, a restore) is no hang; but once a rank
         waits in a collective for its peers, the generation's first step has begun, and one that hangs in it is
         caught as in any other step (before, a hang that followed its rank onto the spare hung the job for ever)."""
-        return any(status.get("activity") in ("collective", "finishing")
-                   and status.get("age", 0) <= self._status_stale_after()
-                   for node_id in self.layout for status in self.table.nodes[node_id].workers.values())
+        return any(status.activity in ("collective", "finishing") and status.age <= self._status_stale_after()
+                   for status in self._statuses())
 
     def _stuck_apart(self, now: float) -> bool:
         """Ranks past their last step wait at the final barrier while others made that step too, and wait in a
@@ -137,10 +136,10 @@ class Deadlines:
         once those others' steps have not moved for APART_FOR heartbeat intervals (statuses lag by one)."""
         finishing, beyond = [], {}
         for status in self._statuses():
-            if status["activity"] == "finishing":
-                finishing.append(status["step"])
-            elif status["activity"] == "collective" and status.get("age", 0) <= self._status_stale_after():
-                beyond[status["rank"]] = status["step"]
+            if status.activity == "finishing":
+                finishing.append(status.step)
+            elif status.activity == "collective" and status.age <= self._status_stale_after():
+                beyond[status.rank] = status.step
         beyond = {rank: step for rank, step in beyond.items() if finishing and step >= max(finishing)}
         if not beyond or beyond != self.apart[1]:
             self.apart = (now, beyond)
@@ -150,20 +149,19 @@ class Deadlines:
     def _finished_apart(self) -> str:
         """Why every rank waits, where some left the training loop and wait at its final barrier while others
         train on: they were given different step counts ("": not so)."""
-        done, training = [], []
+        done: list[p.WorkerSummary] = []
+        training: list[p.WorkerSummary] = []
         for status in self._statuses():
-            (done if status["activity"] == "finishing" else training).append(status)
+            (done if status.activity == "finishing" else training).append(status)
         if not done or not training:
             return ""
-        return (f"ranks {_ranks(done)} finished their steps (after step {max(s['step'] for s in done)}) and "
+        return (f"ranks {_ranks(done)} finished their steps (after step {max(s.step for s in done)}) and "
                 f"wait at the end for ranks {_ranks(training)}, which train on: give every node's script the same "
                 "arguments (a different --steps, or a loop condition that differs between ranks)")
 
-    def _statuses(self) -> list[dict]:
-        """The training nodes' worker statuses, as their heartbeats said; a buggy agent's malformed ones left out
-        (no evidence either way)."""
-        return [status for node_id in self.layout for status in self.table.nodes[node_id].workers.values()
-                if _well_formed(status)]
+    def _statuses(self) -> list[p.WorkerSummary]:
+        """The training nodes' worker statuses, as their heartbeats said."""
+        return [status for node_id in self.layout for status in self.table.nodes[node_id].workers.values()]
 
     def _status_stale_after(self) -> float:
         """A worker status older than this (as its node's heartbeat says) is of a worker that stopped responding."""
@@ -191,8 +189,8 @@ class Deadlines:
 
     def _pid_of(self, node_id: str, rank: int) -> str:
         """" (pid N)" for a rank's worker as its node's last heartbeat told it, or "" where it did not."""
-        pid = self.table.nodes[node_id].workers.get(str(rank % self.spec.nproc_per_node), {}).get("pid")
-        return f" (pid {pid})" if pid else ""
+        status = self.table.nodes[node_id].workers.get(str(rank % self.spec.nproc_per_node))
+        return f" (pid {status.pid})" if status is not None and status.pid else ""
 
     def _hung(self, now: float) -> None:
         """No rank stepped for hang_timeout: blame the ranks that are not waiting on their peers."""
@@ -205,11 +203,11 @@ class Deadlines:
             for local in range(self.spec.nproc_per_node):
                 status = node.workers.get(str(local))
                 rank = node_rank * self.spec.nproc_per_node + local
-                step = status.get("step") if status and isinstance(status.get("step"), int) else self.max_step
-                if status is None or status.get("age", 0) > stale_after:
+                step = status.step if status is not None else self.max_step
+                if status is None or status.age > stale_after:
                     culprits.setdefault(node_id, (f"rank {rank} stopped responding", rank, step))
-                elif status.get("activity") not in WAITING_ON_PEERS:
-                    culprits.setdefault(node_id, (f"rank {rank} stuck in {status.get('activity')} after step {step}",
+                elif status.activity not in WAITING_ON_PEERS:
+                    culprits.setdefault(node_id, (f"rank {rank} stuck in {status.activity} after step {step}",
                                                   rank, step))
         if not culprits:
             self._finish(1, f"job hung: no step for {stalled:.0f} s and every rank waits on its peers; "
@@ -223,11 +221,5 @@ class Deadlines:
             self._finish(1, same)
 
 
-def _ranks(statuses: list[dict]) -> list:
-    return sorted(status["rank"] for status in statuses)
-
-
-def _well_formed(status) -> bool:
-    """A worker status (protocol.Heartbeat.workers) whose rank, step, activity and age have their types."""
-    return (isinstance(status, dict) and isinstance(status.get("rank"), int) and isinstance(status.get("step"), int)
-            and isinstance(status.get("activity"), str) and isinstance(status.get("age", 0), (int, float)))
+def _ranks(statuses: list[p.WorkerSummary]) -> list:
+    return sorted(status.rank for status in statuses)

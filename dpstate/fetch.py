@@ -194,6 +194,7 @@ class _ChunkReader:
         """Receive chunk `index`'s header frames; its payload frame is left for the caller."""
         what = f"chunk {index} of {self.reply.chunks} of rank {self.reply.rank} step {self.reply.step}"
         _await(self.sock, self.abort, self.deadline, f"{what} did not come from {self.endpoint} in time")
+        msg: P.Message | P.ProtocolError
         try:
             msg, _ = self.codec.decode(_recv_head(self.sock, 4))
         except P.ProtocolError as exc:

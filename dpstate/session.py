@@ -86,7 +86,7 @@ class Job:
         self.node_id = os.environ.get("DP_NODE_ID", "local")
         self.rank, self.world_size, self.node_rank = 0, 1, 0
         self.generation, self.restore_step = -1, -1
-        self.restored_from = ""
+        self.restored_from: P.RestoredFrom = ""
         self.backend = default_backend()
         self.device = local_device()
         if self.device.type == "cuda":
@@ -108,7 +108,7 @@ class Job:
             self._replicator.on_divergence = self._diverged  # (told to the controller: protocol.Diverged)
             if self._replicator.policy.mode == "auto":
                 self._tracked.add(**{POLICY_NAME: self._replicator.policy})  # its decision travels in snapshots
-        self.activity = "idle"  # compute, snapshot, finishing, recovering, idle: see protocol.WorkerStatus
+        self.activity: P.Activity = "idle"  # what it does now, for its WorkerStatus
         if control is not None:
             abort.add_callback(self._groups.on_abort)
             control.status = self._status
@@ -425,7 +425,7 @@ class Job:
                           NODE_RANK=str(self.node_rank), LOCAL_RANK=str(self.local_rank),
                           LOCAL_WORLD_SIZE=str(self.local_world_size), MASTER_ADDR=host, MASTER_PORT=port)
 
-    def _restore(self, reconf: P.Reconfigure) -> tuple[str, Slot | None]:
+    def _restore(self, reconf: P.Reconfigure) -> tuple[P.RestoredFrom, Slot | None]:
         """Bring the tracked state to reconf.restore_step; returns where it came from and the snapshot
         restored, if any (to be replicated again for this generation)."""
         step, rep = reconf.restore_step, self._replicator
@@ -445,6 +445,7 @@ class Job:
             rep.submit(0, self._tracked.capture(0), self._tracked.shared_keys)
             return "", None
         slot, bad_copies = self._sources.take_prefetched(reconf, self.rank)
+        where: P.RestoredFrom
         slot, where = (slot, "replica") if slot is not None else (rep.local(step), "local")
         if slot is None and (source == "init" or (step == 0 and not source)):
             # keep the state before training: this process never started (a spare, or a failure came first)

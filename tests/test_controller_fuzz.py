@@ -1,12 +1,13 @@
 """The controller never raises on what a node may send: any sequence of messages whose fields have the types the
 codec lets through (a buggy or out-of-step agent's: a rank past the world, an old generation, another node's
-name, statuses of any shape), among ticks, while the job forms, trains and recovers. A raise would end the
+name, worker statuses of any values), among ticks, while the job forms, trains and recovers. A raise would end the
 job. `DP_FUZZ_EXAMPLES=5000` searches longer."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,8 +23,9 @@ TEXT = NAMES | st.text(max_size=20)
 JSONISH = st.recursive(st.none() | st.booleans() | SMALL | TEXT | st.floats(allow_nan=False),
                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
                        max_leaves=10)
-STATUS = st.fixed_dictionaries({"rank": SMALL, "step": SMALL, "activity": TEXT, "age": st.floats(0, 100)},
-                               optional={"room": SMALL, "pid": SMALL | st.none()})
+ACTIVITY = st.sampled_from(typing.get_args(p.Activity))
+STATUS = st.fixed_dictionaries({"rank": SMALL, "step": SMALL, "activity": ACTIVITY, "age": st.floats(0, 100)},
+                               optional={"room": SMALL, "pid": SMALL})
 BY_ANNOTATION = {
     "int": SMALL,
     "float": st.floats(-10, 1e6),
@@ -35,6 +37,13 @@ BY_ANNOTATION = {
     "dict": st.dictionaries(st.sampled_from(["0", "1", "x"]), STATUS | JSONISH, max_size=3) | JSONISH.filter(
         lambda v: isinstance(v, dict)),
     "dict[str, str]": st.dictionaries(st.sampled_from(["0", "1", "2", "x"]), TEXT, max_size=3),
+    "dict[str, list[str]]": st.dictionaries(st.sampled_from(["0", "1", "2", "x"]), st.lists(TEXT, max_size=3),
+                                            max_size=3),
+    "dict[str, WorkerSummary]": st.dictionaries(st.sampled_from(["0", "1", "x"]),
+                                                STATUS.map(lambda status: p.WorkerSummary(**status)), max_size=3),
+    "Activity": ACTIVITY,
+    "RestoredFrom": st.sampled_from(typing.get_args(p.RestoredFrom)),
+    "Role": st.sampled_from(typing.get_args(p.Role)),
 }
 SENDERS = st.sampled_from(["a", "b", "s", "x"])
 

@@ -47,9 +47,9 @@ class WorkerSide:
             sources = [source, *msg.restore_also.get(str(worker.rank), [])]
             self._fetch(node, local, generation, [s for s in sources if s and s != "init"])
             return
-        self._restored(node, local, generation)
+        self._restored(node, local, generation, "" if step < 0 else "init" if source == "init" else "local")
 
-    def _restored(self, node: SimNode, local: int, generation: int) -> None:
+    def _restored(self, node: SimNode, local: int, generation: int, source: p.RestoredFrom) -> None:
         worker = node.workers[local]
         worker.local = [s for s in worker.local if s < worker.state] + [worker.state]  # the restored copy
         worker.phase = "ready"
@@ -57,7 +57,7 @@ class WorkerSide:
         self.ready.setdefault(generation, set()).add(worker.rank)
         worker.made = worker.restore.restore_step
         self.restored_at[(generation, worker.rank)] = worker.state  # (invariants: a restore from disk's step)
-        self._agent_send(node.node_id, p.WorkerReady(node.node_id, generation, worker.rank, 0.01, 0.01, "sim"))
+        self._agent_send(node.node_id, p.WorkerReady(node.node_id, generation, worker.rank, 0.01, 0.01, source))
         self._try_release_barrier(generation)
 
     def _fetch(self, node: SimNode, local: int, generation: int, sources: list) -> None:
@@ -122,7 +122,7 @@ class WorkerSide:
             self._fetch(node, local, generation, rest)
             return
         worker.state = step
-        self._restored(node, local, generation)
+        self._restored(node, local, generation, "replica")
 
     def _try_release_barrier(self, generation: int) -> None:
         if len(self.ready.get(generation, ())) < self.spec.world_size:
