@@ -34,7 +34,9 @@ from .output import OutputSpec
 from .replica_server import ReplicaServer
 from .replica_store import ReplicaStore
 from .restart import RestartMode
-from .shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, EXIT_REFUSED, Shutdown, ShutdownSequence
+from .shutdown import (
+    EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, EXIT_REFUSED, Shutdown, ShutdownSequence, StopPhase,
+)
 from .worker_link import WorkerLink
 from .workers import WorkerGroup
 
@@ -291,7 +293,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
             self.liveness.turned(now)
         if self._signalled and not self._exiting():
             self._stop_signalled(now)
-        elif self._signals and self.shutdown is not None and self.shutdown.phase == "save":
+        elif self._signals and self.shutdown is not None and self.shutdown.phase is StopPhase.SAVE:
             self._signal_while_saving(now)
         if not self._exiting():  # (a node whose store stays heartbeats while its workers stop)
             if self._launcher_gone and self.cfg.launcher == "member":
@@ -309,11 +311,11 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
             elif self.control.refused:
                 log.error("%s refused this node: %s; exiting %d", self.cfg.controller,
                           REFUSALS[self.control.refused], EXIT_REFUSED)
-                self._begin_shutdown(EXIT_REFUSED, "refused", "kill")
+                self._begin_shutdown(EXIT_REFUSED, "refused", StopPhase.KILL)
             elif now - self.started >= self.cfg.register_timeout:
                 log.error("no Welcome from %s within %.0fs; exiting %d",
                           self.cfg.controller, self.cfg.register_timeout, EXIT_NO_CONTROLLER)
-                self._begin_shutdown(EXIT_NO_CONTROLLER, "no welcome", "kill")
+                self._begin_shutdown(EXIT_NO_CONTROLLER, "no welcome", StopPhase.KILL)
             elif now >= self._welcome_note_at:
                 self._welcome_note_at = now + self._welcome_note_every
                 log.warning("no Welcome from %s yet after %.3gs (is the dprun that runs the controller up there, "
@@ -370,7 +372,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
                 self.standby = msg
                 self._to_workers(msg)
         elif isinstance(msg, Stop):
-            self._begin_shutdown(msg.exit_code, f"stop from controller: {msg.reason}", "stop", msg)
+            self._begin_shutdown(msg.exit_code, f"stop from controller: {msg.reason}", StopPhase.STOP, msg)
         elif isinstance(msg, SaveSnapshots) and msg.background:  # written on a thread; training goes on
             self.replica.files(msg)
         elif isinstance(msg, SaveSnapshots):  # the job stops (its Stop follows); its state outlives it

@@ -7,6 +7,7 @@ A part of the Agent (it inherits this), kept apart so each file reads in one sit
 
 from __future__ import annotations
 
+import enum
 import logging
 import signal
 import time
@@ -22,18 +23,32 @@ EXIT_CONTROLLER_LOST = 3  # the controller fell silent (or its dprun died) after
 EXIT_NO_CONTROLLER = 4  # no Welcome within --register-timeout: none answered (not started, unreachable)
 EXIT_REFUSED = 5  # the controller refused this node before its Welcome: another job's token or DeadPool version
 
+
+
+class StopPhase(enum.Enum):
+    """Where a shutdown is. STOP (Stop relayed to the workers) -> TERM (SIGTERM after the grace) -> KILL (SIGKILL);
+    SAVE (the controller lost: the node writes what it holds) -> KILL. KILL is final: the agent exits (or stays
+    retired, Stop.keep_store) once its workers are gone."""
+
+    STOP = "stop"
+    SAVE = "save"
+    TERM = "term"
+    KILL = "kill"
+
+
 # how a worker ends that the shutdown's own signals killed, by the phase it is in (as a negative exit code)
-SENT_BY_PHASE = {"stop": (), "save": (), "term": (-signal.SIGTERM,), "kill": (-signal.SIGTERM, -signal.SIGKILL)}
+SENT_BY_PHASE = {StopPhase.STOP: (), StopPhase.SAVE: (), StopPhase.TERM: (-signal.SIGTERM,),
+                 StopPhase.KILL: (-signal.SIGTERM, -signal.SIGKILL)}
 
 
 @dataclass
 class Shutdown:
     code: int
     reason: str
-    phase: str  # "stop" (Stop relayed) -> "term" -> "kill"; or "save" (the controller lost) -> "kill"
+    phase: StopPhase
     deadline: float
     keep_store: bool = False  # once the workers are gone, stay (retired) instead of exiting
-    save: LostSave | None = None  # phase "save": what the node writes before it kills its workers
+    save: LostSave | None = None  # phase SAVE: what the node writes before it kills its workers
     signals: int = 0  # signals the agent had received when it began
 
 
@@ -61,7 +76,7 @@ class ShutdownSequence:
         fails it at once for that reason (a spare takes over), not for its workers' exit codes."""
         if self.welcome is not None and not self._job_stopping:
             self._to_controller(Leaving(self.cfg.node_id, reason))
-        self._begin_shutdown(128 + self._signalled, reason, "stop")
+        self._begin_shutdown(128 + self._signalled, reason, StopPhase.STOP)
 
     def _lose_controller(self, why: str) -> None:
         """The controller is gone: save what this node holds to the job's --save-dir (if it has one), then exit 3."""
@@ -71,7 +86,7 @@ class ShutdownSequence:
         log.error("controller lost: %s; %skilling workers, exiting %d", why,
                   f"saving this node's snapshots to {self.welcome.save_dir}, then " if saving else "",
                   EXIT_CONTROLLER_LOST)
-        self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", "save" if saving else "kill",
+        self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", StopPhase.SAVE if saving else StopPhase.KILL,
                              signals_before=signals_before)
 
     def _leave(self, why: str) -> None:
@@ -80,13 +95,13 @@ class ShutdownSequence:
         log.error("%s: leaving the job (its workers killed), exiting 1", why)
         if self.welcome is not None:
             self._to_controller(Leaving(self.cfg.node_id, why))
-        self._begin_shutdown(1, "left the job", "kill")
+        self._begin_shutdown(1, "left the job", StopPhase.KILL)
 
     def _exiting(self) -> bool:
         """Stopping to exit: not running, nor only stopping its workers to keep its store (Stop.keep_store)."""
         return self.shutdown is not None and not self.shutdown.keep_store
 
-    def _begin_shutdown(self, code: int, reason: str, phase: str, stop: Stop | None = None,
+    def _begin_shutdown(self, code: int, reason: str, phase: StopPhase, stop: Stop | None = None,
                         signals_before: int | None = None) -> None:
         signals_before = self._signals if signals_before is None else signals_before
         keep_store = stop is not None and stop.keep_store
@@ -99,10 +114,10 @@ class ShutdownSequence:
         alive = self.workers.alive()
         log.info("%s; %d live worker(s); will exit %d", reason, len(alive), code)
         save = None
-        if phase == "stop":
+        if phase is StopPhase.STOP:
             self._to_workers(stop or Stop(reason, code))
             deadline = now + self.cfg.stop_grace
-        elif phase == "save":
+        elif phase is StopPhase.SAVE:
             greeted = {w.local_rank for w in self.workers.greeted()}  # (each answers for its rank)
             save = LostSave(self.welcome.save_dir, {r for r in self._own_ranks() if r % self.cfg.nproc in greeted},
                             self.welcome.world_size, self.cfg.node_id)
@@ -143,26 +158,26 @@ class ShutdownSequence:
             self.shutdown, self.retired = None, True
             return
         answering = {w.local_rank for w in alive}
-        if sd.phase == "save" and (not any(r % self.cfg.nproc in answering for r in sd.save.waiting)
+        if sd.phase is StopPhase.SAVE and (not any(r % self.cfg.nproc in answering for r in sd.save.waiting)
                                    or now >= sd.deadline):
             log.log(logging.WARNING if sd.save.waiting or sd.save.errors else logging.INFO, "controller lost: %s",
                     sd.save.summary())
             self.workers.signal_all(signal.SIGKILL)
-            sd.phase, sd.deadline = "kill", now + 2.0
+            sd.phase, sd.deadline = StopPhase.KILL, now + 2.0
         if not alive:
             self.exit_code = sd.code
             return
         if now < sd.deadline:
             return
         ranks = ", ".join(str(w.local_rank) for w in alive)
-        if sd.phase == "stop":
+        if sd.phase is StopPhase.STOP:
             log.warning("worker(s) %s still running %.1fs after Stop: SIGTERM", ranks, self.cfg.stop_grace)
             self.workers.signal_all(signal.SIGTERM)
-            sd.phase, sd.deadline = "term", now + self.cfg.term_grace
-        elif sd.phase == "term":
+            sd.phase, sd.deadline = StopPhase.TERM, now + self.cfg.term_grace
+        elif sd.phase is StopPhase.TERM:
             log.warning("worker(s) %s still running after SIGTERM: SIGKILL", ranks)
             self.workers.signal_all(signal.SIGKILL)
-            sd.phase, sd.deadline = "kill", now + 2.0
+            sd.phase, sd.deadline = StopPhase.KILL, now + 2.0
         else:
             log.error("worker(s) %s did not die after SIGKILL; giving up on them", ranks)
             self.exit_code = sd.code

@@ -18,7 +18,7 @@ from .protocol import (
     WorkerReady, WorkerStatus, WorkerSummary,
 )
 from .replica_server import FilesDone, RelabelChecked
-from .shutdown import SENT_BY_PHASE
+from .shutdown import SENT_BY_PHASE, StopPhase
 from .workers import WorkerDone, worker_env
 
 log = logging.getLogger("dpagent")
@@ -85,7 +85,7 @@ class WorkerLink:
             if worker is not None and worker.identity is None:
                 worker.identity = identity
             log.info("worker %d said hello (pid %d)", msg.local_rank, msg.pid)
-            if self.shutdown is not None and self.shutdown.phase == "stop":
+            if self.shutdown is not None and self.shutdown.phase is StopPhase.STOP:
                 self.worker_ch.send(Stop(self.shutdown.reason, self.shutdown.code), to=identity)
             elif self.latest_reconfigure is not None:
                 self.worker_ch.send(self.latest_reconfigure, to=identity)
