@@ -20,6 +20,7 @@ from .faults import FaultPlan
 from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .phase import Phase, check_transition
+from .controller_view import ControllerView, view_of
 from .injection import FaultInjection
 from .deadlines import FORMING_NOTE_EVERY_S, Deadlines
 from .background_saves import BackgroundSaves
@@ -275,7 +276,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
 
     def _welcome(self, node: Node) -> None:
         self._send(node.node_id, p.Welcome(
-            node_id=node.node_id, role=node.role, job_id=self.spec.job_id,
+            node_id=node.node_id, role="active" if node.role == ACTIVE else "spare", job_id=self.spec.job_id,
             heartbeat_interval=self.spec.heartbeat_interval, heartbeat_timeout=self.spec.heartbeat_timeout,
             prespawn=not self.spec.restart_mode, save_dir=self.spec.save_dir, world_size=self.spec.world_size,
         ))
@@ -505,6 +506,10 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
             ))
 
     # -- views -----------------------------------------------------------------------------------
+
+    def view(self, now: float) -> ControllerView:
+        """What the operator sees of the controller at `now`, frozen (dprun.controller_view)."""
+        return view_of(self, now)
 
     def snapshot(self) -> dict:
         """A read-only view for dashboards and tests."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dpagent import protocol as p
 
 from .nodes import ACTIVE, FAILED, SPARE
+from .phase import Phase
 from .repeats import HUNG
 
 FORMING_NOTE_EVERY_S = 15.0  # nodes still missing after this long, and as often again: "waiting_for_nodes"
@@ -21,7 +22,7 @@ class Deadlines:
     """The timer half of dprun.controller.Controller (its state lives there): `_tick` runs on every Tick."""
 
     def _tick(self, now: float) -> None:
-        if self.generation < 0:
+        if self.phase is Phase.FORMING:
             if now - self.started_at >= self.spec.rdzv_timeout:
                 if len(self.table.with_role(ACTIVE)) >= self.spec.nnodes:
                     self._maybe_form(now)
@@ -55,8 +56,7 @@ class Deadlines:
         """A connection to the controller closed: probe every node now (a Ping), and fail those not heard from
         within --probe-timeout (`_dropped_probe_over`). While training runs: in a recovery every node is probed
         anyway, and a fenced node's agent closes its own connection as it exits."""
-        if self.generation < 0 or self.pending is not None or self.recovery is not None or self.flush is not None \
-                or self.dropped_at is not None:
+        if self.phase is not Phase.TRAINING or self.flush is not None or self.dropped_at is not None:
             return
         self.dropped_at = now
         self.next_ping = now

@@ -8,8 +8,9 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
+from .controller_view import ControllerView
 from .events import describe, worker_label
 
 THROUGHPUT_WINDOW_S = 20.0
@@ -229,29 +230,23 @@ class JobView:
                 and t - node.failed_at > FENCED_AFTER_S:
             node.role = "fenced"
 
-    def on_controller(self, state: dict) -> None:
-        """A controller_state() snapshot: heartbeat ages, pids, replica holders and the restore point."""
-        self.job_id = state.get("job_id", self.job_id)
-        self.nproc = state.get("nproc_per_node", self.nproc)
-        self.world_size = state.get("world_size", self.world_size)
-        self.restore_point = state.get("restore_point")
-        for node_id, s in state.get("nodes", {}).items():
+    def on_controller(self, state: ControllerView) -> None:
+        """The controller's published view: heartbeat ages, pids, replica holders and the restore point."""
+        self.job_id, self.nproc, self.world_size = state.job_id, state.nproc_per_node, state.world_size
+        self.restore_point = state.restore_point
+        for node_id, s in state.nodes.items():
             node = self._node(node_id)
-            node.host, node.pid = s.get("host", node.host), s.get("pid", node.pid)
-            role = s.get("role", node.role)
-            if role == "failed":
+            node.host, node.pid = s.host, s.pid
+            if s.role == "failed":
                 if node.role not in ("failed", "fenced"):
                     node.role = "failed"
                 node.heartbeat_age = None
-                node.cause = node.cause or s.get("cause", "")
+                node.cause = node.cause or s.cause
             else:
-                node.role = role
-                node.heartbeat_age = s.get("age")
-                node.node_rank = s.get("node_rank", node.node_rank)
-            if s.get("last_step", -1) > node.step and node.last_step_at is None:
-                node.step = s["last_step"]
-            node.holder, node.replicated = s.get("holder", ""), s.get("replicated")
-            node.room = s.get("room", 0)
+                node.role, node.heartbeat_age, node.node_rank = s.role.value, s.age, s.node_rank
+            if s.last_step > node.step and node.last_step_at is None:
+                node.step = s.last_step
+            node.holder, node.replicated, node.room = s.holder, s.replicated, s.room
 
     # ------------------------------------------------------------------ derived
 
@@ -356,43 +351,3 @@ def rank_span(node_rank: int, nproc: int) -> str:
         return "-"
     first = node_rank * nproc
     return str(first) if nproc == 1 else f"{first}-{first + nproc - 1}"
-
-
-# ----------------------------------------------------------------------------- reading the controller
-
-
-def controller_state(ctrl: Any, now: float) -> dict:
-    """What the dashboard needs from a dprun.controller.Controller, read on its own thread (`now` monotonic).
-
-    Read defensively: only documented attributes, with defaults, so the controller can change underneath.
-    """
-    spec = ctrl.spec
-    nproc = spec.nproc_per_node
-    layout = list(getattr(ctrl, "layout", []))
-    holders = dict(getattr(ctrl, "holders", {}))
-    held = getattr(getattr(ctrl, "ledger", None), "held", {})
-    rank_of = {node_id: r for r, node_id in enumerate(layout)}
-    nodes = {}
-    restore_point = None
-    for node_id, node in getattr(getattr(ctrl, "table", None), "nodes", {}).items():
-        entry = {"host": node.host, "pid": node.pid, "role": node.role, "node_rank": node.node_rank,
-                 "age": round(max(0.0, now - node.last_heard), 3), "cause": node.cause,
-                 "last_step": getattr(node, "last_step", -1),
-                 "room": sum(w.room for w in getattr(node, "workers", {}).values())}
-        r = rank_of.get(node_id, -1)
-        if r >= 0 and node.role == "active":
-            holder = holders.get(r, [])
-            holder = [holder] if isinstance(holder, str) else list(holder)  # one holder, or several (--replicas)
-            entry["holder"] = "+".join(holder)
-            steps = [max([s for h in holder for s in held.get(rank, {}).get(h, [])] or [-1])
-                     for rank in range(r * nproc, (r + 1) * nproc)]
-            entry["replicated"] = min(steps) if steps and min(steps) >= 0 else None
-        nodes[node_id] = entry
-    if held and layout and not getattr(spec, "restart_mode", False):
-        newest = []
-        for rank in range(len(layout) * nproc):
-            steps = [s for s_list in held.get(rank, {}).values() for s in s_list]
-            newest.append(max(steps) if steps else -1)
-        restore_point = min(newest) if newest and min(newest) >= 0 else None
-    return {"job_id": spec.job_id, "nproc_per_node": nproc, "world_size": spec.nnodes * nproc,
-            "generation": getattr(ctrl, "generation", -1), "nodes": nodes, "restore_point": restore_point}

@@ -25,7 +25,7 @@ from .controller import (
     WakeNode,
 )
 from .events import EventSink
-from .jobview import JobView, controller_state
+from .jobview import JobView
 
 TICK_S = 0.05
 VIEW_EVERY_S = 0.5  # the dashboard's model is rebuilt at most this often (less often when that gets costly)
@@ -130,7 +130,7 @@ class ControllerServer:
         if self.view is None:
             return
         started = time.monotonic()
-        self.view.on_controller(controller_state(controller, started))
+        self.view.on_controller(controller.view(started))
         self.latest_model = self.view.model(time.time())
         if self.publish is not None:
             self.publish(self.latest_model)
