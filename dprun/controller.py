@@ -21,7 +21,7 @@ from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .phase import Phase, check_transition
 from .controller_view import ControllerView, view_of
-from .injection import FaultInjection
+from .fault_firing import FaultFiring, JobNow
 from .deadlines import FORMING_NOTE_EVERY_S, Deadlines
 from .background_saves import BackgroundSaves
 from .files import FileWork, Files
@@ -51,7 +51,7 @@ def out_of_range(msg: Any, nproc_per_node: int, world_size: int) -> str | None:
 # ----------------------------------------------------------------------------- the state machine
 
 
-class Controller(Reconstruction, Deadlines, Files, FaultInjection):
+class Controller(Reconstruction, Deadlines, Files):
     def __init__(self, spec: JobSpec, now: float):
         if spec.nnodes < 1 or spec.spares < 0 or spec.nproc_per_node < 1:
             raise ValueError("nnodes and nproc_per_node must be at least 1, spares at least 0")
@@ -59,7 +59,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.table = NodeTable()
         self.ledger = ReplicaLedger()
         self.sizing = SpareSizing(spec.nproc_per_node)  # what spares reserve memory for (Standby)
-        self.faults = FaultPlan(list(spec.faults))
+        self.faults = FaultFiring(FaultPlan(list(spec.faults)))  # --inject: what is still to fire, what fired
         self.started_at = now
         self.forming_note_at = now + FORMING_NOTE_EVERY_S  # while nodes are missing, say so this often
         self.training_since: float | None = None
@@ -71,9 +71,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         self.flush: Flush | None = None
         self.seq = 0
         self.next_ping = now
-        self.injected_at: dict[str, float] = {}
         self.crashed_at: dict[str, float] = {}  # restart mode: node -> its first held-back crash, this generation
-        self.frozen_at: dict[int, str] = {}  # node rank -> node frozen there by fault injection
         self.holders: dict[int, list[str]] = {}  # node rank -> nodes holding its replicas, this generation
         self.last_progress_at = now  # when the newest step last grew (hang detection)
         self.stepped = False  # a step was made in this generation: start-up and restores are not hangs
@@ -147,6 +145,15 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
     def _enter(self, phase: Phase) -> None:
         self.phase = check_transition(self.phase, phase)
 
+    def _fire_faults(self, now: float, recovering: bool = False) -> None:
+        """--inject: fire the faults now due (recovering: those due "during recovery" too)."""
+        if self.phase is Phase.FORMING or not self.faults.plan.pending:
+            return
+        job = JobNow(steps={node.node_rank: node.last_step for node in self.table.with_role(ACTIVE)},
+                     trained_s=now - (self.training_since or now), layout=self.layout,
+                     spares=[node.node_id for node in self.table.with_role(SPARE)])
+        self._out.extend(self.faults.fire(now, job, recovering))
+
     def _send(self, node_id: str, msg: Any) -> None:
         self._out.append(Send(node_id, msg))
 
@@ -177,9 +184,7 @@ class Controller(Reconstruction, Deadlines, Files, FaultInjection):
         for node in self.table.live():
             self._send(node.node_id, p.Stop(reason=message, exit_code=code))
         self._release_kept(message, code)
-        for spec in self.faults.pending:  # a rehearsal whose fault never fired must not pass for one survived
-            self._publish("fault_skipped", spec=str(spec), reason="the job ended before it was due")
-        self.faults.pending.clear()
+        self._out.extend(self.faults.never_fired())
         if self.max_step > self.progress_said:  # (progress events are throttled: the last step is said too)
             self._publish("progress", generation=self.generation, step=self.max_step,
                           made_before_s=round(self.now - self.last_progress_at, 6))

@@ -85,7 +85,8 @@ class Reconstruction:
         self.pending.failed.append(node_id)
         self.pending.replan |= was == SPARE
         # when it failed: when injected, last heard, or (restart mode) the generation's first crash, its or another's
-        for began in [self.injected_at.get(node_id, now), now if since is None else since, *self.crashed_at.values()]:
+        heard = now if since is None else since
+        for began in [self.faults.injected_at.get(node_id, now), heard, *self.crashed_at.values()]:
             self.pending.t_fail = min(self.pending.t_fail, began)
         self._start_flush(now)
 
