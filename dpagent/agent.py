@@ -116,7 +116,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         self._launcher_pid = os.getppid()
         self._launcher_gone = False  # its parent-death signal came (cfg.launcher says what that means)
         self._old_handlers: dict = {}
-        self._wakeup = None
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None  # signals wake the loop (main thread only)
         self._owns_run_dir = False
         self._init_restart()
 
@@ -332,6 +332,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
             self._next_reap = now + REAP_EVERY
 
     def _drain_wakeup(self) -> None:
+        assert self._wakeup is not None  # (called when its socket is readable)
         try:
             while self._wakeup[0].recv(512):
                 pass

@@ -182,8 +182,8 @@ def _uint8(data: Any) -> np.ndarray:
 def _fold(buf: np.ndarray, digests: np.ndarray, crc: int) -> int:
     """crc32 over the digests of buf's whole blocks (block_digests(buf)), then over its tail."""
     if digests.size:
-        crc = zlib.crc32(digests, crc)
-    return zlib.crc32(buf[digests.size * CHECKSUM_BLOCK :], crc)
+        crc = zlib.crc32(digests.data, crc)  # (.data: the array's memoryview, a Buffer to the stubs on 3.11)
+    return zlib.crc32(buf[digests.size * CHECKSUM_BLOCK :].data, crc)
 
 
 MIN_RANGE_BLOCKS = 16  # 16 MiB: a range's hand-off to a thread costs ~20 us, its digests ~2 ms

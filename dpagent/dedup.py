@@ -59,8 +59,8 @@ class LocalCopies:
         pids = set(self._pids())
         for key in [k for k in self._maps if k[0] not in pids]:  # workers gone: their memory can go too
             del self._maps[key]
-        for key in [k for k in self._copies if k[0] not in pids]:
-            del self._copies[key]
+        for pair in [k for k in self._copies if k[0] not in pids]:  # (pid, fd): a mapping's key adds the inode
+            del self._copies[pair]
         if msg.pid not in pids:
             return f"pid {msg.pid} is not a worker of this node"
         if len(payload) != 1:
@@ -97,8 +97,8 @@ class LocalCopies:
         keep = {k for _, k in mine[-KEEP_PER_WORKER:]}
         for key in [k for k in self._copies if k[0] == pid and k not in keep]:
             del self._copies[key]
-        for key in [k for k in self._maps if k[0] == pid and k[:2] not in keep]:
-            del self._maps[key]
+        for mapped in [k for k in self._maps if k[0] == pid and k[:2] not in keep]:
+            del self._maps[mapped]
 
     def find(self, step: int, nbytes: int) -> LocalCopy | None:
         """A valid local copy of `step` with `nbytes` of data (the same layout), if any."""
@@ -192,7 +192,7 @@ def decide(offer: Offer, local: LocalCopies, now: float) -> bool:
     differ = compared & (offer.digests != copy.digests)
     trusted = (offer.plan is not None and copy.plan is not None and offer.plan.shared_key == copy.plan.shared_key
                and offer.plan.shared_blocks == copy.plan.shared_blocks)
-    shared = np.arange(blocks) < (offer.plan.shared_blocks if trusted else 0)
+    shared = np.arange(blocks) < (offer.plan.shared_blocks if trusted and offer.plan is not None else 0)
     offer.differs = np.flatnonzero(differ & shared).tolist()
     keep = (compared & ~differ) | (unchecked & shared & (not offer.differs))
     offer.wanted = np.flatnonzero(~keep).tolist()
@@ -214,6 +214,7 @@ def assemble(offer: Offer, blocks: list) -> list | str:
     start = None  # the first block of the current run of local blocks (adjacent in the local buffer)
     for i in range(offer.nblocks + 1):
         if start is not None and (i == offer.nblocks or i in received or (i - start) * CHECKSUM_BLOCK == CHUNK_BYTES):
+            assert offer.copy is not None  # a block not received is the local copy's (without one, all are wanted)
             frames.append(offer.copy.data[start * CHECKSUM_BLOCK : i * CHECKSUM_BLOCK])
             start = None
         if i in received:

@@ -66,8 +66,8 @@ def save_store(store: ReplicaStore, save: LostSave) -> None:
                 by_step.setdefault(step, []).append(rank)
     for step, ranks in sorted(by_step.items()):
         results = save_held(store, step_folder(save.directory, step), step, ranks, save.world_size, save.writer)
-        for rank, error in sorted(results.items()):
+        for who, error in sorted(results.items()):  # (keyed by str(rank))
             if error:
                 save.errors.append(error)
             else:
-                save.written.setdefault(f"rank {rank} (held)", []).append(step)
+                save.written.setdefault(f"rank {who} (held)", []).append(step)

@@ -110,4 +110,5 @@ class OomKills:
         while len(self._samples) > 1 and self._samples[1][0] <= now - RECENT_S:
             self._samples.popleft()
         if self._samples and self._samples[0][0] <= now - RECENT_S:
+            assert self._upto is not None  # samples are only taken while the count is readable
             self._upto = max(self._upto, self._samples[0][1])

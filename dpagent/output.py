@@ -31,8 +31,8 @@ def parse_std(spec: str, what: str = "--redirects") -> dict[int, int] | int:
             return value
         out = {}
         for part in spec.split(","):
-            rank, value = part.split(":")
-            out[int(rank)] = int(value)
+            rank, level = part.split(":")
+            out[int(rank)] = int(level)
             if out[int(rank)] not in (0, 1, 2, 3) or int(rank) < 0:
                 raise ValueError
         return out

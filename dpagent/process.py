@@ -22,6 +22,7 @@ LAUNCHER_GONE = int(signal.SIGRTMIN) + 2
 # this signal: one stop request with the SIGTERM that Slurm, ending a step, also sends the agent itself
 LAUNCHER_STOP = int(signal.SIGRTMIN) + 3
 
+_prctl: Callable[..., int] | None
 try:  # resolved here, before any fork: a preexec_fn must not load libraries
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     _prctl = _libc.prctl

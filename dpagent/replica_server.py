@@ -241,7 +241,8 @@ class ReplicaServer:
             copies, missing = held_copies(self.store, msg.step, msg.ranks)  # (the store: here, on the loop)
 
             def work() -> dict:
-                held, changed = copies, {}
+                held: dict[int, Snapshot] = copies
+                changed: dict[str, str] = {}
                 if msg.background:  # training goes on: copy out first, then yield to it
                     held, changed = copy_out(copies, msg.step, self._copy_room)
                     _idle_priority()
@@ -263,8 +264,8 @@ class ReplicaServer:
         """The answer to a SaveSnapshots or LoadSnapshots once its files are written or read (a load's copies
         go into the store here)."""
         msg, saving = done.msg, isinstance(done.msg, SaveSnapshots)
-        results = (done.outcome if saving else
-                   store_loaded(self.store, done.outcome, self.node_id, self._report, done.msg.generation))
+        results = (done.outcome if isinstance(msg, SaveSnapshots) else
+                   store_loaded(self.store, done.outcome, self.node_id, self._report, msg.generation))
         log.info("%s snapshots of step %d in %s: %s", "saved" if saving else "loaded", msg.step, msg.directory,
                  {rank: error or "ok" for rank, error in sorted(results.items())})
         return SnapshotFiles(self.node_id, msg.step, results)

@@ -144,8 +144,8 @@ class ReplicaStore:
     def get(self, rank: int, step: int) -> Snapshot | None:
         """The snapshot of `rank` at `step`; a negative step means the newest held. A stale one (its local
         copy written since) is dropped, not returned."""
-        held = self._ranks.get(rank)
-        for s in [s for s, snap in (held or {}).items() if snap.stale()]:
+        held = self._ranks.get(rank) or {}  # (none held: nothing to drop, None below)
+        for s in [s for s, snap in held.items() if snap.stale()]:
             del held[s]
         if not held:
             return None

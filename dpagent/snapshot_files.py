@@ -219,7 +219,7 @@ def _copied(snap: Snapshot, space: np.ndarray) -> Snapshot | None:
     for view in map(frame_view, snap.chunks):
         if view.obj is local:
             np.copyto(space[at : at + view.nbytes], np.frombuffer(view, np.uint8))
-            view, at = memoryview(space[at : at + view.nbytes]), at + view.nbytes
+            view, at = space[at : at + view.nbytes].data, at + view.nbytes  # (.data: memoryview(array))
         chunks.append(view)
     return None if snap.stale() else dataclasses.replace(snap, chunks=tuple(chunks), base=None)
 
