@@ -129,7 +129,7 @@ def verify(path: Annotated[Path, typer.Argument(metavar="DIR[/step-S]",
             print(f"step-{saved.step}: complete, {saved.world_size} ranks, {saved.nbytes} bytes verified")
     if len(steps) > 1 and usable is None:
         print(f"--resume-from {path} has no step to go on from: every step is damaged or incomplete")
-    elif len(steps) > 1:
+    elif len(steps) > 1 and usable is not None:  # (always, past the branch above)
         print(f"--resume-from {path} would go on from step-{usable.step} (the newest complete step, every byte "
               "intact)")
     sys.stdout.flush()

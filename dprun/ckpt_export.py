@@ -4,11 +4,12 @@ torch.save file per rank, or as one torch.distributed.checkpoint folder of the j
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -79,7 +80,7 @@ class RankFile:
     def __init__(self, path: Path):
         self.path = path
         header = read_header(path)
-        self.file: BinaryIO = open(path, "rb")  # noqa: SIM115 - kept open until close(): see the docstring
+        self.file: io.BufferedReader = open(path, "rb")  # noqa: SIM115 - kept open until close(): see the docstring
         line = self.file.readline(4096)
         self.rank = int(header["rank"])
         self.meta = S.decode_meta(self.file.read(header["meta_bytes"]))

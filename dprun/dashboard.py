@@ -241,12 +241,12 @@ def replica_lines(m: dict, width: int) -> list[Text]:
         lines.append(text)
     else:
         lagging = [r for r in actives if newest is not None and (r.get("replicated") or -1) < newest - 1]
-        text = f"  ring: each node's snapshots on the next node rank, newest @{newest}"
+        ring = f"  ring: each node's snapshots on the next node rank, newest @{newest}"
         if lagging:
-            text += "; lagging: " + ", ".join(f"{r['node_id']}@{r.get('replicated')}" for r in lagging[:3])
+            ring += "; lagging: " + ", ".join(f"{r['node_id']}@{r.get('replicated')}" for r in lagging[:3])
             if len(lagging) > 3:
-                text += f" +{len(lagging) - 3}"
-        lines.append(Text(text, style="dim", overflow="ellipsis", no_wrap=True))
+                ring += f" +{len(lagging) - 3}"
+        lines.append(Text(ring, style="dim", overflow="ellipsis", no_wrap=True))
     return lines
 
 

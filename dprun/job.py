@@ -260,6 +260,7 @@ def run_standalone(opts: JobOptions) -> int:
             print(gpus.notice, file=sys.stderr, flush=True)
         for node, env in zip(nodes, gpus.per_node):
             node.env.update(env)
+            assert node.run_dir is not None  # (each given one above)
             os.makedirs(node.run_dir, exist_ok=True)
         return run_head(opts, nodes, "127.0.0.1", 0, token)
     finally:

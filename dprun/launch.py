@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Sequence
+from typing import IO, BinaryIO, Callable, Sequence
 
 import psutil
 
@@ -76,10 +76,10 @@ class OutputTail:
         self._file: BinaryIO = open(path, "ab", buffering=0)
         self._lock = threading.Lock()
 
-    def read_from(self, pipe: BinaryIO) -> None:
+    def read_from(self, pipe: IO[bytes]) -> None:
         threading.Thread(target=self._pump, args=(pipe,), daemon=True, name="output-tail").start()
 
-    def _pump(self, pipe: BinaryIO) -> None:
+    def _pump(self, pipe: IO[bytes]) -> None:
         for raw in iter(pipe.readline, b""):
             with self._lock:
                 try:
@@ -120,9 +120,12 @@ class LocalAgents:
 
     def start(self, cmd: AgentCommand) -> subprocess.Popen:
         env = dict(os.environ, **self.env, **cmd.env, DP_PDEATHSIG=self.parent_death, PYTHONUNBUFFERED="1")
-        pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if self.capture else {}
-        proc = subprocess.Popen(cmd.argv(), env=env, start_new_session=True, **pipe)
+        captured = self.capture is not None
+        proc = subprocess.Popen(cmd.argv(), env=env, start_new_session=True,
+                                stdout=subprocess.PIPE if captured else None,
+                                stderr=subprocess.STDOUT if captured else None)
         if self.capture is not None:
+            assert proc.stdout is not None  # (piped above)
             self.capture.read_from(proc.stdout)
         self.procs[cmd.node_id] = proc
         self.watchers[cmd.node_id] = watcher = threading.Thread(target=self._watch, args=(cmd.node_id, proc),

@@ -45,7 +45,7 @@ class Node:
 class NodeTable:
     """Nodes by id, in registration order (spares are promoted first come, first served), indexed by role."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.nodes: dict[str, Node] = {}
         self._by_role: dict[Role, dict[str, None]] = {role: {} for role in Role}  # ordered sets
 

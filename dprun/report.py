@@ -47,7 +47,7 @@ def split_runs(events: list[dict]) -> list[list[dict]]:
     for event in events:
         seqs = (prev or {}).get("seq"), event.get("seq")
         if (prev is None or prev.get("job", "") != event.get("job", "")
-                or (all(isinstance(x, int) for x in seqs) and seqs[1] <= seqs[0])
+                or (isinstance(seqs[0], int) and isinstance(seqs[1], int) and seqs[1] <= seqs[0])
                 or (seqs == (None, None) and prev["event"] == "job_finished")):
             runs.append([])
         runs[-1].append(event)

@@ -12,7 +12,7 @@ import pickle
 import threading
 import time
 import uuid
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import zmq
 
@@ -26,6 +26,9 @@ from .controller import (
 )
 from .events import EventSink
 from .jobview import JobView
+
+if TYPE_CHECKING:  # (torch is slow to import: dprun.job starts the stores)
+    from torch.distributed import TCPStore
 
 TICK_S = 0.05
 VIEW_EVERY_S = 0.5  # the dashboard's model is rebuilt at most this often (less often when that gets costly)
@@ -46,13 +49,13 @@ class ControllerServer:
         self.view = view  # folds events, progress and controller state for the dashboard and `dprun status`
         self.publish = publish  # gets every new view model (the status feed)
         self.latest_model: dict | None = None
-        self.fresh_store: Callable[[], tuple[object, str]] | None = None  # restart mode: a TCPStore per generation
-        self._stores: dict[int, tuple[object, str]] = {}
+        self.fresh_store: Callable[[], tuple[TCPStore, str]] | None = None  # restart mode: a TCPStore per generation
+        self._stores: dict[int, tuple[TCPStore, str]] = {}
         self._rendezvous: dict[int, float] = {}  # restart mode: generation -> wall time of the failure
         self._next_view = 0.0
         if view is not None:
             sink.listeners.append(view.on_event)
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.LINGER, 2000)
@@ -160,6 +163,7 @@ class ControllerServer:
 
     def _observe(self, sender: str, msg) -> None:
         """What the dashboard learns from a message before the controller handles it."""
+        assert self.view is not None  # (only called with one)
         now = time.time()
         self.view.on_heard(sender, now)
         if isinstance(msg, p.Progress):
@@ -194,6 +198,7 @@ class ControllerServer:
         """Restart mode: every generation rendezvous on a fresh TCPStore, as torchrun does (stale keys of the
         previous round would otherwise send the new workers to dead peers)."""
         if generation not in self._stores:
+            assert self.fresh_store is not None  # (only called in restart mode, which sets it)
             self._stores[generation] = self.fresh_store()
             for old in [g for g in self._stores if g < generation - 1]:
                 del self._stores[old]

@@ -30,7 +30,7 @@ class StatusFeed:
     """The head's side: one PUB socket; each model goes out as one JSON frame (late joiners get the next one)."""
 
     def __init__(self, host: str, port: int = 0):
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PUB)
         self.sock.setsockopt(zmq.SNDHWM, PUBLISH_HWM)
         self.sock.setsockopt(zmq.LINGER, 500)
@@ -127,7 +127,7 @@ def find_endpoint(endpoint: str | None) -> str:
 
 def models(endpoint: str, timeout: float) -> Iterator[dict | None]:
     """Yields each model as it arrives, or None every 0.25 s without one; stops after `timeout` s of silence."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.CONFLATE, 1)  # only the newest model matters
     sock.setsockopt(zmq.SUBSCRIBE, b"")

@@ -63,9 +63,9 @@ def records_of(c) -> Phase:
 class Checker:
     """Observer for World: per-event safety invariants 1-3."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.restore_step_of: dict[int, int] = {}
-        self.before = None
+        self.before: tuple | None = None  # fingerprint() before a stale message, to compare after
         self.checked = 0
         self.taken_in = False  # the event is a worker's exit that the controller will take in
         self.struck: dict[str, set] = {}  # a bug of the script (its line) -> nodes whose exit it took in
@@ -156,6 +156,7 @@ class Checker:
             if not world.disk.complete(folder) or any(held[r] != step for r in range(world.spec.world_size)):
                 raise InvariantViolation(f"invariant 9: step {step} said saved in {folder}, but its files hold "
                                          f"{held} and its manifests name {world.disk.manifests.get(folder)}")
+            assert folder is not None  # (a state_saved event names its folder)
             self.safe = (folder, step)
         elif name == "restoring_from_disk":
             if (folder, event["step"]) != self.safe:
@@ -164,6 +165,7 @@ class Checker:
             if not world.disk.complete(folder):
                 raise InvariantViolation(f"invariant 9: restoring from {folder}, which is not whole on disk any more "
                                          f"(pruned: {world.disk.pruned}; complete: {world.disk.complete_steps()})")
+            assert folder is not None  # (the folder of self.safe, checked above)
             self.from_disk[world.controller.generation] = (folder, event["step"])
         elif name == "recovery_complete" and folder:
             generation = event["generation"]
