@@ -54,6 +54,17 @@ class SnapshotPolicy:
       3 steps): a first estimate that came out too low does not fix the interval at 1 for good.
     """
 
+    # The samples _reset_samples() (re)sets; declared here so that their types are known throughout.
+    _since: int | None  # the first step of the current run of consecutive steps
+    _last: int | None  # the newest step recorded
+    _last_t: float  # when it ended (perf_counter)
+    _with: list[float]
+    _without: list[float]
+    _pairs: list[float]  # (step after a snapshot) - (the next step, after none)
+    _pending: float | None
+    _new_pairs: int  # pairs since the last decision
+    _step_s: float
+
     def __init__(self, spec: str | None = "1", budget: float | str | None = None,
                  warmup: int = AUTO_WARMUP, pairs: int = AUTO_PAIRS, refresh: int = 4):
         text = (spec or "1").strip().lower()
@@ -275,14 +286,14 @@ class SnapshotPolicy:
         return self.interval
 
     def _reset_samples(self) -> None:
-        self._since: int | None = None
-        self._last: int | None = None
+        self._since = None
+        self._last = None
         self._last_t = 0.0
-        self._with: list[float] = []
-        self._without: list[float] = []
-        self._pairs: list[float] = []  # (step after a snapshot) - (the next step, after none)
-        self._pending: float | None = None
-        self._new_pairs = 0  # pairs since the last decision
+        self._with = []
+        self._without = []
+        self._pairs = []
+        self._pending = None
+        self._new_pairs = 0
         if not hasattr(self, "_step_s"):
             self._step_s = 0.0
 
