@@ -181,7 +181,7 @@ class _ChunkReader:
         """Copy the chunks into `buffer`, back to back. Returns their total size; data that does not fit is
         dropped (the total then differs from the buffer's size). ReplicationError: one missing, out of
         order or not in time."""
-        view = memoryview(buffer.numpy())
+        view = buffer.numpy().data  # memoryview(array), which numpy's stubs accept only from Python 3.12 on
         total = 0
         for index in range(self.reply.chunks):
             self._expect(index)

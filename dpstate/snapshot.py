@@ -20,7 +20,7 @@ import zlib
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -188,7 +188,7 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[TensorSpec], int]:
     return specs, nbytes
 
 
-def layout_shared(tensors: list[torch.Tensor], shared: Any) -> tuple[list[TensorSpec], int, int]:
+def layout_shared(tensors: list[torch.Tensor], shared: Sequence[bool]) -> tuple[list[TensorSpec], int, int]:
     """layout() with the tensors whose `shared` flag is set (data parallel state) first, then padding up to a
     whole CHECKSUM_BLOCK, then the others: (specs in the tensors' order, total size, size of the shared part:
     0 when none is shared)."""
@@ -203,7 +203,9 @@ def layout_shared(tensors: list[torch.Tensor], shared: Any) -> tuple[list[Tensor
                 offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
         if group:
             shared_nbytes = offset = -(-offset // CHECKSUM_BLOCK) * CHECKSUM_BLOCK
-    return specs, offset, shared_nbytes
+    # each flag is True or False, so one of the two passes placed every tensor: none is left None
+    placed = [spec for spec in specs if spec is not None]
+    return placed, offset, shared_nbytes
 
 
 def shared_key(specs: list[TensorSpec], shared: Any) -> int:
@@ -304,7 +306,8 @@ def check(got: int, expected: int) -> None:
 
 def _mv(buf: Any) -> memoryview:
     if isinstance(buf, torch.Tensor):
-        return memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
+        # ndarray.data is memoryview(array); numpy's stubs give arrays __buffer__ only from Python 3.12 on
+        return buf.numpy().data if buf.numel() else memoryview(b"")
     return memoryview(buf)
 
 
