@@ -10,7 +10,7 @@ runs torch's own step.
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -18,7 +18,9 @@ import torch
 # hooks already ran once, around ours)
 _torch_step = inspect.unwrap(torch.optim.Adam.step)
 
-Destination = Callable[[torch.Tensor], torch.Tensor]  # the tensor that a tensor's next value is written into
+# the tensor that a tensor's next value is written into; None: its own (or, if it lies in a snapshot buffer, the
+# memory it had before)
+Destination = Callable[[torch.Tensor], torch.Tensor | None]
 
 
 class AdamW(torch.optim.AdamW):
@@ -29,7 +31,7 @@ class AdamW(torch.optim.AdamW):
 
     landing: Destination | None = None
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # (parameter index, "param" | "exp_avg" | "exp_avg_sq") of each tensor that lies in a snapshot buffer ->
         # the memory it had before, kept: going home after a failure is then one copy into memory already there
@@ -107,7 +109,10 @@ def _adamw_into(p: torch.Tensor, state: dict, group: dict, new_p: torch.Tensor, 
     tensor (the old one where it is the same); the parameter and its moments then refer to the new tensors."""
     beta1, beta2 = group["betas"]
     lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
-    grad = -p.grad if group["maximize"] else p.grad
+    grad = p.grad
+    assert grad is not None  # step() skips the parameters without one
+    if group["maximize"]:
+        grad = -grad
     param, exp_avg, exp_avg_sq, step_t = p.data, state["exp_avg"], state["exp_avg_sq"], state["step"]
     moved = new_p.data_ptr() != param.data_ptr()
     step_t += 1
