@@ -126,6 +126,15 @@ def _ordered_sum(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 class DataParallel(nn.Module):
     """ddp_model = job.data_parallel(model): call it like the model; DDP is (re)built lazily per generation."""
 
+    # Set with object.__setattr__, past nn.Module's (which would register a DDP as a submodule); declared so
+    # that their types are known rather than nn.Module.__getattr__'s Tensor | Module.
+    _abort: AbortSignal
+    _gate: Callable[[], None] | None
+    _deterministic: bool
+    _ddp_kwargs: dict[str, Any]
+    _ddp: nn.parallel.DistributedDataParallel | None  # None until first used in a generation
+    _hook_state: AbortableHook | None  # the comm hook state of _ddp
+
     def __init__(self, module: nn.Module, abort: AbortSignal, deterministic: bool = True,
                  gate: Callable[[], None] | None = None, **ddp_kwargs: Any):
         super().__init__()
@@ -151,19 +160,22 @@ class DataParallel(nn.Module):
     @property
     def ddp(self) -> nn.parallel.DistributedDataParallel:
         """The DDP of the current generation (built on first use)."""
-        if self._ddp is None:
+        ddp = self._ddp
+        if ddp is None:
             group = dist.group.WORLD
             ddp = nn.parallel.DistributedDataParallel(self.module, process_group=group, **self._ddp_kwargs)
             state = AbortableHook(self._abort, group, self._deterministic, self._gate)
             ddp.register_comm_hook(state, _hook)
             object.__setattr__(self, "_ddp", ddp)
             object.__setattr__(self, "_hook_state", state)
-        return self._ddp
+        return ddp
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._abort.check_superseded()
         ddp = self.ddp
-        if not ddp._has_rebuilt_buckets and torch.is_grad_enabled() and self._hook_state.backward_seen:
+        state = self._hook_state
+        assert state is not None  # built along with the DDP
+        if not ddp._has_rebuilt_buckets and torch.is_grad_enabled() and state.backward_seen:
             self._rebuild_buckets(ddp)
         return ddp(*args, **kwargs)
 
@@ -174,7 +186,9 @@ class DataParallel(nn.Module):
         between the two can still hold us, until the collective timeout. (Running the rebuild in a helper
         thread instead would be abortable, but a helper still blocked in C++ when the interpreter exits
         makes the process abort: "terminate called without an active exception".)"""
-        self._abort.wait_future(dist.barrier(group=self._hook_state.group, async_op=True).get_future())
+        state = self._hook_state
+        assert state is not None  # forward() built it along with `ddp`
+        self._abort.wait_future(dist.barrier(group=state.group, async_op=True).get_future())
         if ddp.reducer._rebuild_buckets():
             ddp._has_rebuilt_buckets = True
 
