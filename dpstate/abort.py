@@ -264,7 +264,8 @@ def _package_dir(origin: str | None) -> str:
     return os.path.dirname(os.path.abspath(origin)) + os.sep if origin else "\0"
 
 
-_OURS = (_package_dir(__file__), _package_dir(importlib.util.find_spec("torch").origin))  # dpstate/, torch/
+_TORCH_SPEC = importlib.util.find_spec("torch")  # found, not imported: this module does not need torch itself
+_OURS = (_package_dir(__file__), _package_dir(_TORCH_SPEC.origin if _TORCH_SPEC else None))  # dpstate/, torch/
 
 
 def _raised_by_torch_or_dpstate(exc: BaseException) -> bool:
