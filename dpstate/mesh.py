@@ -78,7 +78,9 @@ def build_mesh(layout: MeshLayout, device_type: str, backend: str, connect_timeo
 
     override: dict[int | str, Any] = {}
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        # torch's stubs declare Gloo's options as ProcessGroupGloo.Options; at runtime they are _Options (and
+        # Options is Backend's)
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = connect_timeout
         override = {name: ("gloo", options) for name in layout.names}
     dtensor_caches_for(dist.get_rank())

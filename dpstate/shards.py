@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .snapshot import Deferred
 
+if TYPE_CHECKING:  # imported for real only once something else imported it (_dtensor_type)
+    from torch.distributed.tensor import DTensor
 
-def _dtensor_type() -> type | None:
+
+def _dtensor_type() -> type[DTensor] | None:
     """DTensor, once something imported it (a job without one never pays for the import)."""
     if "torch.distributed.tensor" not in sys.modules:
         return None
@@ -36,7 +39,7 @@ def local_shards(tree: Any, record: list | None = None, path: tuple = ()) -> Any
     return _map_dtensors(tree, dtensor, record, path)
 
 
-def _map_dtensors(obj: Any, dtensor: type, record: list | None, path: tuple) -> Any:
+def _map_dtensors(obj: Any, dtensor: type[DTensor], record: list | None, path: tuple) -> Any:
     if isinstance(obj, dtensor):
         if record is not None:
             record.append(_Placed(path, obj))
