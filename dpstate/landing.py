@@ -87,8 +87,8 @@ class Landing:
             if offset is None:
                 offset = self._offset_of.get(ptr)
             view = views.get(offset) if offset is not None else None
-            if (view is None or offset in taken or not t.is_cpu or not t.is_contiguous() or t.dtype != view.dtype
-                    or t.shape != view.shape):
+            if (offset is None or view is None or offset in taken or not t.is_cpu or not t.is_contiguous()
+                    or t.dtype != view.dtype or t.shape != view.shape):
                 return None
             taken.add(offset)
             return view

@@ -22,12 +22,16 @@ def save_local(replicator: Any, msg: P.SaveSnapshots, rank: int, node_id: str,
         error = finish_files(msg.directory, msg.step, {str(rank): error}, msg.world_size, writer)[str(rank)]
         send(P.SnapshotFiles(node_id, msg.step, {str(rank): error}))
         return
-    written, errors = [], []
+    written: list[int] = []  # the steps written
+    errors: list[str] = []  # why the others were not
     for step in replicator.local_steps():
         folder = step_folder(msg.directory, step)
         error = _write(replicator, folder, rank, step)
         error = finish_files(folder, step, {str(rank): error}, msg.world_size, writer)[str(rank)]
-        (errors if error else written).append(error or step)
+        if error:
+            errors.append(error)
+        else:
+            written.append(step)
     send(P.SnapshotFiles(node_id, msg.step, {str(rank): "; ".join(errors)}, steps=written))
 
 
