@@ -360,9 +360,16 @@ class Replicator:
                 for endpoint in endpoints:
                     if endpoint not in links:
                         links[endpoint] = HolderLink(self.ctx, endpoint)
+
+                # defaults bind this job's step and epoch (as lambdas with defaults would, which mypy cannot type)
+                def on_differs(blocks: list, step: int = job.step) -> None:
+                    self._diverged(rank, step, blocks)
+
+                def cancelled(e: int = epoch) -> bool:
+                    return e != self._epoch
+
                 delivery = Delivery(self.codec, self.stats, job.slot, rank, job.step, generation, job.held_at,
-                                    on_differs=lambda blocks, step=job.step: self._diverged(rank, step, blocks),
-                                    cancelled=lambda e=epoch: e != self._epoch,
+                                    on_differs=on_differs, cancelled=cancelled,
                                     gone=lambda endpoint: links[endpoint].gone())
                 if job.tree is None:
                     offered = job.slot.digests is not None
@@ -434,7 +441,8 @@ class Replicator:
         laps.lap("copy")
         kept = tensors  # where they lay (dpstate.landing); the references go at the end of this capture
         with self._cond:
-            job.tree = tensors = None  # the step's tensors may now change (wait_captured)
+            job.tree = None  # the step's tensors may now change (wait_captured)
+            del tensors
             self._cond.notify_all()
         crc = slot.seal(meta, nbytes, plan, digester)  # padding included: every byte that is sent
         laps.lap("crc")
@@ -451,6 +459,7 @@ class Replicator:
     def _announce(self, sock: Any, slot: Slot, rank: int) -> None:
         """Tell this node's agent where the snapshot just captured lies (LocalSnapshot: not answered)."""
         buf = slot.shared
+        assert buf is not None  # the caller saw digests, which only a capture into a shared buffer keeps
         msg = P.LocalSnapshot(rank=rank, step=slot.step, pid=os.getpid(), fd=buf.fd, inode=buf.inode,
                               offset=shared.HEADER_BYTES, nbytes=slot.nbytes, writes=buf.writes,
                               checks=slot.plan.as_json() if slot.plan else {})
