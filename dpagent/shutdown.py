@@ -56,6 +56,9 @@ class ShutdownSequence:
     """Needs the agent's cfg, workers, shutdown, retired, exit_code, replica, welcome, liveness, restart_mode,
     _signals, _signalled, _stop_wait, _job_stopping, _to_workers, _to_controller and _own_ranks."""
 
+    shutdown: Shutdown | None  # (the two it sets: typed here as the agent types them)
+    exit_code: int | None
+
     def _stop_signalled(self, now: float) -> None:
         """A signal to stop. When Slurm ends a step (its time limit, scancel) every process gets SIGTERM, the
         controller's dprun too, which saves the job's state from the nodes' stores (--save-dir) and then stops
