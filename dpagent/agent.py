@@ -1,7 +1,7 @@
 """The node agent's event loop: sockets, timers and dispatch between the controller, workers and replica store.
 
 Thin by design: workers.py spawns and watches workers (worker_link.py talks with them), replica_server.py serves
-snapshots, faults.py injects.
+snapshots, fault_actions.py injects.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 import psutil
 import zmq
 
-from . import faults
+from . import fault_actions
 from .channel import Channel, Incoming, poll_ms
-from .events import EventPipe
+from .loop_events import EventPipe
 from .liveness import Liveness
 from .oom import OomKills
 from .process import LAUNCHER_GONE, LAUNCHER_STOP, descendants, reap_orphans, set_child_subreaper, signal_procs
@@ -392,7 +392,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         elif isinstance(msg, Inject) and msg.kind == "corrupt-replicas":
             log.warning("injected fault: corrupt-replicas (%d snapshots damaged)", self.replica.store.corrupt_all())
         elif isinstance(msg, Inject):
-            faults.inject(msg.kind, msg.local_rank, self.workers)
+            fault_actions.inject(msg.kind, msg.local_rank, self.workers)
         else:
             self.control.drop_unexpected(incoming)
 

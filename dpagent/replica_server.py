@@ -27,7 +27,7 @@ import zmq
 from .channel import Channel, Incoming
 from .checksum import checksum_chunks
 from .dedup import EXPECT_RESTORE_S, LocalCopies, Offer, assemble, decide, parse_offer
-from .events import EventPipe
+from .loop_events import EventPipe
 from .protocol import (FetchSnapshot, LoadSnapshots, LocalSnapshot, OfferSnapshot, PutSnapshot, ReserveSnapshot,
                        SaveSnapshots, SnapshotAck, SnapshotBlocks, SnapshotChunk, SnapshotData, SnapshotFiles,
                        SnapshotReserved, SnapshotStored, SnapshotWants)

@@ -20,7 +20,7 @@ from typing import Collection, Mapping, Sequence
 
 import psutil
 
-from .events import EventPipe
+from .loop_events import EventPipe
 from .exit_wording import describe_exit as describe_exit  # (re-exported: tests name it here)
 from .output import OutputSpec, WorkerOutput
 from .process import child_preexec, signal_tree

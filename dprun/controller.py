@@ -28,7 +28,7 @@ from .files import FileWork, Files
 from .reconstruction import Reconstruction
 from . import admission
 from .repeats import RepeatedFailures
-from .standby import SpareSizing
+from .spare_sizing import SpareSizing
 
 # what a node says of its workers stands in any generation: how they are, how they ended, that they finished
 ANY_GENERATION = (p.Heartbeat, p.WorkerExited, p.RankFinished, p.Diverged)

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from dpagent.channel import Channel, poll_ms
-from dpagent.events import EventPipe
+from dpagent.loop_events import EventPipe
 from dpagent.liveness import Liveness
 from dpagent.output import crash_exception, failure_detail
 from dpagent.protocol import (
@@ -197,6 +197,7 @@ def test_poll_timeouts_round_up_so_that_a_loop_waiting_for_a_deadline_does_not_s
         ctx.destroy(linger=0)
 
 
+@pytest.mark.slow  # starts worker processes
 def test_workers_are_stopped_while_paused_and_go_on_after():
     """While the agent writes a stopping job's files its workers are stopped for real (the kernel says so
     before the block starts), also when the block fails; a worker that exited meanwhile is no error."""
@@ -226,6 +227,7 @@ def test_workers_are_stopped_while_paused_and_go_on_after():
         ctx.destroy(linger=0)
 
 
+@pytest.mark.slow  # starts worker processes
 def test_workers_frozen_for_a_save_stay_stopped_past_a_pause_until_thawed():
     """A stopping job's save freezes a node's workers (but one asked to write its own copy) until the Stop: a
     pause for the files' write inside that does not let them go on; thaw does, for the ranks it names."""
@@ -289,6 +291,7 @@ def test_event_pipe_wakes_the_loop_from_a_thread():
         ctx.destroy(linger=0)
 
 
+@pytest.mark.slow  # starts a python process
 def test_the_agent_does_not_import_torch():
     import subprocess
     import sys
@@ -316,6 +319,7 @@ print(held - rss())
 '''
 
 
+@pytest.mark.slow  # starts a python process
 @pytest.mark.timeout(60)
 def test_a_holder_keeps_the_memory_of_a_dropped_snapshot_for_the_next_one():
     """glibc: a freed snapshot at the top of the heap stays with the process (no trim), so the next one is

@@ -13,7 +13,7 @@ import zmq
 from dpagent import protocol as P
 from dpagent.channel import Channel
 from dpagent.checksum import checksum, checksum_chunks
-from dpagent.events import EventPipe
+from dpagent.loop_events import EventPipe
 from dpagent.replica_server import RelabelChecked, RelabelChecker, ReplicaServer
 from dpagent.replica_store import ReplicaStore
 

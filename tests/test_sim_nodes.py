@@ -1,4 +1,4 @@
-"""The simulation's model of a replica store (dprun.sim.nodes.SimNode) against the real one (dpagent's
+"""The simulation's model of a replica store (dprun.sim.cluster.SimNode) against the real one (dpagent's
 ReplicaStore): the same random reserves and puts, the same copies kept, refused and dropped, step by step.
 A model that drifts from the store would let the simulation prove invariants of a system we do not ship."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from dpagent.protocol import PutSnapshot
 from dpagent.replica_store import ReplicaStore
-from dprun.sim.nodes import SimNode
+from dprun.sim.cluster import SimNode
 
 pytestmark = pytest.mark.timeout(60)
 

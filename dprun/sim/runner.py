@@ -9,7 +9,7 @@ import collections
 import random
 
 from .invariants import Checker, InvariantViolation, judge_outcome
-from .nodes import ScriptError
+from .cluster import ScriptError
 from .schedule import DISK_FULL, LEAVE, MEMORY_LOST, SCRIPT_ERRORS, Fault, Schedule
 from .world import World
 

@@ -16,9 +16,9 @@ from dpagent import protocol as p
 from dprun.controller import ConnectionDropped, Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
 
 from .disk import SimDisk
-from .nodes import ScriptError, SimNode, SimWorker
+from .cluster import ScriptError, SimNode, SimWorker
 from .schedule import FETCH_TIMEOUT_S
-from .workers import WorkerSide
+from .worker_model import WorkerSide
 
 CONTROLLER = "controller"
 

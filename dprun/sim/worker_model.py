@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dpagent import protocol as p
 
-from .nodes import KEEP_LOCAL, Put, SimNode
+from .cluster import KEEP_LOCAL, Put, SimNode
 
 
 class WorkerSide:
