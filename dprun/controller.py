@@ -431,7 +431,7 @@ class Controller(Reconstruction, Deadlines, Files):
         if not self.spec.restart_mode:  # (restarts are --max-restarts' to count) a spare's script fails alike
             rank = self.ranks_of(node.node_rank)[msg.local_rank] if node.node_rank >= 0 else -1
             # (the step it struck after: its own generation's, not one a newer plan already rolled back; or the
-            # one its agent heard it make, where it trained on in a generation since replaced: seed 716647)
+            # one its agent heard it make, where it trained on in a generation since replaced)
             step = max(self.peaks.get(msg.generation, self.max_step), msg.step)
             same = self.repeats.seen(code, last_line, node.node_id, rank, step)
         node.raised = code > 0

@@ -126,7 +126,7 @@ class Deadlines:
     def _a_rank_waits_on_its_peers(self) -> bool:
         """Before a generation's first step, start-up (the script's own, a restore) is no hang; but once a rank
         waits in a collective for its peers, the generation's first step has begun, and one that hangs in it is
-        caught as in any other step (before, a hang that followed its rank onto the spare hung the job for ever)."""
+        caught as in any other step (a hang that follows its rank onto the spare would hang the job for ever)."""
         return any(status.activity in ("collective", "finishing") and status.age <= self._status_stale_after()
                    for status in self._statuses())
 

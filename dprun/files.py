@@ -172,7 +172,7 @@ class Files:
     def _kept_gone(self, node_id: str, cause: str, now: float) -> None:
         """A fenced node whose store stayed was lost too: its copies with it. A rank that the recovery under way
         restores from it has its plan made again at once (its fetch from a dead store would wait out its
-        timeout: simulator seed 13863)."""
+        timeout)."""
         self.table.nodes[node_id].keeps_store = False
         self.ledger.holder_lost(node_id)
         if self.files is not None:

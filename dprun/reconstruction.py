@@ -203,7 +203,7 @@ class Reconstruction:
         self.unrestored |= {r for i in failed_slots for r in self.ranks_of(i)}
         if self.spec.nnodes == 1 and len(spares) > len(failed_slots):
             # a single node's snapshots live on spares: promote one that holds none, so that the holder keeps its
-            # copy through a second loss while the new node restores (simulator seed 2001984)
+            # copy through a second loss while the new node restores
             holding = {node_id for held in self.holders.values() for node_id in held}
             spares.sort(key=lambda spare: spare.node_id in holding)
         for i in failed_slots:
@@ -235,7 +235,7 @@ class Reconstruction:
         self._publish("restoring_from_disk", ranks=lost, step=step, folder=folder,
                       lost_steps=max(0, max(rec.peak_step, self.max_step) - step),
                       failed=sorted(self.table.nodes[n].node_id for n in rec.failed))
-        self._background_saved(self.saves.abandon(now, "a recovery from disk began"))  # (said: simulator seed 1643)
+        self._background_saved(self.saves.abandon(now, "a recovery from disk began"))  # (an event says so)
         self._begin_generation(rec, now, failed_slots, spares, step)
         rec.from_disk = folder
         self._load_from_disk(folder, step, rec)
@@ -243,7 +243,7 @@ class Reconstruction:
     def _one_more_replan(self, rec: Recovery) -> bool:
         """A generation planned again with no node lost: counted (those owed to a dropped bad copy are not);
         past MAX_REPLANS in a row the job ends (False). Counted per generation planned, not per time the plan
-        was looked at (waits for a restore's news look again and again: simulator seed 98784)."""
+        was looked at (waits for a restore's news look again and again)."""
         if rec.free_replans:
             rec.free_replans -= 1
             return True
@@ -258,8 +258,8 @@ class Reconstruction:
     def _late_copy(self, msg) -> bool:
         """A copy stored for an older generation, reported late (its sender's put was in flight when a failure
         began a new one), is still taken in while no generation since has trained: it is of the one timeline
-        that did, and the store made room for it, so the ledger must know what the store now holds (simulator
-        seed 6008067: an older copy counted on was gone, the newer one unknown, and the state said lost)."""
+        that did, and the store made room for it, so the ledger must know what the store now holds (else an
+        older copy counted on may be gone, the newer one unknown, and the state said lost)."""
         return isinstance(msg, p.SnapshotStored) and self.trained_generation <= msg.generation < self.generation
 
     def _first_step_of_generation(self) -> None:
@@ -276,8 +276,8 @@ class Reconstruction:
     def _late_copies_superseded(self, rank: int, step: int, holder: str) -> None:
         """`holder` stored this generation's copy of `rank` at `step` (the restored step sent again, most often):
         its store dropped the older generations' copies of that rank at or past it (ReplicaStore.add), late ones
-        too, before this generation trained (simulator seed 78267: a second failure then planned a late copy
-        that the holder no longer held)."""
+        too, before this generation trained (else a second failure could plan a late copy that the holder no
+        longer holds)."""
         superseded = [copy for copy in self.late_copies if copy[0] == rank and copy[2] == holder and copy[1] >= step]
         for copy in superseded:
             self.late_copies.remove(copy)
@@ -315,8 +315,8 @@ class Reconstruction:
         it holds the snapshot at or before what it reported, and the one at or before P-1: the floor is the
         newer of the two. Snapshots are taken at the same steps on every rank (the grid: Progress says which
         steps are snapshotted, as do replica reports): these hold whatever the replica reports say (those
-        from a holder that died with them can be lost in flight; a grid known only from them lagged, and a
-        survivor was sent to a step its ring had dropped: simulator seed 217749).
+        from a holder that died with them can be lost in flight: a grid known only from them could lag, and send
+        a survivor to a step its ring had dropped).
         """
         top = max(self.rank_step.values(), default=0)
         return {rank: self.ledger.snapshot_step_at_or_before(max(self.rank_step.get(rank, 0), top - 1, 0))

@@ -118,7 +118,7 @@ class ControllerServer:
                 now = time.monotonic()
                 # inputs are handed on every TICK_S or sooner: a longer gap since the last means dprun itself
                 # did not run, told before this input (a stop that fell mid-turn included: a Tick handed its
-                # time unannounced failed a node for the silence; seen once in CI)
+                # time unannounced would fail a node for the silence)
                 told = [Paused(now - ran - TICK_S), event] if now - ran > PAUSED_AFTER_S else [event]
                 ran = now  # (not read after handle: a stop inside it is then seen at the next input)
                 for one in told:
