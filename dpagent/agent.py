@@ -33,7 +33,7 @@ from .protocol import (
 from .output import OutputSpec
 from .replica_server import ReplicaServer
 from .replica_store import ReplicaStore
-from .restart import RestartMode
+from .restart import HeldExits, RestartMode
 from .shutdown import (
     EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, EXIT_REFUSED, Shutdown, ShutdownSequence, StopPhase,
 )
@@ -118,7 +118,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
         self._old_handlers: dict = {}
         self._wakeup: tuple[socket.socket, socket.socket] | None = None  # signals wake the loop (main thread only)
         self._owns_run_dir = False
-        self._init_restart()
+        self.held_exits = HeldExits()  # restart mode: crashes held back, replaced workers' exits
 
     # ------------------------------------------------------------------ setup / teardown
 
@@ -276,7 +276,9 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
 
     def _poll_timeout_ms(self) -> int:
         now = time.monotonic()
-        due = [self._next_reap] + [deadline for deadline, _ in self._held[:1]]
+        due = [self._next_reap]
+        if (held_due := self.held_exits.next_deadline()) is not None:
+            due.append(held_due)
         if (offers_due := self.replica.next_deadline()) is not None:
             due.append(offers_due)
         if self.shutdown is not None:
@@ -321,7 +323,7 @@ class Agent(RestartMode, ShutdownSequence, WorkerLink):
                 log.warning("no Welcome from %s yet after %.3gs (is the dprun that runs the controller up there, "
                             "with this job's token?); giving up in %.3gs", self.cfg.controller, now - self.started,
                             self.cfg.register_timeout - (now - self.started))
-        if self._held and self.shutdown is None:
+        if self.shutdown is None:
             self._release_held(now)
         if self.shutdown is not None:
             self._advance_shutdown(now)

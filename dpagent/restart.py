@@ -31,22 +31,52 @@ def may_be_a_peers_doing(exited: WorkerExited, world_size: int) -> bool:
     return exception_name(raised_exception(exited.stderr_tail)) not in OWN_ERRORS
 
 
+class HeldExits:
+    """Restart mode's exits that are not news yet, or never: a crash held back until its deadline (it may be a
+    dead peer's doing, and then a Reconfigure comes first), and the exits of workers that a restart replaced.
+    A part of the agent that owns this state alone; the clock is passed in."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[float, WorkerExited]] = []  # (deadline, exit), in deadline order
+        self._retired: set[int] = set()  # pids of workers replaced by a restart
+
+    def retire(self, pids: list[int]) -> None:
+        """A restart replaces these workers: the exits held so far were its casualties, and theirs are not news."""
+        self._held.clear()
+        self._retired.update(pids)
+
+    def retired_exit(self, pid: int) -> bool:
+        """True (once) for a worker that a restart replaced: its exit is not reported."""
+        if pid in self._retired:
+            self._retired.discard(pid)
+            return True
+        return False
+
+    def hold(self, exited: WorkerExited, until: float) -> None:
+        self._held.append((until, exited))
+
+    def next_deadline(self) -> float | None:
+        return self._held[0][0] if self._held else None
+
+    def due(self, now: float) -> list[WorkerExited]:
+        """The held exits whose deadline passed with no recovery: they stand on their own."""
+        due = []
+        while self._held and self._held[0][0] <= now:
+            due.append(self._held.pop(0)[1])
+        return due
+
+
 class RestartMode:
     """Needs the agent's cfg, workers, _peers, welcome, latest_reconfigure, job_id, generation, _base_env,
-    _spawn and _to_controller."""
+    _spawn, _to_controller and held_exits (a HeldExits)."""
 
     restart_mode = False  # Welcome(prespawn=False)
-
-    def _init_restart(self) -> None:
-        self._held: list[tuple[float, WorkerExited]] = []  # exits that may be a peer's fault, until a deadline
-        self._retired: set[int] = set()  # pids of workers replaced by a restart: their exits are not news
 
     def _restart_workers(self, msg: Reconfigure) -> None:
         """Replace this node's workers by fresh ones that know their ranks; WorkerReady for each."""
         started = time.monotonic()
-        self._held.clear()  # exits of the previous generation were its casualties
         old = self.workers.alive()
-        self._retired.update(w.pid for w in old)
+        self.held_exits.retire([w.pid for w in old])
         for worker in old:
             if worker.identity is not None:
                 self._peers.pop(worker.identity, None)
@@ -69,13 +99,6 @@ class RestartMode:
                 self._to_controller(WorkerReady(self.cfg.node_id, msg.generation, rank,
                                                 round(time.monotonic() - started, 4), 0.0, "restart"))
 
-    def _retired_exit(self, pid: int) -> bool:
-        """True (once) for a worker that a restart replaced: its exit is not reported."""
-        if pid in self._retired:
-            self._retired.discard(pid)
-            return True
-        return False
-
     def _hold_exit(self, exited: WorkerExited) -> bool:
         """A failed worker in restart mode: tell the controller to probe every node now (a PeerError) and
         report the exit only if no Reconfigure comes within a heartbeat timeout. False: report it at once (one
@@ -88,11 +111,10 @@ class RestartMode:
         rank = rc.node_rank * self.cfg.nproc + exited.local_rank if rc is not None else NO_RANK
         self._to_controller(PeerError(self.cfg.node_id, self.generation, rank,
                                       f"worker {exited.local_rank} {describe_exit(exited.exitcode)}"))
-        self._held.append((time.monotonic() + self.welcome.heartbeat_timeout, exited))
+        self.held_exits.hold(exited, time.monotonic() + self.welcome.heartbeat_timeout)
         return True
 
     def _release_held(self, now: float) -> None:
-        while self._held and self._held[0][0] <= now:
-            _, exited = self._held.pop(0)
+        for exited in self.held_exits.due(now):
             log.warning("worker %d's exit stands on its own (no recovery followed): reporting it", exited.local_rank)
             self._to_controller(exited)

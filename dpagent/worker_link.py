@@ -27,7 +27,7 @@ FORWARDED = (Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, Dive
 
 class WorkerLink:
     """Needs the agent's cfg, job_id, endpoints, workers, worker_ch, _peers, _statuses, _made, shutdown,
-    standby, latest_reconfigure, generation, replica, oom_kills, _to_controller and _hold_exit / _retired_exit
+    standby, latest_reconfigure, generation, replica, oom_kills, _to_controller, _hold_exit and held_exits
     (restart mode)."""
 
     def _base_env(self, local_rank: int, role: str) -> dict[str, str]:
@@ -116,7 +116,7 @@ class WorkerLink:
                 self._to_controller(self.replica.files_done(event))
 
     def _on_worker_done(self, done: WorkerDone) -> None:
-        if self._retired_exit(done.pid):
+        if self.held_exits.retired_exit(done.pid):
             return
         worker = self.workers.mark_done(done)
         if worker is None:
