@@ -1,4 +1,6 @@
-"""Shared test fixtures: free ports, process-tree cleanup and leftover checks for multi-process tests."""
+"""Shared test fixtures: free ports, process-tree cleanup and leftover checks for multi-process tests. Shared
+code that is not a fixture is in tests/helpers/ (imported as `helpers.<module>`); tests/data/ holds scripts that
+tests run by path."""
 
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ if torch.cuda.is_available():
 HOST_CUDA_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(torch.cuda.device_count())))
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-# Tests start their own jobs (and tests/slurm_cluster.py its own Slurm): under srun or sbatch, the processes they
-# start must not take the allocation's SLURM_* variables for theirs.
+# Tests start their own jobs (and tests/helpers/slurm_cluster.py its own Slurm): under srun or sbatch, the processes
+# they start must not take the allocation's SLURM_* variables for theirs.
 for _name in [n for n in os.environ if n.startswith("SLURM_")]:
     del os.environ[_name]
 
@@ -36,7 +38,28 @@ for _name in [n for n in os.environ if n.startswith("SLURM_")]:
 @pytest.fixture
 def replica(tmp_path):
     """A real replica store (dpagent's ReplicaServer behind fake agents) for a Replicator to send to."""
-    from test_dpstate_harness import FakeAgents
+    from helpers.fake_agents import FakeAgents
+
+    agents = FakeAgents(tmp_path, [])
+    yield agents
+    agents.close()
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A replica holder whose node runs this process (its 'local worker'): fake agents whose replica store maps
+    this process's shared snapshot buffers, as an agent maps its workers'."""
+    from helpers.fake_agents import FakeAgents
+
+    agents = FakeAgents(tmp_path, [], local_pids=lambda: [os.getpid()])
+    yield agents
+    agents.close()
+
+
+@pytest.fixture
+def peer_node(tmp_path):
+    """The peer's own node's agent: it runs no worker of this process, so it takes no local snapshot in."""
+    from helpers.fake_agents import FakeAgents
 
     agents = FakeAgents(tmp_path, [])
     yield agents
@@ -157,10 +180,11 @@ def port():
 
 @pytest.fixture(scope="session")
 def unbroken(tmp_path_factory):
-    """unbroken(nnodes, steps) -> e2e.Run: examples/train_gpt.py (tests/e2e.py's TRAIN_ARGS) for `steps` steps on
-    `nnodes` nodes, no spare, nothing failing: the run that a recovered or resumed run of that shape must end
-    bit for bit equal to. Each shape runs once per session, on first use, for every test file that asks."""
-    from e2e import dprun
+    """unbroken(nnodes, steps) -> helpers.e2e.Run: examples/train_gpt.py (with helpers/e2e.py's TRAIN_ARGS) for
+    `steps` steps on `nnodes` nodes, no spare, nothing failing: the run that a recovered or resumed run of that
+    shape must end bit for bit equal to. Each shape runs once per session, on first use, for every test file that
+    asks."""
+    from helpers.e2e import dprun
 
     runs = {}
 

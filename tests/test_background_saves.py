@@ -13,7 +13,7 @@ from dpagent.save_manifest import complete_steps, prune, read_step, resume_steps
 from dpagent.snapshot_files import step_folder, write_snapshot
 from dprun.background_saves import BackgroundSaves
 from dprun.controller import NodeGone
-from test_controller import formed, spec
+from helpers.controller_harness import formed, spec
 
 META = b'{"step": 1}'
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from e2e import TRAIN, TRAIN_ARGS, dprun
+from helpers.e2e import TRAIN, TRAIN_ARGS, dprun
 
 pytestmark = [pytest.mark.slow]
 BENCH = REPO / "benchmarks"

@@ -23,8 +23,8 @@ from dpstate.checks import CheckPlanner, check_every_from_env, replicated_keys, 
 from dpstate.replication import Replicator
 from dpstate.shared import HEADER_BYTES, SharedBuffer
 from dpstate.state import Tracked
-from test_dedup import data_parallel_state, holder, peer_node, replicators  # noqa: F401 (fixtures)
-from test_dpstate_harness import TOKEN
+from helpers.fake_agents import TOKEN
+from helpers.replication import data_parallel_state, replicators
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -252,7 +252,7 @@ def fetch(endpoint: str, rank: int, step: int):
 
 
 def test_a_data_parallel_peer_sends_only_its_tail_and_a_divergence_is_caught_and_ends_the_trust(
-        holder, peer_node, monkeypatch, capfd, caplog):  # noqa: F811 (fixtures)
+        holder, peer_node, monkeypatch, capfd, caplog):
     monkeypatch.setenv("DP_SNAPSHOT_CHECK", "4")
     local, peer = replicators(monkeypatch, holder, peer_node)
     reported = []  # what the session sends its controller (protocol.Diverged)

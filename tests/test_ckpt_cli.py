@@ -15,9 +15,9 @@ from conftest import REPO
 
 from dpagent.save_manifest import write_manifest
 from dpagent.snapshot_files import write_snapshot
-from dprun.cli import main
 from dpstate import snapshot as S
 from dpstate.state import Tracked
+from helpers.cli import run
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,14 +38,6 @@ def save_step(save_dir: Path, step: int, world_size: int = 2, manifest: bool = T
     if manifest:
         write_manifest(folder, step, world_size, list(range(world_size)), "node-0")
     return folder
-
-
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    """`dprun ARGS` in this process: (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as ended:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return ended.value.code, out, err
 
 
 def truncate(path: Path, by: int = 100) -> None:
@@ -159,6 +151,7 @@ def test_a_damaged_step_is_not_exported_and_says_to_run_verify(tmp_path, capsys)
     assert not (tmp_path / "out").exists(), "nothing written"
 
 
+@pytest.mark.slow  # starts a `python -m dprun` process
 def test_piped_output_is_plain_text_one_line_per_step(tmp_path):
     """As a script or `| grep` reads it: no colours, no box drawing, no wrapping of a long reason."""
     save_step(tmp_path, 8)

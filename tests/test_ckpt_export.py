@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from conftest import REPO, free_port
-from e2e import TRAIN, TRAIN_ARGS, dprun, the_save
-from test_ckpt_cli import run
 
 from dpagent.save_manifest import write_manifest
 from dpagent.snapshot_files import read_snapshot, write_snapshot
 from dpstate import snapshot as S
 from dpstate.state import Tracked
+from helpers.cli import run
+from helpers.e2e import TRAIN, TRAIN_ARGS, dprun, the_save
 
 # dcp.load in this one process (no_dist): torch says it assumes so
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -255,8 +255,9 @@ def test_a_3d_step_exported_as_dcp_loads_into_a_fresh_model_of_the_same_layout_a
     assert "'data' differs between ranks: kept per rank as data.rank_R (8 ranks)" in said  # seeded by dp rank
 
     results = tmp_path / "results"
+    loader = REPO / "tests" / "data" / "ckpt_dcp_loader.py"
     proc = procs.popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--master-addr",
-                        "127.0.0.1", "--master-port", str(free_port()), str(REPO / "tests" / "ckpt_dcp_loader.py"),
+                        "127.0.0.1", "--master-port", str(free_port()), str(loader),
                         tmp_path / "dcp", folder, results, *MODEL_3D, *DIMS_3D, "--steps", "10"],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     _, err = proc.communicate(timeout=240)

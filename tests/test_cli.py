@@ -5,8 +5,6 @@ processes side by side and finds them saying the same, and holds the cases that 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import socket
 import subprocess
@@ -14,7 +12,7 @@ import sys
 
 import pytest
 
-from dprun.cli import main
+from helpers.cli import environment, in_process
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -24,43 +22,9 @@ TORCHRUN_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoin
                   "--master-port", "--rdzv-backend")
 
 
-def environment(cwd, env=None) -> dict[str, str]:
-    """What dprun runs with, in a process or in this one: ours without torchrun's PET_* variables, plus `env`."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
-    full_env.update({"COLUMNS": "100", "DPRUN_STATE_DIR": str(cwd / "state"), **(env or {})})
-    return full_env
-
-
 def start(args, cwd, env=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "dprun", *map(str, args)], cwd=cwd, env=environment(cwd, env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def in_process(args, cwd, env=None) -> tuple[int, str, str]:
-    """`dprun ARGS` as dprun.cli.main(ARGS) in this process, in folder `cwd` with the environment a process of
-    start() gets: (exit code, stdout, stderr). SystemExit is what the process would exit with: a code, or a
-    message the interpreter prints to stderr with exit code 1."""
-    out, err = io.StringIO(), io.StringIO()
-    saved_env, saved_cwd = dict(os.environ), os.getcwd()
-    os.environ.clear()
-    os.environ.update(environment(cwd, env))
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main([*map(str, args)])
-                code = 0
-            except SystemExit as exc:
-                if exc.code is None or isinstance(exc.code, int):
-                    code = exc.code or 0
-                else:
-                    print(exc.code, file=sys.stderr)
-                    code = 1
-    finally:
-        os.chdir(saved_cwd)
-        os.environ.clear()
-        os.environ.update(saved_env)
-    return code, out.getvalue(), err.getvalue()
 
 
 def finish_all(procs: list[subprocess.Popen], timeout: float = 60) -> list[tuple[int, str, str]]:
@@ -169,6 +133,7 @@ def test_every_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path, busy_port):
             one_line(name, *in_process(args, tmp_path, env), want)
 
 
+@pytest.mark.slow  # starts `python -m dprun` processes
 def test_the_real_entry_point_says_what_main_says(tmp_path, busy_port):
     """`python -m dprun` processes, side by side: --help and a sample of the bad inputs end as main(argv) ends in
     this process, to the byte; the inputs that bind a port get their one line too."""
@@ -183,6 +148,7 @@ def test_the_real_entry_point_says_what_main_says(tmp_path, busy_port):
             assert (code, out, err) == in_process(cases[name][0], tmp_path, cases[name][1]), name
 
 
+@pytest.mark.slow  # starts a `python -m dprun` process
 def test_dprun_in_a_batch_script_runs_on_its_node_and_says_so(tmp_path):
     """Not started by srun (sbatch's script, an salloc shell): SLURM_NODEID=0 and a job of 2 nodes do not make
     it node 0 of 2 waiting for a second dprun; it runs its job here and says how to use every node."""

@@ -5,71 +5,10 @@ from __future__ import annotations
 import pytest
 
 from dpagent import protocol as p
-from dprun.controller import ConnectionDropped, Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
+from dprun.controller import ConnectionDropped, NodeGone, Received, Tick
 from dprun.faults import parse_fault
 from dprun.ledger import ReplicaLedger
-
-
-def spec(**kw) -> JobSpec:
-    base = dict(nnodes=2, spares=1, nproc_per_node=1, store_endpoint="127.0.0.1:1", heartbeat_interval=0.5,
-                heartbeat_timeout=5.0, probe_timeout=1.0, rdzv_timeout=30.0)
-    base.update(kw)
-    return JobSpec(**base)
-
-
-class Harness:
-    """Drives a Controller with a fake clock and records what it does."""
-
-    def __init__(self, job: JobSpec):
-        self.now = 0.0
-        self.c = Controller(job, self.now)
-        self.sent: list[Send] = []
-        self.events: list[dict] = []
-        self.finish: Finish | None = None
-
-    def feed(self, event, dt: float = 0.0):
-        self.now += dt
-        actions = self.c.handle(event, self.now)
-        for a in actions:
-            if isinstance(a, Send):
-                self.sent.append(a)
-            elif isinstance(a, Publish):
-                self.events.append(a.event)
-            elif isinstance(a, Finish):
-                self.finish = a
-        return actions
-
-    def msg(self, node: str, m):
-        return self.feed(Received(node, m))
-
-    def register(self, node: str, spare=False, rank=-1, nproc=1, **terms):
-        return self.msg(node, p.Register(node, "h", 1, nproc, spare, rank, f"tcp://{node}:1", terms))
-
-    def sent_to(self, node: str, kind) -> list:
-        return [s.msg for s in self.sent if s.node_id == node and isinstance(s.msg, kind)]
-
-    def pong_all(self):
-        seq = self.c.seq
-        for node in self.c.table.live():
-            self.msg(node.node_id, p.Pong(node.node_id, seq))
-
-    def alive(self, statuses: dict[str, dict], dt: float = 0.5):
-        """One heartbeat interval: these nodes heartbeat (with worker statuses) and answer probes."""
-        for node, workers in statuses.items():
-            self.msg(node, p.Heartbeat(node, self.c.generation, workers))
-            self.msg(node, p.Pong(node, self.c.seq))
-        self.feed(Tick(), dt=dt)
-
-    def named(self, name: str) -> list[dict]:
-        return [e for e in self.events if e["event"] == name]
-
-
-def formed(job=None) -> Harness:
-    h = Harness(job or spec())
-    h.register("a", rank=0)
-    h.register("b", rank=1)
-    h.register("s", spare=True)
-    return h
+from helpers.controller_harness import Harness, finished_but_rank_1_lingers, formed, spec
 
 
 def test_first_generation_forms_when_every_node_registered():
@@ -151,7 +90,7 @@ def test_recovery_complete_after_every_rank_steps_past_restore_step():
     h.msg("b", p.SnapshotStored("b", 0, 3, 0))
     h.msg("a", p.Progress("a", 0, 0, 4))
     h.msg("b", p.Progress("b", 0, 1, 4))
-    h.c.injected_at["b"] = h.now
+    h.c.faults.injected_at["b"] = h.now
     h.msg("b", p.WorkerExited("b", 0, 0, 99, -9), )
     h.pong_all()
     assert h.c.generation == 1
@@ -675,15 +614,6 @@ def test_hang_with_every_rank_waiting_on_peers_stops_with_a_message():
     assert h.finish and h.finish.exit_code == 1 and "every rank waits on its peers" in h.finish.message
 
 
-def finished_but_rank_1_lingers(h: Harness) -> dict:
-    """Both ranks finished step 40; a's worker exited 0, b's (pid 4242) still runs: the heartbeat statuses."""
-    h.msg("a", p.Progress("a", 0, 0, 40))
-    for node, rank in (("a", 0), ("b", 1)):
-        h.msg(node, p.RankFinished(node, 0, rank, 40))
-    h.msg("a", p.WorkerExited("a", 0, 0, 10, 0))
-    return {"a": {}, "b": {"0": {"rank": 1, "step": 40, "activity": "idle", "age": 0.2, "pid": 4242}}, "s": {}}
-
-
 def test_a_worker_that_does_not_exit_after_training_is_named_then_ends_the_job_at_hang_timeout():
     h = formed(spec(hang_timeout=100.0))
     statuses = finished_but_rank_1_lingers(h)
@@ -870,7 +800,7 @@ def test_a_plan_goes_down_the_grid_to_the_newest_step_every_rank_has_a_copy_of()
 def test_spares_are_told_the_snapshot_sizes_to_make_room_for_and_only_when_they_grow():
     """Standby: the largest stored snapshot of each local rank (with headroom), to every spare, when a snapshot
     outgrows it; a spare that registers later hears it after its Welcome; active nodes never do."""
-    from dprun.standby import with_headroom
+    from dprun.spare_sizing import with_headroom
 
     h = Harness(spec(nproc_per_node=2))
     h.register("a", rank=0, nproc=2)
@@ -894,7 +824,7 @@ def test_spares_are_told_the_snapshot_sizes_to_make_room_for_and_only_when_they_
 
 @pytest.mark.parametrize("nbytes", [0, 1, 1000, (1 << 20) - 1, 1 << 20, 108_123_456, 5 << 30, 80 << 30])
 def test_headroom_covers_a_slightly_larger_snapshot_in_whole_mib(nbytes):
-    from dprun.standby import MAX_HEADROOM, ROUND_BYTES, with_headroom
+    from dprun.spare_sizing import MAX_HEADROOM, ROUND_BYTES, with_headroom
 
     room = with_headroom(nbytes)
     headroom = min(nbytes // 64, MAX_HEADROOM)

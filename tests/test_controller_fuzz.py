@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from dpagent import protocol as p
 from dprun.controller import NodeGone, Tick
-from test_controller import Harness, formed, spec
+from helpers.controller_harness import Harness, formed, spec
 
 NAMES = st.sampled_from(["a", "b", "s", "x", "", "tcp://a:1", "tcp://b:1", "tcp://s:1", "init"])
 SMALL = st.integers(-2, 12) | st.integers(-(2**40), 2**40)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dpagent import protocol as p
 from dprun.controller import NodeGone, Paused, Tick
-from test_controller import finished_but_rank_1_lingers, formed, spec
+from helpers.controller_harness import finished_but_rank_1_lingers, formed, spec
 
 
 def test_a_pause_of_the_controller_is_not_its_nodes_silence():

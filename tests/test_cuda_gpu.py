@@ -16,7 +16,7 @@ from dpstate.abort import AbortSignal
 from dpstate.pgroup import GroupManager
 from dpstate.replication import Replicator
 from dpstate.state import Tracked
-from test_dpstate_harness import TOKEN
+from helpers.fake_agents import TOKEN
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -132,6 +132,7 @@ def test_nccl_group_is_built_aborted_and_rebuilt_for_each_generation():
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow  # starts dprun
 @pytest.mark.parametrize("interval", [1, 4])
 def test_a_gpu_node_killed_mid_run_is_hot_swapped_onto_its_spare_with_nccl(procs, tmp_path, interval):
     """dprun end to end on the GPU: one node (NCCL, world 1) and a spare that holds its replica; the node is
@@ -139,7 +140,7 @@ def test_a_gpu_node_killed_mid_run_is_hot_swapped_onto_its_spare_with_nccl(procs
     NCCL group and trains to the end. Every 4th step: acks are awaited at snapshot steps only (on a GPU), so
     the restore step is one of the 2 newest snapshots (8 or 12)."""
     from conftest import HOST_CUDA_DEVICES
-    from e2e import dprun
+    from helpers.e2e import dprun
 
     run = dprun(procs, tmp_path, f"gpu-kill-node-{interval}", "--nnodes", "1", "--spares", "1",
                 "--snapshot-interval", str(interval), "--inject", "kill-node:0@step=15", steps=40,

@@ -13,7 +13,7 @@ from dpagent import protocol as P
 from dpstate import snapshot as S
 from dpstate.abort import AbortSignal
 from dpstate.replication import Replicator
-from test_dpstate_harness import TOKEN, FakeAgents
+from helpers.fake_agents import TOKEN, FakeAgents
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,47 +5,20 @@ Events are the ones the controller publishes; frames are rendered into a recordi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from rich.console import Console
 
 from dpagent import protocol as p
 from dprun.controller import Controller, JobSpec, Received
 from dprun.dashboard import render, select_rows
-from dprun.jobview import JobView, controller_state, total_steps_from_args
+from dprun.jobview import JobView, total_steps_from_args
+from dprun.phase import Phase
 from dprun.report import final_summary, incidents
+from helpers.events import T0, hot_swap_events
 
 pytestmark = pytest.mark.timeout(30)
-T0 = 1_000_000.0
-
-
-def hot_swap_events() -> list[dict]:
-    """2 nodes + 1 spare; node1 dies after step 20; the spare takes over from step 19; 40 steps in all."""
-    ev = [
-        {"event": "node_joined", "time": T0 + 0.1, "node": "node0", "host": "h0", "role": "active", "pid": 100},
-        {"event": "node_joined", "time": T0 + 0.1, "node": "node1", "host": "h1", "role": "active", "pid": 101},
-        {"event": "node_joined", "time": T0 + 0.2, "node": "node2", "host": "h2", "role": "spare", "pid": 102},
-        {"event": "job_started", "time": T0 + 0.3, "generation": 0, "nnodes": 2, "world_size": 4, "spares": 1,
-         "layout": ["node0", "node1"]},
-    ]
-    ev += [{"event": "progress", "time": T0 + 10 + s, "generation": 0, "step": s, "loss": 5.0 - s / 10,
-            "tokens": 1024} for s in range(1, 21)]  # 1 step/s, steps 1..20 at t = 11..30
-    ev += [
-        {"event": "fault_injected", "time": T0 + 30.5, "node": "node1", "node_rank": 1, "kind": "kill-node",
-         "spec": "kill-node:1@step=20"},
-        {"event": "node_failed", "time": T0 + 30.6, "node": "node1", "node_rank": 1, "role": "active",
-         "cause": "agent process exited (killed by SIGKILL)"},
-        {"event": "spare_promoted", "time": T0 + 30.6, "spare": "node2", "node_rank": 1, "generation": 1},
-        {"event": "reconfigure", "time": T0 + 30.6, "generation": 1, "restore_step": 19,
-         "layout": ["node0", "node2"], "decide_s": 0.002},
-        {"event": "progress", "time": T0 + 32.5, "generation": 1, "step": 20, "loss": 3.0, "tokens": 1024},
-        {"event": "recovery_complete", "time": T0 + 32.5, "mode": "hot-swap", "generation": 1, "restore_step": 19,
-         "lost_steps": 1, "failed": ["node1"], "promoted": {"1": "node2"},
-         "phases": {"detect_s": 0.1, "decide_s": 0.0, "rebuild_s": 0.3, "restore_s": 0.5, "total_s": 2.0}},
-    ]
-    ev += [{"event": "progress", "time": T0 + 32.5 + s - 20, "generation": 1, "step": s, "loss": 2.0,
-            "tokens": 1024} for s in range(21, 41)]
-    ev.append({"event": "job_finished", "time": T0 + 53.0, "exit_code": 0, "message": "all 4 ranks finished"})
-    return ev
 
 
 def fold(events, **kw) -> JobView:
@@ -110,22 +83,25 @@ def test_a_failed_node_that_keeps_talking_is_fenced():
     assert next(n for n in view.model(T0 + 40)["nodes"] if n["node_id"] == "node1")["role"] == "fenced"
 
 
-def test_controller_state_reads_the_real_controller():
+def test_the_view_the_controller_publishes_reads_the_real_controller():
     ctl = Controller(JobSpec(nnodes=2, spares=1, nproc_per_node=2, store_endpoint="h:1", job_id="dp-x"), 0.0)
     for i, spare in ((0, False), (1, False), (2, True)):
         ctl.handle(Received(f"n{i}", p.Register(f"n{i}", f"host{i}", 10 + i, 2, spare, -1, f"tcp://h:{i}")), 0.0)
     for rank in range(4):  # node rank r's snapshots live on node rank r+1 (a ring)
         holder = f"n{1 - rank // 2}"
         ctl.handle(Received(holder, p.SnapshotStored(holder, rank, 3, 0)), 1.0)
-    ctl.handle(Received("n2", p.Heartbeat("n2", -1, {"0": {"activity": "idle", "room": 2 << 20},
-                                                     "1": {"activity": "idle", "room": 3 << 20}})), 0.0)
-    state = controller_state(ctl, 1.5)
-    assert state["job_id"] == "dp-x" and state["generation"] == 0 and state["world_size"] == 4
-    assert state["nodes"]["n2"]["role"] == "spare" and state["nodes"]["n2"]["age"] == pytest.approx(1.5)
-    assert state["nodes"]["n2"]["room"] == 5 << 20 and state["nodes"]["n0"]["room"] == 0
-    assert state["nodes"]["n0"]["age"] == pytest.approx(0.5)
-    assert state["nodes"]["n0"]["holder"] == "n1" and state["nodes"]["n0"]["replicated"] == 3
-    assert state["restore_point"] == 3
+    ctl.handle(Received("n2", p.Heartbeat("n2", -1, {"0": p.WorkerSummary("idle", room=2 << 20),
+                                                     "1": p.WorkerSummary("idle", room=3 << 20)})), 0.0)
+    state = ctl.view(1.5)
+    assert state.job_id == "dp-x" and state.generation == 0 and state.world_size == 4
+    assert state.phase is Phase.TRAINING
+    assert state.nodes["n2"].role == "spare" and state.nodes["n2"].age == pytest.approx(1.5)
+    assert state.nodes["n2"].room == 5 << 20 and state.nodes["n0"].room == 0
+    assert state.nodes["n0"].age == pytest.approx(0.5)
+    assert state.nodes["n0"].holder == "n1" and state.nodes["n0"].replicated == 3
+    assert state.restore_point == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.generation = 1  # type: ignore[misc]
     view = JobView()
     view.on_controller(state)
     m = view.model(2.0)

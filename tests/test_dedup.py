@@ -21,66 +21,10 @@ from dpstate.abort import AbortSignal
 from dpstate.replication import Replicator, ReplicationError
 from dpstate.shared import HEADER_BYTES, SharedBuffer
 from dpstate.state import Tracked
-from test_dpstate_harness import TOKEN, FakeAgents
+from helpers.fake_agents import TOKEN
+from helpers.replication import data_parallel_state, replicators
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def holder(tmp_path):
-    """A replica holder whose node runs this process (its 'local worker')."""
-    agents = FakeAgents(tmp_path, [], local_pids=lambda: [os.getpid()])
-    yield agents
-    agents.close()
-
-
-@pytest.fixture
-def peer_node(tmp_path):
-    """The peer's own node's agent: it runs no worker of this process, so it takes no local snapshot in."""
-    agents = FakeAgents(tmp_path, [])
-    yield agents
-    agents.close()
-
-
-def data_parallel_state(rank: int, seed: int = 0) -> Tracked:
-    """~6 MB of parameters + AdamW state, the same on every rank for the same seed, plus a per-rank tensor
-    (as the RNG state and the data position differ between data parallel ranks)."""
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(512, 1024)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(4, 512)).sum().backward()
-    opt.step()
-    tracked = Tracked()
-    tracked.add(model=model, optimizer=opt, position=_Position(rank))
-    return tracked
-
-
-class _Position:
-    def __init__(self, rank: int):
-        self.where = torch.full((1000,), rank, dtype=torch.int64)
-
-    def state_dict(self):
-        return {"where": self.where}
-
-    def load_state_dict(self, state):
-        self.where.copy_(state["where"])
-
-
-def replicator(monkeypatch, rank: int, local_store: str) -> Replicator:
-    monkeypatch.setenv("DP_LOCAL_REPLICA", local_store)
-    rep = Replicator(P.Codec(TOKEN), rank, AbortSignal())
-    assert rep.share, "shared snapshot buffers need memfd_create and /proc (Linux)"
-    return rep
-
-
-def replicators(monkeypatch, holder, peer_node) -> tuple[Replicator, Replicator]:
-    """The holder's own worker (rank 0: its snapshots stay on its node, announced to it) and a peer (rank 1,
-    on peer_node) that replicates to the holder."""
-    local = replicator(monkeypatch, 0, holder.replica_endpoint)
-    local.configure(0, [], 0)
-    peer = replicator(monkeypatch, 1, peer_node.replica_endpoint)
-    peer.configure(0, holder.replica_endpoint, 1)
-    return local, peer
 
 
 def snapshot(rep: Replicator, tracked: Tracked, step: int) -> None:
@@ -271,7 +215,7 @@ def test_random_differences_are_always_reassembled_to_the_peers_bytes_and_checks
 def test_a_job_replicates_only_what_differs_and_recovers_bitwise_from_deduplicated_copies(procs, tmp_path):
     """2 nodes + a spare, ~12 MB of state (12 blocks): the holders receive about one block per snapshot,
     and a node killed mid-run is restored from its holder's deduplicated copy to the very same result."""
-    from e2e import dprun
+    from helpers.e2e import dprun
 
     bigger = ("--n-layer", "4", "--n-embd", "128", "--n-head", "4")
     reference = dprun(procs, tmp_path, "reference", "--nnodes", "2", "--spares", "1", steps=30, train_args=bigger)

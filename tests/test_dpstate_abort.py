@@ -14,18 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from test_dpstate_harness import free_port, store_master
+from conftest import free_port
+from helpers.fake_agents import store_master
 
-HARNESS = str(Path(__file__).with_name("test_dpstate_harness.py"))
+WORKER = str(Path(__file__).with_name("data") / "abort_worker.py")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]  # four Gloo worker processes: ~30 s
 
 
 class Worker:
-    """An abort-worker process with a line reader on its stdout."""
+    """A tests/data/abort_worker.py process with a line reader on its stdout."""
 
     def __init__(self, procs, port: int, rank: int, generation: int):
         env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-        self.proc = procs.popen([sys.executable, HARNESS, "abort-worker", str(port), str(rank), str(generation)],
+        self.proc = procs.popen([sys.executable, WORKER, str(port), str(rank), str(generation)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.lines: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -19,28 +19,14 @@ from dpstate import holders
 from dpstate.abort import Aborted, AbortSignal, classify
 from dpstate.holders import GONE_AFTER_S, HolderGone
 from dpstate.prefetch import Prefetch
-from dpstate.replication import Replicator, ReplicationError
+from dpstate.replication import ReplicationError
 from dpstate.state import Tracked
 from conftest import free_port, rss_shmem
-from e2e import wait_for
-from test_dpstate_harness import TOKEN
+from helpers.e2e import wait_for
+from helpers.fake_agents import TOKEN
+from helpers.replication import replicator, state
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def state(seed: int = 0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(8, 32)).sum().backward()
-    opt.step()
-    tracked = Tracked()
-    tracked.add(model=model, optimizer=opt)
-    return model, opt, tracked
-
-
-def replicator(rank: int = 1, abort: AbortSignal | None = None) -> Replicator:
-    return Replicator(P.Codec(TOKEN), rank, abort or AbortSignal())
 
 
 def test_put_is_acked_and_fetch_returns_the_same_bytes(replica):
@@ -406,7 +392,7 @@ def test_a_spare_makes_room_while_idle_and_its_restore_and_next_capture_write_th
     """Standby: a spare's worker reserves its ring while idle and faults it in (dpstate.standby), so that after
     a failure its restore's fetch and its first capture write to that very memory, not to fresh pages; once a
     slot is in use, reserving ahead touches nothing."""
-    from dprun.standby import with_headroom
+    from dprun.spare_sizing import with_headroom
     from dpstate.replication import NSLOTS
 
     if share:

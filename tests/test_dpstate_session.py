@@ -14,7 +14,8 @@ import pytest
 import zmq
 
 from dpagent import protocol as P
-from test_dpstate_harness import REPO, FakeAgents, free_port, reconfigure, store_master, worker_env
+from conftest import REPO, free_port
+from helpers.fake_agents import FakeAgents, reconfigure, store_master, worker_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # real workers training: 30-90 s each
 TRAIN = str(REPO / "examples" / "train_gpt.py")

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from dpstate import snapshot as S
 from dpstate.state import Tracked
-from test_dpstate_harness import REPO
+from conftest import REPO
 
 sys.path.insert(0, str(REPO / "examples"))
 import train_gpt  # noqa: E402

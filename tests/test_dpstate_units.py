@@ -23,7 +23,7 @@ from dpstate.control import Control
 from dpstate.metrics import MAX_METRIC_BYTES, MAX_METRICS_BYTES, sendable_metrics
 from dpstate.session import Job, Step
 from dpstate.uncaught import hint_unwrapped_steps
-from test_dpstate_harness import TOKEN
+from helpers.fake_agents import TOKEN
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, Processes
 from dpagent.save_manifest import complete_steps
-from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
+from helpers.e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 STEPS = 30

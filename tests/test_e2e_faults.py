@@ -17,10 +17,11 @@ import psutil
 import pytest
 import zmq
 
-from cgroups import counter_in, in_cgroup, memory_cgroup
 from conftest import free_port
 from dpagent import protocol as p
-from e2e import TRAIN, TRAIN_ARGS, controller_up, dprun, read_events, wait_for
+from helpers.cgroups import counter_in, in_cgroup, memory_cgroup
+from helpers.e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
+from helpers.multi_node import multi_node_job
 
 pytestmark = pytest.mark.slow
 STEPS = 30
@@ -234,19 +235,11 @@ def test_a_corrupt_only_copy_stops_the_job_instead_of_loading_it(procs, tmp_path
 
 
 def _multi_node(procs, tmp_path, *extra: str, step_sleep: float = 0.1):
-    token = tmp_path / "token"
-    token.write_text("fault-tests-secret")
-    endpoint = f"127.0.0.1:{free_port()}"
-    events = tmp_path / "events.jsonl"
-    common = ["--rdzv-endpoint", endpoint, "--token-file", token, *extra]
+    """(endpoint, events file, head, start(*options) for another node) of a job of dprun processes."""
     # these tests act on the running job from outside: 0.1 s steps (or longer) keep it running until they do
     script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", step_sleep, "--summary", tmp_path / "summary.json"]
-    quiet = dict(cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    start = lambda *args: procs.dprun(*common, *args, *script, **quiet)  # noqa: E731
-    head = procs.dprun(*common, "--node-rank", "0", "--events-file", events, *script, cwd=tmp_path,
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    controller_up(head, events)
-    return endpoint, events, head, start
+    job = multi_node_job(procs, tmp_path, *extra, script=script, secret="fault-tests-secret")
+    return job.endpoint, job.events, job.head, job.start
 
 
 def test_out_of_spares_waits_for_a_node_to_join_the_running_job(procs, tmp_path, sha2):

@@ -16,10 +16,11 @@ import time
 import psutil
 import pytest
 
-from conftest import free_port, rss_shmem
+from conftest import rss_shmem
 from dpstate.warmheap import heap_rss
-from e2e import TRAIN, TRAIN_ARGS, controller_up, dprun, read_events, wait_for
-from test_cli import in_process
+from helpers.cli import in_process
+from helpers.e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
+from helpers.multi_node import multi_node_job
 
 pytestmark = pytest.mark.slow
 STEPS = 40
@@ -87,23 +88,15 @@ def test_failure_without_spare_stops_within_seconds_naming_the_node(procs, tmp_p
 def _multi_node_job(procs, tmp_path, *flags):
     """A head (node rank 0: the controller), node rank 1 and a spare as three dprun processes (multi-node mode),
     training until past step 8; returns (head, node 1's dprun, the spare's, events file, summary file)."""
-    token = tmp_path / "token"
-    token.write_text("multi-node-test-secret")
-    endpoint = f"127.0.0.1:{free_port()}"
-    events = tmp_path / "events.jsonl"
     summary = tmp_path / "summary.json"
-    common = ["--rdzv-endpoint", endpoint, "--nnodes", "2", "--spares", "1", "--token-file", token, *flags]
     script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1", "--summary", summary]  # running at the kill
-    head = procs.dprun(*common, "--node-rank", "0", "--events-file", events, *script, cwd=tmp_path,
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    controller_up(head, events)
-    victim = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    spare = procs.dprun(*common, "--node-rank", "2", *script, cwd=tmp_path,
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)),
+    job = multi_node_job(procs, tmp_path, "--nnodes", "2", "--spares", "1", *flags, script=script,
+                         secret="multi-node-test-secret")
+    victim = job.start("--node-rank", "1")
+    spare = job.start("--node-rank", "2")
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(job.events)),
              timeout=90, what="training to pass step 8")
-    return head, victim, spare, events, summary
+    return job.head, victim, spare, job.events, summary
 
 
 def _assert_finished_as_the_reference(head, spare, events, summary, reference) -> list[dict]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, Processes, free_port
-from e2e import dprun
+from helpers.e2e import dprun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a layout's first test runs its reference too
 TRAIN_3D = str(REPO / "examples" / "train_gpt_3d.py")

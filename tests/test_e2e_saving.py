@@ -16,10 +16,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import free_port, gone
+from conftest import gone
 from dpagent.save_manifest import complete_steps
 from dprun.slurm import controller_lost_notice
-from e2e import TRAIN, TRAIN_ARGS, controller_up, dprun, read_events, the_save, wait_for
+from helpers.e2e import TRAIN, TRAIN_ARGS, dprun, read_events, the_save, wait_for
+from helpers.multi_node import multi_node_job
 
 pytestmark = pytest.mark.slow
 STEPS = 30
@@ -188,16 +189,15 @@ def test_nodes_that_lose_the_controller_write_their_copies_and_the_job_resumes_f
     exits 3; `--resume-from` the --save-dir picks the newest step every rank has and ends bitwise alike. In a
     Slurm job but not an srun step its last line says to scancel the job (in a step, dprun.slurm_orphan ends it:
     tests/test_slurm_cluster.py)."""
-    token, saved, events = tmp_path / "token", tmp_path / "saved", tmp_path / "lost.events.jsonl"
-    token.write_text("lost-controller-secret")
-    common = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--token-file", token, "--nnodes", "2",
-              "--spares", "0", "--heartbeat-interval", "0.25", "--heartbeat-timeout", "2"]
+    saved = tmp_path / "saved"
     script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1"]
-    head = procs.dprun(*common, "--node-rank", "0", "--save-dir", saved, "--events-file", events, *script,
-                       cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    controller_up(head, events)
-    other = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True, env={"SLURM_JOB_ID": "77"})  # a Slurm job, no srun step
+    job = multi_node_job(procs, tmp_path, "--nnodes", "2", "--spares", "0", "--heartbeat-interval", "0.25",
+                         "--heartbeat-timeout", "2", script=script, secret="lost-controller-secret",
+                         events="lost.events.jsonl", head_options=("--save-dir", saved), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    head, events = job.head, job.events
+    other = job.start("--node-rank", "1", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                      env={"SLURM_JOB_ID": "77"})  # a Slurm job, no srun step
     wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90, "step 8")
     procs.adopt(psutil.Process(head.pid).children(recursive=True))
     head.kill()  # the controller's process (its agent saves too, and may write a file before node 1 does)
@@ -283,17 +283,15 @@ def test_a_member_signalled_by_its_dprun_then_by_slurm_counts_one_stop_and_serve
     """Slurm signals every process of a step in no set order: a member's dprun may pass its SIGTERM on to its
     agent before the agent's own comes. The two are one request, not the second that stops a node at once: the
     member trains on while the controller has not stopped the job, then serves its save."""
-    token, saved, events = tmp_path / "token", tmp_path / "saved", tmp_path / "relay.events.jsonl"
-    token.write_text("relayed-stop-secret")
-    common = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--token-file", token, "--nnodes", "2",
-              "--spares", "0", "--heartbeat-timeout", "10"]  # (a member waits this long for the controller's stop)
+    saved = tmp_path / "saved"
     script = [TRAIN, "--steps", 3000, *TRAIN_ARGS, "--step-sleep", "0.1"]
-    head = procs.dprun(*common, "--node-rank", "0", "--save-dir", saved, "--events-file", events, *script,
-                       cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    controller_up(head, events)
+    job = multi_node_job(procs, tmp_path, "--nnodes", "2", "--spares", "0",
+                         "--heartbeat-timeout", "10",  # (a member waits this long for the controller's stop)
+                         script=script, secret="relayed-stop-secret", events="relay.events.jsonl",
+                         head_options=("--save-dir", saved))
+    head, events = job.head, job.events
     with open(tmp_path / "member.err", "w") as err_file:
-        member = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                             stderr=err_file)
+        member = job.start("--node-rank", "1", stderr=err_file)
     member_err = (tmp_path / "member.err").read_text
 
     def progress() -> int:
@@ -326,16 +324,13 @@ def test_a_member_signalled_by_its_dprun_then_by_slurm_counts_one_stop_and_serve
 def test_sigterm_to_every_process_of_a_multinode_job_saves_its_state(procs, tmp_path, sha):
     """As Slurm ends a step (its time limit, scancel): every process of every node, dprun, agents and workers,
     gets SIGTERM at once. The job still saves its newest complete step before it stops, and resumes from it."""
-    token, saved, events = tmp_path / "token", tmp_path / "saved", tmp_path / "slurm.events.jsonl"
-    token.write_text("sigterm-everyone-secret")
-    common = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--token-file", token, "--nnodes", "2",
-              "--spares", "0"]
+    saved = tmp_path / "saved"
     script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1"]
-    head = procs.dprun(*common, "--node-rank", "0", "--save-dir", saved, "--events-file", events, *script,
-                       cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    controller_up(head, events)
-    other = procs.dprun(*common, "--node-rank", "1", *script, cwd=tmp_path, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True)
+    job = multi_node_job(procs, tmp_path, "--nnodes", "2", "--spares", "0", script=script,
+                         secret="sigterm-everyone-secret", events="slurm.events.jsonl",
+                         head_options=("--save-dir", saved))
+    head, events = job.head, job.events
+    other = job.start("--node-rank", "1", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90, "step 8")
     everyone = [psutil.Process(p.pid) for p in (head, other)]
     everyone += [child for p in everyone for child in p.children(recursive=True)]

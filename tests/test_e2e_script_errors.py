@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from cgroups import in_cgroup, memory_cgroup
-from e2e import read_events
-from test_cli import in_process
+from helpers.cgroups import in_cgroup, memory_cgroup
+from helpers.cli import in_process
+from helpers.e2e import read_events
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import pytest
 
 import dprun
 from dprun.events import EventSink, describe, write_line
-from e2e import TRAIN, TRAIN_ARGS
+from helpers.e2e import TRAIN, TRAIN_ARGS
 
 PUBLISHED = re.compile(r'_publish\("([a-z_]+)"|\{"event": "([a-z_]+)"')
 

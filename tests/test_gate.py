@@ -13,7 +13,7 @@ import zmq
 from dpstate.abort import Aborted, AbortSignal
 from dpstate.gate import STALL_STEPS, SnapshotGate, defers_acks
 from dpstate.interval import SnapshotPolicy
-from test_dpstate_replication import replicator, state
+from helpers.replication import replicator, state
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -43,6 +43,7 @@ def summary_of(out: Path) -> dict:
     return got
 
 
+@pytest.mark.slow  # starts bash (and shellcheck)
 def test_the_script_parses_and_is_shellcheck_clean():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
     shellcheck = shutil.which("shellcheck")
@@ -51,6 +52,7 @@ def test_the_script_parses_and_is_shellcheck_clean():
         assert res.returncode == 0, res.stdout
 
 
+@pytest.mark.slow  # starts bash
 def test_print_names_every_stage_with_its_gpu_command(procs, tmp_path):
     code, text = gpu_sh(procs, tmp_path / "out", "--print")
     assert code == 0, text
@@ -76,6 +78,7 @@ def test_print_names_every_stage_with_its_gpu_command(procs, tmp_path):
     assert {e["status"] for n, e in stages.items() if n not in ("tests", "hotswap")} == {"not_selected"}
 
 
+@pytest.mark.slow  # starts bash
 def test_out_of_time_stages_are_skipped_and_said(procs, tmp_path):
     """A budget too short for any stage: nothing runs, each stage says why, and the run exits 1."""
     code, text = gpu_sh(procs, tmp_path / "out", "--dry-run", GPU_SH_BUDGET_S="5")

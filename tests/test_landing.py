@@ -13,7 +13,7 @@ from dpstate import snapshot as S
 from dpstate.abort import AbortSignal
 from dpstate.replication import Replicator
 from dpstate.state import Tracked
-from test_dpstate_harness import TOKEN
+from helpers.fake_agents import TOKEN
 
 pytestmark = pytest.mark.timeout(60)
 

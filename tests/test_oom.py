@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cgroups import counter_in, in_cgroup, memory_cgroup
 from dpagent.oom import RECENT_S, OomKills, counter_file, read_count
+from helpers.cgroups import counter_in, in_cgroup, memory_cgroup
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,6 +85,7 @@ def test_each_oom_kill_is_claimed_once_and_only_by_a_death_soon_after_it(tmp_pat
     assert not OomKills(tmp_path / "absent").claim(0.0)
 
 
+@pytest.mark.slow  # starts python processes
 def test_a_real_oom_kill_in_a_limited_cgroup_is_claimed_and_a_plain_sigkill_is_not():
     with memory_cgroup(200 << 20) as cgroup:
         kills = OomKills(counter_in(cgroup))

@@ -17,7 +17,7 @@ from dprun.jobview import JobView
 from dprun.report import print_report
 from dpstate.mesh import MeshLayout
 from dpstate.parallel import Parts, StalePartsError
-from test_controller import formed
+from helpers.controller_harness import formed
 
 
 def test_a_layout_is_ordered_outermost_first_whatever_the_order_given():

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from dprun.report import run_report
-from test_cli import in_process
-from test_dashboard import T0, hot_swap_events
+from helpers.cli import in_process
+from helpers.events import T0, hot_swap_events
 
 pytestmark = pytest.mark.timeout(60)
 

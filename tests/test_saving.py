@@ -6,7 +6,7 @@ from __future__ import annotations
 from dpagent import protocol as p
 from dprun.controller import NodeGone, Shutdown, Tick
 from dprun.events import describe
-from test_controller import Harness, formed, spec
+from helpers.controller_harness import Harness, formed, spec
 
 
 def _two_nodes(**kw) -> Harness:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dpagent import protocol as p
 from dprun.repeats import RepeatedFailures, signature
 from dprun.controller import Tick
-from test_controller import Harness, formed, spec
+from helpers.controller_harness import Harness, formed, spec
 
 BUG = "[rank1]: ValueError: bad batch at step 5"
 

@@ -46,6 +46,7 @@ EXTENDED_REGRESSIONS = {
 }
 
 
+@pytest.mark.slow  # in-process, but 10-35 s on a 2-core host
 def test_thousands_of_random_fault_schedules_keep_every_invariant():
     """... a third of them with background saves, many of those losing every copy of some ranks in memory: they go
     through a restore from disk (each path counted, so that a change of the draws cannot drop it unseen)."""
@@ -60,6 +61,7 @@ def test_thousands_of_random_fault_schedules_keep_every_invariant():
     assert paths["restoring_from_disk"] > SCHEDULES // 50 and paths["recovered_from_disk"] > SCHEDULES // 100, paths
 
 
+@pytest.mark.slow  # in-process, but 20-45 s on a 2-core host
 def test_a_job_of_a_thousand_nodes_survives_failures_during_recovery_with_every_invariant_checked(monkeypatch):
     """The controller (the code dprun runs) with 1,024 nodes and 4 spares, every invariant checked after each of
     its ~120,000 inputs: a node killed, another killed while that recovery is under way, a node frozen past the
@@ -81,6 +83,7 @@ def test_a_job_of_a_thousand_nodes_survives_failures_during_recovery_with_every_
     assert world.controller.max_step == 30 and world.controller.generation >= 2
 
 
+@pytest.mark.slow  # in-process, but 14-25 s on a 2-core host
 def test_hundreds_of_schedules_of_up_to_sixteen_nodes_keep_every_invariant():
     """Wider jobs meet races the 4-node ones rarely do (seed 16106 was found so)."""
     for seed in range(SCHEDULES // 3):

@@ -1,5 +1,5 @@
-"""`srun dprun ...` on a real Slurm cluster on this host (tests/slurm_cluster.py): the node ranks Slurm gives,
-a node killed with its slurmd, what Slurm then does to the job, and scancel's SIGTERM to every process."""
+"""`srun dprun ...` on a real Slurm cluster on this host (tests/helpers/slurm_cluster.py): the node ranks Slurm
+gives, a node killed with its slurmd, what Slurm then does to the job, and scancel's SIGTERM to every process."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 
 from conftest import REPO, Processes, free_port
 from dpagent.save_manifest import newest_saved
-from e2e import TRAIN, TRAIN_ARGS, dprun, read_events, the_save, wait_for
-from slurm_cluster import SlurmCluster, unavailable
+from helpers.e2e import TRAIN, TRAIN_ARGS, dprun, read_events, the_save, wait_for
+from helpers.slurm_cluster import SlurmCluster, unavailable
 
 pytestmark = pytest.mark.slow  # a real Slurm cluster: minutes, most of them Slurm's own timeouts
 STEPS = 300  # at 0.3 s a step under srun: longer than Slurm takes to see a dead node (~14 s), never reached

@@ -193,6 +193,7 @@ def test_a_header_missing_a_key_or_with_a_wrong_one_is_not_a_whole_snapshot_file
     assert "not a whole DeadPool snapshot file" in read_files(tmp_path, 7, [0])[0]
 
 
+@pytest.mark.slow  # starts a python process
 def test_a_file_the_disk_cannot_take_is_not_left_half_written(tmp_path):
     """A full disk (here a file size limit, RLIMIT_FSIZE, which fails a write as a full disk does, without
     root): the write fails with its OS error and takes its partial file with it, which would otherwise stay

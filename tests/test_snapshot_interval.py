@@ -16,9 +16,9 @@ from dpstate import snapshot as S
 from dpstate.abort import AbortSignal
 from dpstate.interval import POLICY_NAME, SnapshotPolicy, interquartile_mean, interquartile_mean_error
 from dpstate.replication import Replicator
-from e2e import dprun
-from test_cli import in_process
-from test_dpstate_harness import TOKEN
+from helpers.cli import in_process
+from helpers.e2e import dprun
+from helpers.fake_agents import TOKEN
 
 # ----------------------------------------------------------------------------- the policy (pure)
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from conftest import REPO
-from e2e import read_events, wait_for
+from helpers.e2e import read_events, wait_for
 
 pytestmark = pytest.mark.slow  # real dprun jobs: 20-70 s each
 PLAIN_DDP = REPO / "examples" / "plain_ddp.py"

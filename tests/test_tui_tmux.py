@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from conftest import free_port
-from e2e import TRAIN, TRAIN_ARGS
+from helpers.e2e import TRAIN, TRAIN_ARGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180),  # a real job under tmux: ~35 s
               pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")]

@@ -28,6 +28,7 @@ print(before, after, rss() - rss_after)
 """
 
 
+@pytest.mark.slow  # starts a torch process
 def test_warm_heap_faults_in_heap_that_later_allocations_reuse():
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=50)
     assert out.returncode == 0, out.stderr[-2000:]

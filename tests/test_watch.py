@@ -103,6 +103,7 @@ def _write_record(folder: Path, name: str, pid: int, started: float | None = Non
     (folder / f"{name}.json").write_text(json.dumps(record))
 
 
+@pytest.mark.slow  # starts a python process
 def test_a_record_written_by_a_live_dprun_counts_and_stops_counting_once_it_is_killed(tmp_path, monkeypatch):
     """The record is written by StatusFeed.register in a real process; after its kill -9 the record is stale."""
     from dprun.status import running_jobs
@@ -155,6 +156,7 @@ def test_a_record_whose_pid_is_now_a_thread_or_a_later_process_does_not_count(tm
         helper.join(10)
 
 
+@pytest.mark.slow  # starts python processes
 def test_a_record_without_a_start_time_counts_only_while_its_pid_runs_dprun(tmp_path, monkeypatch):
     from dprun.status import running_jobs
 

@@ -3,7 +3,8 @@
 and of the optimizer's flattened state dict), then each rank compares its shards, bit for bit, with its own rank
 file of the saved step. Writes RESULTS/rank-R.json.
 
-    torchrun --nproc-per-node 8 tests/ckpt_dcp_loader.py DCP_FOLDER STEP_FOLDER RESULTS --pp 2 --dp 2 --tp 2 MODEL...
+    torchrun --nproc-per-node 8 tests/data/ckpt_dcp_loader.py DCP_FOLDER STEP_FOLDER RESULTS
+        --pp 2 --dp 2 --tp 2 MODEL...
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "examples"), str(REPO)]
 
 from parallel_gpt import build_parts

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import psutil
 
-from e2e import wait_for
+from conftest import free_port
+from helpers.e2e import wait_for
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sinfo", "squeue", "scancel")
 
@@ -29,12 +30,6 @@ def unavailable() -> str | None:
     if os.geteuid() != 0:
         return "slurmd must run as root"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SlurmCluster:
@@ -150,12 +145,12 @@ class SlurmCluster:
 
     def _write_conf(self) -> None:
         host, root = socket.gethostname(), self.root
-        nodes = "\n".join(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs=2 "
+        nodes = "\n".join(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs=2 "
                           f"State=UNKNOWN" for n in self.nodes)
         self.conf.write_text(f"""\
 ClusterName=dptest
 SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={_free_port()}
+SlurmctldPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
