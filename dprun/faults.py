@@ -28,15 +28,6 @@ _SPEC = re.compile(
     r"@(?:(?P<trigger>step|t)=(?P<value>\d+(?:\.\d+)?)|(?P<recovery>during-recovery))$"
 )
 
-HELP = (
-    "Inject a fault, KIND:NODE@TRIGGER (repeatable). KIND: "
-    + "; ".join(f"{k} ({v})" for k, v in KINDS.items())
-    + ". NODE: the active node rank (for kill-spare: the spare's index). TRIGGER: "
-    + "; ".join(f"{k} ({v})" for k, v in TRIGGERS.items())
-    + ". Example: kill-node:1@step=20"
-)
-
-
 class FaultSpecError(ValueError):
     pass
 
