@@ -7,14 +7,13 @@ the simulator drive it.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from dpagent import protocol as p
 
 from .controller_io import (  # noqa: F401  (re-exported: the controller's inputs and actions)
     ConnectionDropped, Finish, Flush, JobSpec, NodeGone, Paused, Publish, Received, Recovery, Send, Shutdown, Tick,
-    WakeNode,
+    WakeNode, out_of_range,
 )
 from .faults import FaultPlan
 from .ledger import INIT, ReplicaLedger
@@ -34,18 +33,6 @@ from .spare_sizing import SpareSizing
 ANY_GENERATION = (p.Heartbeat, p.WorkerExited, p.RankFinished, p.Diverged)
 
 PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
-
-
-def out_of_range(msg: Any, nproc_per_node: int, world_size: int) -> str | None:
-    """Why a message must be dropped that names a local rank or a rank this job does not have (None: it names
-    none, or ones it has, or no rank at all)."""
-    local_rank = getattr(msg, "local_rank", 0)
-    if not 0 <= local_rank < nproc_per_node:
-        return f"local_rank {local_rank} out of range"
-    rank = getattr(msg, "rank", 0)
-    if not p.NO_RANK <= rank < world_size:  # (NO_RANK: a restart-mode worker that failed before any generation)
-        return f"rank {rank} out of range"
-    return None
 
 
 # ----------------------------------------------------------------------------- the state machine
@@ -457,19 +444,7 @@ class Controller(Reconstruction, Deadlines, Files):
         spares_ready = self.table.count(SPARE) >= self.spec.spares
         if not spares_ready and now - self.started_at < self.spec.rdzv_timeout:
             return
-        actives = self.table.with_role(ACTIVE)
-        # honour node-rank hints, then fill the gaps in registration order
-        layout: list[str | None] = [None] * self.spec.nnodes
-        rest = []
-        for node in actives:
-            if 0 <= node.want_rank < self.spec.nnodes and layout[node.want_rank] is None:
-                layout[node.want_rank] = node.node_id
-            else:
-                rest.append(node.node_id)
-        for i, slot in enumerate(layout):
-            if slot is None:
-                layout[i] = rest.pop(0)
-        self.layout = [n for n in layout if n is not None]
+        self.layout = self.table.first_layout(self.spec.nnodes)
         self.generation = 0
         for node_rank, node_id in enumerate(self.layout):
             self.table.nodes[node_id].node_rank = node_rank
@@ -515,12 +490,3 @@ class Controller(Reconstruction, Deadlines, Files):
     def view(self, now: float) -> ControllerView:
         """What the operator sees of the controller at `now`, frozen (dprun.controller_view)."""
         return view_of(self, now)
-
-    def snapshot(self) -> dict:
-        """A read-only view for dashboards and tests."""
-        return {
-            "generation": self.generation,
-            "layout": list(self.layout),
-            "nodes": {n: dataclasses.asdict(node) for n, node in self.table.nodes.items()},
-            "dropped": dict(self.dropped),
-        }

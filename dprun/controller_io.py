@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpagent.protocol import NO_RANK
+
 from .faults import FaultSpec
 
 # ----------------------------------------------------------------------------- configuration
@@ -121,6 +123,18 @@ class Finish:
     exit_code: int
     message: str
     saved_in: str = ""  # the step folder the job's state was saved in as it ended (--save-dir), if it was
+
+
+def out_of_range(msg: Any, nproc_per_node: int, world_size: int) -> str | None:
+    """Why a message must be dropped that names a local rank or a rank this job does not have (None: it names
+    none, or ones it has, or no rank at all)."""
+    local_rank = getattr(msg, "local_rank", 0)
+    if not 0 <= local_rank < nproc_per_node:
+        return f"local_rank {local_rank} out of range"
+    rank = getattr(msg, "rank", 0)
+    if not NO_RANK <= rank < world_size:  # (NO_RANK: a restart-mode worker that failed before any generation)
+        return f"rank {rank} out of range"
+    return None
 
 
 # ----------------------------------------------------------------------------- recovery bookkeeping

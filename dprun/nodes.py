@@ -71,6 +71,18 @@ class NodeTable:
         """Has every one of `node_ids` this role? (a set comparison: cheap for thousands of nodes)"""
         return self._by_role[role].keys() >= node_ids
 
+    def first_layout(self, nnodes: int) -> list[str]:
+        """The first generation's node ids by node rank, once `nnodes` nodes are active: node-rank hints honoured,
+        the gaps filled in registration order."""
+        layout: list[str | None] = [None] * nnodes
+        rest = []
+        for node in self.with_role(Role.ACTIVE):
+            if 0 <= node.want_rank < nnodes and layout[node.want_rank] is None:
+                layout[node.want_rank] = node.node_id
+            else:
+                rest.append(node.node_id)
+        return [slot if slot is not None else rest.pop(0) for slot in layout]
+
     def live(self) -> list[Node]:
         return [node for node in self.nodes.values() if node.role != FAILED]
 
