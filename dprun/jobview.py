@@ -5,6 +5,7 @@ Pure: no I/O and no clock (every time is passed in). The dashboard, `dprun statu
 
 from __future__ import annotations
 
+import enum
 import re
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -18,7 +19,6 @@ LOG_KEEP = 200  # log lines kept in memory
 MODEL_LOG = 40  # log lines in a model
 MODEL_KEEP = 20  # recoveries and failures in a model
 FENCED_AFTER_S = 1.0  # a failed node heard from this long after its failure is alive but fenced
-ROLE_ORDER = {"failed": 0, "fenced": 1, "active": 2, "spare": 3, "joining": 4}
 LEVELS = {"node_failed": "error", "worker_exited": "error", "spare_lost": "warn", "fault_injected": "fault",
           "spare_promoted": "promote", "reconfigure": "info", "recovery_complete": "ok", "peer_error": "warn",
           "message_dropped": "warn", "job_started": "info", "restart_rendezvous": "ok", "node_joined": "dim",
@@ -31,12 +31,42 @@ STEPS_ARGS = ("--steps", "--max-steps", "--total-steps", "--num-steps", "--max-i
               "--total_steps", "--num_steps", "--max_iters")
 
 
+class Shown(enum.StrEnum):
+    """A node's role as the operator sees it (the controller's Role, plus what events alone tell): JOINING
+    (registered, not placed yet) -> ACTIVE or SPARE; SPARE -> ACTIVE (promoted); ACTIVE or SPARE -> FAILED;
+    FAILED -> FENCED once it is heard from a while after its failure (alive, but kept out)."""
+
+    FAILED = "failed"
+    FENCED = "fenced"
+    ACTIVE = "active"
+    SPARE = "spare"
+    JOINING = "joining"
+
+
+class JobState(enum.StrEnum):
+    """The job as the dashboard heads it: STARTING -> TRAINING <-> RECOVERING; either -> FINISHED or FAILED."""
+
+    STARTING = "starting"
+    TRAINING = "training"
+    RECOVERING = "recovering"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+ROLE_ORDER = {role: order for order, role in enumerate(Shown)}  # the nodes table's order: trouble first
+
+
+def _shown(role: object) -> Shown:
+    """A node_joined event's role; a spare's if it names none this version knows (an events file of another)."""
+    return Shown(role) if isinstance(role, str) and role in Shown._value2member_map_ else Shown.SPARE
+
+
 @dataclass
 class NodeInfo:
     node_id: str
     host: str = ""
     pid: int = 0
-    role: str = "joining"  # active / spare / failed / fenced
+    role: Shown = Shown.JOINING
     node_rank: int = -1
     heartbeat_age: float | None = None
     step: int = -1
@@ -81,7 +111,7 @@ class JobView:
         self.started_at = started_at
         self.nodes: dict[str, NodeInfo] = {}
         self.generation = -1
-        self.state = "starting"
+        self.state = JobState.STARTING
         self.step = 0  # newest step of the job (goes back on a rollback)
         self.loss: float | None = None
         self.tokens_per_step: float | None = None
@@ -125,7 +155,7 @@ class JobView:
 
     def _ev_node_joined(self, e: dict, t: float) -> None:
         node = self._node(e["node"])
-        node.host, node.pid, node.role = e.get("host", ""), e.get("pid", 0), e.get("role", "spare")
+        node.host, node.pid, node.role = e.get("host", ""), e.get("pid", 0), _shown(e.get("role"))
 
     def _ev_state_saved(self, e: dict, t: float) -> None:
         self.on_disk = {"step": e.get("step"), "folder": e.get("folder"), "time": t}
@@ -134,7 +164,7 @@ class JobView:
         self.mesh = str(e.get("layout", ""))
 
     def _ev_job_started(self, e: dict, t: float) -> None:
-        self.generation, self.state = 0, "training"
+        self.generation, self.state = 0, JobState.TRAINING
         self.nnodes = e.get("nnodes", self.nnodes)
         self.world_size = e.get("world_size", self.world_size)
         if self.nnodes:
@@ -145,8 +175,8 @@ class JobView:
         for rank, node_id in enumerate(layout):
             node = self._node(node_id)
             node.node_rank = rank
-            if node.role not in ("failed", "fenced"):
-                node.role = "active"
+            if node.role not in (Shown.FAILED, Shown.FENCED):
+                node.role = Shown.ACTIVE
 
     def _ev_progress(self, e: dict, t: float) -> None:
         # the last step, said as the job finished: when it was made (made_at: event files of an older dprun)
@@ -157,9 +187,9 @@ class JobView:
 
     def _ev_node_failed(self, e: dict, t: float) -> None:
         node = self._node(e["node"])
-        node.role, node.cause, node.failed_at, node.heartbeat_age = "failed", e.get("cause", ""), t, None
+        node.role, node.cause, node.failed_at, node.heartbeat_age = Shown.FAILED, e.get("cause", ""), t, None
         if self.generation >= 0 and e.get("role") == "active":
-            self.state = "recovering"
+            self.state = JobState.RECOVERING
         self.failures.append({"time": t, "node": node.node_id, "node_rank": e.get("node_rank"),
                               "role": e.get("role", ""), "cause": node.cause})
 
@@ -169,7 +199,7 @@ class JobView:
 
     def _ev_spare_promoted(self, e: dict, t: float) -> None:
         node = self._node(e["spare"])
-        node.role, node.node_rank, node.promoted = "active", e.get("node_rank", -1), e.get("generation")
+        node.role, node.node_rank, node.promoted = Shown.ACTIVE, e.get("node_rank", -1), e.get("generation")
 
     def _ev_reconfigure(self, e: dict, t: float) -> None:
         self.generation = e.get("generation", self.generation)
@@ -179,7 +209,7 @@ class JobView:
         self._place(e.get("layout", []))
 
     def _ev_recovery_complete(self, e: dict, t: float) -> None:
-        self.state = "training"
+        self.state = JobState.TRAINING
         self.mode = e.get("mode", self.mode)
         self.recoveries.append({"time": t, **{k: v for k, v in e.items() if k not in ("event", "time")}})
 
@@ -191,7 +221,7 @@ class JobView:
 
     def _ev_job_finished(self, e: dict, t: float) -> None:
         code = e.get("exit_code", 1)
-        self.state = "finished" if code == 0 else "failed"
+        self.state = JobState.FINISHED if code == 0 else JobState.FAILED
         self.finished = {"time": t, "exit_code": code, "message": e.get("message", "")}
 
     def on_progress(self, node_id: str, step: int, generation: int, metrics: dict, t: float) -> None:
@@ -226,9 +256,9 @@ class JobView:
     def on_heard(self, node_id: str, t: float) -> None:
         """Any message from a node: one that failed a while ago and still talks is fenced, not dead."""
         node = self.nodes.get(node_id)
-        if node is not None and node.role == "failed" and node.failed_at is not None \
+        if node is not None and node.role == Shown.FAILED and node.failed_at is not None \
                 and t - node.failed_at > FENCED_AFTER_S:
-            node.role = "fenced"
+            node.role = Shown.FENCED
 
     def on_controller(self, state: ControllerView) -> None:
         """The controller's published view: heartbeat ages, pids, replica holders and the restore point."""
@@ -238,12 +268,12 @@ class JobView:
             node = self._node(node_id)
             node.host, node.pid = s.host, s.pid
             if s.role == "failed":
-                if node.role not in ("failed", "fenced"):
-                    node.role = "failed"
+                if node.role not in (Shown.FAILED, Shown.FENCED):
+                    node.role = Shown.FAILED
                 node.heartbeat_age = None
                 node.cause = node.cause or s.cause
             else:
-                node.role, node.heartbeat_age, node.node_rank = s.role.value, s.age, s.node_rank
+                node.role, node.heartbeat_age, node.node_rank = Shown(s.role.value), s.age, s.node_rank
             if s.last_step > node.step and node.last_step_at is None:
                 node.step = s.last_step
             node.holder, node.replicated, node.room = s.holder, s.replicated, s.room
@@ -339,7 +369,7 @@ def brief(e: dict) -> str:
 def _row(node: NodeInfo, nproc: int, now: float) -> dict:
     row = asdict(node)
     row.pop("failed_at", None)
-    rank = node.node_rank if node.role in ("active", "failed", "fenced") else -1
+    rank = node.node_rank if node.role in (Shown.ACTIVE, Shown.FAILED, Shown.FENCED) else -1
     row["ranks"] = rank_span(rank, nproc)
     row["step_age"] = (now - node.last_step_at) if node.last_step_at is not None else None
     row.pop("last_step_at", None)
