@@ -21,6 +21,7 @@ from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .phase import Phase, check_transition
 from .controller_view import ControllerView, view_of
 from .fault_firing import FaultFiring, JobNow
+from .hang_evidence import HangEvidence
 from .deadlines import FORMING_NOTE_EVERY_S, Deadlines
 from .background_saves import BackgroundSaves
 from .files import FileWork, Files
@@ -91,7 +92,7 @@ class Controller(Reconstruction, Deadlines, Files):
         self.now = now  # the time of the input being handled
         self.paused: tuple[float, float] | None = None  # (when, seconds) the controller last stopped running
         self.dropped_at: float | None = None  # a connection closed then: nodes not heard since are probed
-        self.apart: tuple[float, dict] = (now, {})  # since when ranks wait past the step others finished at
+        self.hangs = HangEvidence(spec.heartbeat_interval, now)  # what workers' statuses say of a hang
         self._out: list = []
 
     # -- entry point -----------------------------------------------------------------------------

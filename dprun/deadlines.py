@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from dpagent import protocol as p
 
+from .hang_evidence import Placed
 from .nodes import ACTIVE, FAILED, SPARE
 from .phase import Phase
 from .repeats import HUNG
 
 FORMING_NOTE_EVERY_S = 15.0  # nodes still missing after this long, and as often again: "waiting_for_nodes"
 EXIT_NOTE_EVERY_S = 30.0  # workers not exited this long after training finished, and as often: "waiting_for_exit"
-WAITING_ON_PEERS = ("collective", "snapshot", "finishing")  # a worker's activity (protocol.WorkerStatus)
-APART_FOR = 6  # heartbeat intervals that ranks stuck past others' last step must stay so (Deadlines._stuck_apart)
 
 
 class Deadlines:
@@ -116,56 +115,17 @@ class Deadlines:
         if self.all_finished_at is not None:
             if rec is None and self.flush is None:
                 self._waiting_for_exit(now)
-        elif rec is None and self.flush is None and not self.spec.restart_mode and self._stuck_apart(now):
-            self._finish(1, f"job hung at its end: {self._finished_apart()}")
+        elif rec is None and self.flush is None and not self.spec.restart_mode \
+                and self.hangs.stuck_apart(self._statuses(), now):
+            self._finish(1, f"job hung at its end: {self.hangs.finished_apart(self._statuses())}")
         elif (self.spec.hang_timeout > 0 and rec is None and self.flush is None and not self.spec.restart_mode
                 and now - self.last_progress_at > self.spec.hang_timeout
-                and (self.stepped or self._a_rank_waits_on_its_peers())):
+                and (self.stepped or self.hangs.waits_on_peers(self._statuses()))):
             self._hung(now)
-
-    def _a_rank_waits_on_its_peers(self) -> bool:
-        """Before a generation's first step, start-up (the script's own, a restore) is no hang; but once a rank
-        waits in a collective for its peers, the generation's first step has begun, and one that hangs in it is
-        caught as in any other step (a hang that follows its rank onto the spare would hang the job for ever)."""
-        return any(status.activity in ("collective", "finishing") and status.age <= self._status_stale_after()
-                   for status in self._statuses())
-
-    def _stuck_apart(self, now: float) -> bool:
-        """Ranks past their last step wait at the final barrier while others made that step too, and wait in a
-        collective of the next one that the finished ranks will never join: given different step counts. True
-        once those others' steps have not moved for APART_FOR heartbeat intervals (statuses lag by one)."""
-        finishing, beyond = [], {}
-        for status in self._statuses():
-            if status.activity == "finishing":
-                finishing.append(status.step)
-            elif status.activity == "collective" and status.age <= self._status_stale_after():
-                beyond[status.rank] = status.step
-        beyond = {rank: step for rank, step in beyond.items() if finishing and step >= max(finishing)}
-        if not beyond or beyond != self.apart[1]:
-            self.apart = (now, beyond)
-            return False
-        return now - self.apart[0] >= APART_FOR * self.spec.heartbeat_interval
-
-    def _finished_apart(self) -> str:
-        """Why every rank waits, where some left the training loop and wait at its final barrier while others
-        train on: they were given different step counts ("": not so)."""
-        done: list[p.WorkerSummary] = []
-        training: list[p.WorkerSummary] = []
-        for status in self._statuses():
-            (done if status.activity == "finishing" else training).append(status)
-        if not done or not training:
-            return ""
-        return (f"ranks {_ranks(done)} finished their steps (after step {max(s.step for s in done)}) and "
-                f"wait at the end for ranks {_ranks(training)}, which train on: give every node's script the same "
-                "arguments (a different --steps, or a loop condition that differs between ranks)")
 
     def _statuses(self) -> list[p.WorkerSummary]:
         """The training nodes' worker statuses, as their heartbeats said."""
         return [status for node_id in self.layout for status in self.table.nodes[node_id].workers.values()]
-
-    def _status_stale_after(self) -> float:
-        """A worker status older than this (as its node's heartbeat says) is of a worker that stopped responding."""
-        return max(3 * self.spec.heartbeat_interval, 2.0)
 
     def _waiting_for_exit(self, now: float) -> None:
         """Every rank finished job.steps() (in restart mode: a worker exited 0), and some workers have not exited
@@ -196,22 +156,14 @@ class Deadlines:
         """No rank stepped for hang_timeout: blame the ranks that are not waiting on their peers."""
         stalled = now - self.last_progress_at
         self.last_progress_at = now
-        stale_after = self._status_stale_after()
-        culprits: dict[str, tuple[str, int, int]] = {}  # node -> (why, its first stuck rank, the step it made)
-        for node_rank, node_id in enumerate(self.layout):
-            node = self.table.nodes[node_id]
-            for local in range(self.spec.nproc_per_node):
-                status = node.workers.get(str(local))
-                rank = node_rank * self.spec.nproc_per_node + local
-                step = status.step if status is not None else self.max_step
-                if status is None or status.age > stale_after:
-                    culprits.setdefault(node_id, (f"rank {rank} stopped responding", rank, step))
-                elif status.activity not in WAITING_ON_PEERS:
-                    culprits.setdefault(node_id, (f"rank {rank} stuck in {status.activity} after step {step}",
-                                                  rank, step))
+        placed = [Placed(node_id, node_rank * self.spec.nproc_per_node + local,
+                         self.table.nodes[node_id].workers.get(str(local)))
+                  for node_rank, node_id in enumerate(self.layout) for local in range(self.spec.nproc_per_node)]
+        culprits = self.hangs.culprits(placed, self.max_step)
         if not culprits:
             self._finish(1, f"job hung: no step for {stalled:.0f} s and every rank waits on its peers; "
-                            + (self._finished_apart() or "check the network, or raise --hang-timeout"))
+                            + (self.hangs.finished_apart(self._statuses())
+                               or "check the network, or raise --hang-timeout"))
             return
         same = None
         for node_id, (why, rank, step) in culprits.items():
@@ -220,6 +172,3 @@ class Deadlines:
         if same is not None and not self.finished:
             self._finish(1, same)
 
-
-def _ranks(statuses: list[p.WorkerSummary]) -> list:
-    return sorted(status.rank for status in statuses)
