@@ -1,15 +1,14 @@
 """The controller's phase: an explicit state with its allowed transitions written down, in the manner of h11's
 state table. dprun.controller enters a phase through `check_transition`; the simulator checks every step.
 
-    FORMING ──► TRAINING ◄────────────── RECOVERING
-       │           │  ▲                      ▲  │
-       ▼           ▼  │                      │  ▼
-    LOADING ──► DECIDING ──► WAITING ──► DECIDING (again)
-       ▲           │
-       └───────────┘ (state lost in memory: every rank back to a step on disk)
-
-    any phase but FINISHED ──► SAVING (the job ends with --save-dir) ──► FINISHED
-    any phase ──► FINISHED
+    FORMING     -> TRAINING; LOADING (a resume)
+    LOADING     -> TRAINING (resumed); RECOVERING (a recovery from disk); LOADING (an older step); DECIDING (a node
+                   lost while a recovery's files were read)
+    TRAINING    -> DECIDING
+    DECIDING    -> RECOVERING; WAITING; LOADING (state lost in memory, safe on disk); TRAINING (nothing to change)
+    WAITING     -> DECIDING
+    RECOVERING  -> TRAINING; DECIDING (a failure during the recovery)
+    any phase but FINISHED -> SAVING (the job ends, --save-dir) -> FINISHED; any phase -> FINISHED
 
 FORMING     nodes register until --nnodes are active (and the spares, or the rendezvous timeout).
 LOADING     nodes read a step's files into their stores: a resumed job's start, or a recovery from disk.
