@@ -24,7 +24,6 @@ EXIT_NO_CONTROLLER = 4  # no Welcome within --register-timeout: none answered (n
 EXIT_REFUSED = 5  # the controller refused this node before its Welcome: another job's token or DeadPool version
 
 
-
 class StopPhase(enum.Enum):
     """Where a shutdown is. STOP (Stop relayed to the workers) -> TERM (SIGTERM after the grace) -> KILL (SIGKILL);
     SAVE (the controller lost: the node writes what it holds) -> KILL. KILL is final: the agent exits (or stays

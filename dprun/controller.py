@@ -184,6 +184,10 @@ class Controller(Reconstruction, Deadlines, Files):
         n = self.spec.nproc_per_node
         return range(node_rank * n, (node_rank + 1) * n)
 
+    def rank_of(self, node: Node, local_rank: int) -> int:
+        """The global rank of a node's local worker: NO_RANK where the node holds no node rank (a spare)."""
+        return self.ranks_of(node.node_rank)[local_rank] if node.node_rank >= 0 else p.NO_RANK
+
     def node_of_rank(self, rank: int) -> str:
         return self.layout[rank // self.spec.nproc_per_node]
 
@@ -417,7 +421,7 @@ class Controller(Reconstruction, Deadlines, Files):
             last_line = p.OOM_KILLED
         same = None
         if not self.spec.restart_mode:  # (restarts are --max-restarts' to count) a spare's script fails alike
-            rank = self.ranks_of(node.node_rank)[msg.local_rank] if node.node_rank >= 0 else -1
+            rank = self.rank_of(node, msg.local_rank)
             # (the step it struck after: its own generation's, not one a newer plan already rolled back; or the
             # one its agent heard it make, where it trained on in a generation since replaced)
             step = max(self.peaks.get(msg.generation, self.max_step), msg.step)
@@ -432,8 +436,9 @@ class Controller(Reconstruction, Deadlines, Files):
         `dprun report`) before what comes of it."""
         if msg.exitcode == 0 or node.role == FAILED:
             return
-        rank = node.node_rank * self.spec.nproc_per_node + msg.local_rank if node.node_rank >= 0 else None
-        self._publish("worker_exited", node=node.node_id, local_rank=msg.local_rank, rank=rank, pid=msg.pid,
+        rank = self.rank_of(node, msg.local_rank)
+        self._publish("worker_exited", node=node.node_id, local_rank=msg.local_rank,
+                      rank=rank if rank != p.NO_RANK else None, pid=msg.pid,
                       exitcode=msg.exitcode, cause=p.describe_end(msg.exitcode, msg.detail, msg.oom_killed),
                       tail=msg.stderr_tail, log=msg.log_path)
 

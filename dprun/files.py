@@ -259,7 +259,7 @@ class Files:
         source for its rank if that worker was to write it, even one that finished (exit 0) first: it will not
         answer (a replica store's copy does not need its node's workers)."""
         node, work = self.table.get(node_id), self.files
-        rank = self.ranks_of(node.node_rank)[msg.local_rank] if node is not None and node.node_rank >= 0 else -1
+        rank = self.rank_of(node, msg.local_rank) if node is not None else p.NO_RANK
         if msg.exitcode == 0 and not (work.saving and rank in work.local):
             return
         if work.recovery is not None:

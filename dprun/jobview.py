@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
 from .controller_view import ControllerView
+from .nodes import Role
 from .events import describe, worker_label
 
 THROUGHPUT_WINDOW_S = 20.0
@@ -56,9 +57,12 @@ class JobState(enum.StrEnum):
 ROLE_ORDER = {role: order for order, role in enumerate(Shown)}  # the nodes table's order: trouble first
 
 
-def _shown(role: object) -> Shown:
+def _shown(role: str) -> Shown:
     """A node_joined event's role; a spare's if it names none this version knows (an events file of another)."""
-    return Shown(role) if isinstance(role, str) and role in Shown._value2member_map_ else Shown.SPARE
+    try:
+        return Shown(role)
+    except ValueError:
+        return Shown.SPARE
 
 
 @dataclass
@@ -155,7 +159,7 @@ class JobView:
 
     def _ev_node_joined(self, e: dict, t: float) -> None:
         node = self._node(e["node"])
-        node.host, node.pid, node.role = e.get("host", ""), e.get("pid", 0), _shown(e.get("role"))
+        node.host, node.pid, node.role = e.get("host", ""), e.get("pid", 0), _shown(e.get("role", "spare"))
 
     def _ev_state_saved(self, e: dict, t: float) -> None:
         self.on_disk = {"step": e.get("step"), "folder": e.get("folder"), "time": t}
@@ -267,7 +271,7 @@ class JobView:
         for node_id, s in state.nodes.items():
             node = self._node(node_id)
             node.host, node.pid = s.host, s.pid
-            if s.role == "failed":
+            if s.role is Role.FAILED:
                 if node.role not in (Shown.FAILED, Shown.FENCED):
                     node.role = Shown.FAILED
                 node.heartbeat_age = None
