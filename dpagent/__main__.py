@@ -17,10 +17,21 @@ from .agent import Agent, AgentConfig, AgentError
 from .memory import reuse_freed_memory
 from .output import OutputSpec, parse_ranks, parse_std
 from .process import LAUNCHER_GONE, set_pdeathsig
-from .protocol import NO_RANK
+from .protocol import NO_RANK, JobTerms
 from .shutdown import EXIT_USAGE
 from .workers import worker_command
 
+
+
+def _job_terms(text: str) -> JobTerms:
+    """--job-terms as the launcher writes it: {"nnodes": N, "rdzv_id": ID, "script": [ARG, ...]}."""
+    try:
+        terms = JobTerms(**json.loads(text))
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON object of nnodes, rdzv_id and script: {exc}") from None
+    if not (isinstance(terms.nnodes, int) and isinstance(terms.rdzv_id, str) and isinstance(terms.script, list)):
+        raise argparse.ArgumentTypeError("nnodes must be a number, rdzv_id a string and script a list of strings")
+    return terms
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -49,8 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--register-timeout", type=float, default=300.0, help="exit 4 without a Welcome by then")
     p.add_argument("--python", default=sys.executable, help="interpreter for SCRIPT (default: this one)")
     p.add_argument("--no-python", action="store_true", help="run SCRIPT directly, not through python")
-    p.add_argument("--job-terms", type=json.loads, default={}, help="JSON: what the launcher was told of the job "
-                   "(nnodes, rdzv_id, script), for the controller to check")
+    p.add_argument("--job-terms", type=_job_terms, default=JobTerms(), help="JSON: what the launcher was told of "
+                   "the job (nnodes, rdzv_id, script), for the controller to check")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 

@@ -27,8 +27,8 @@ from .liveness import Liveness
 from .oom import OomKills
 from .process import LAUNCHER_GONE, LAUNCHER_STOP, descendants, reap_orphans, set_child_subreaper, signal_procs
 from .protocol import (
-    NO_RANK, REFUSALS, Codec, Heartbeat, Inject, LoadSnapshots, Ping, Pong, Reconfigure, Register, SaveSnapshots,
-    Standby, Stop, Welcome,
+    NO_RANK, REFUSALS, Codec, Heartbeat, Inject, JobTerms, LoadSnapshots, Ping, Pong, Reconfigure, Register,
+    SaveSnapshots, Standby, Stop, Welcome,
 )
 from .output import OutputSpec
 from .replica_server import ReplicaServer
@@ -82,7 +82,7 @@ class AgentConfig:
     register_timeout: float = 300.0  # no Welcome by then: exit 4
     output: OutputSpec = field(default_factory=OutputSpec)  # log files, console filter (torchrun's -r/-t)
     max_restarts: int = 3  # restart mode: for TORCHELASTIC_MAX_RESTARTS
-    terms: dict = field(default_factory=dict)  # Register.terms: what its launcher was told of the job
+    terms: JobTerms = field(default_factory=JobTerms)  # Register.terms: what its launcher was told of the job
     # what the death of the dprun that ran it (LAUNCHER_GONE) means: "controller", the controller's (save at
     # once); "member", this node leaves the job (Leaving; its workers killed); "": none is signalled
     launcher: str = ""

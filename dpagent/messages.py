@@ -6,7 +6,7 @@ dpagent.protocol encodes them, says which channel each travels on and re-exports
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 NO_RANK = -1  # node_rank / step value meaning "none"
 
@@ -14,16 +14,26 @@ NO_RANK = -1  # node_rank / step value meaning "none"
 Activity = Literal["compute", "collective", "snapshot", "finishing", "recovering", "idle"]  # WorkerStatus.activity
 RestoredFrom = Literal["", "local", "replica", "init", "restart"]  # WorkerReady.restored_from
 Role = Literal["active", "spare"]  # Welcome.role
+FaultKind = Literal["kill-node", "kill-worker", "freeze-node", "wake-node", "hang-worker", "kill-spare",
+                    "corrupt-replicas"]  # Inject.kind; what each does: dprun.faults.KINDS
 
 
 # ----------------------------------------------------------------------------- agent -> controller
 
 
 @dataclass(frozen=True)
+class JobTerms:
+    """What a node's dprun was told of the job, for the controller to check against its own (dprun.admission).
+    A bare dpagent was told nothing: nnodes 0, rdzv_id "", script []."""
+
+    nnodes: int = 0
+    rdzv_id: str = ""
+    script: list[str] = field(default_factory=list)  # the script and its arguments
+
+
+@dataclass(frozen=True)
 class Register:
-    """An agent announces itself. `want_spare` and `node_rank` are hints the controller may honour. `terms`: what
-    its dprun was told of the job ({"nnodes", "rdzv_id", "script"}; empty from a bare dpagent), which the
-    controller checks against its own (dprun.admission)."""
+    """An agent announces itself. `want_spare` and `node_rank` are hints the controller may honour."""
 
     node_id: str
     host: str
@@ -32,7 +42,7 @@ class Register:
     want_spare: bool
     node_rank: int  # NO_RANK when the agent has no preference
     replica_endpoint: str  # tcp:// address of the agent's replica store
-    terms: dict = field(default_factory=dict)
+    terms: JobTerms = field(default_factory=JobTerms)
 
 
 @dataclass(frozen=True)
@@ -150,7 +160,7 @@ class Progress:
     generation: int
     rank: int
     step: int
-    metrics: dict = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)  # step.log()'s, JSON values (dpstate.metrics)
     snapshot: bool = False
 
 
@@ -344,5 +354,5 @@ class SnapshotFiles:
 class Inject:
     """Fault injection, carried out by the agent on itself: kill-node, kill-worker, ..."""
 
-    kind: str
+    kind: FaultKind
     local_rank: int = 0

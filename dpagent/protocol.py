@@ -26,16 +26,17 @@ from typing import Any, Callable, Literal, Sequence, Union
 from .checksum import CHECKSUM_BLOCK
 from .exit_wording import OOM_KILLED, OWN_SIGNALS, describe_end, describe_exit  # (older call sites name them here)
 from .messages import (
-    NO_RANK, Activity, AgentExited, Diverged, Heartbeat, Hello, Inject, Leaving, LoadSnapshots, PeerError, Ping, Pong,
-    Progress, RankFinished, Reconfigure, Register, RestoredFrom, RestoreFailed, Role, SaveSnapshots, SnapshotFiles,
-    SnapshotStored, Standby, Stop, Welcome, WorkerExited, WorkerReady, WorkerStatus, WorkerSummary,
+    NO_RANK, Activity, AgentExited, Diverged, FaultKind, Heartbeat, Hello, Inject, JobTerms, Leaving, LoadSnapshots,
+    PeerError, Ping, Pong, Progress, RankFinished, Reconfigure, Register, RestoredFrom, RestoreFailed, Role,
+    SaveSnapshots, SnapshotFiles, SnapshotStored, Standby, Stop, Welcome, WorkerExited, WorkerReady, WorkerStatus,
+    WorkerSummary,
 )
 from .snapshot_messages import (
     FetchSnapshot, LocalSnapshot, OfferSnapshot, PutSnapshot, ReserveSnapshot, SnapshotAck, SnapshotBlocks,
     SnapshotChunk, SnapshotData, SnapshotReserved, SnapshotWants,
 )
 
-PROTOCOL_VERSION = 20  # what each version changed: docs/protocol.md
+PROTOCOL_VERSION = 21  # what each version changed: docs/protocol.md
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 CHUNK_BYTES = 4 << 20  # snapshot data frames (why chunks: docs/protocol.md); a whole number of CHECKSUM_BLOCKs
@@ -120,6 +121,8 @@ def _check_of(annotation: Any) -> Check:
     """The check of a field's type; TypeError (at import) for a type the codec cannot check."""
     if annotation in _SCALARS:
         return _as_is(_SCALARS[annotation])
+    if annotation is Any:  # any JSON value (a step's metrics): json.loads made nothing else
+        return lambda v: v
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
         allowed = frozenset(args)
@@ -273,7 +276,7 @@ __all__ = [
     "Welcome", "Reconfigure", "Stop", "Ping", "Standby", "SaveSnapshots", "LoadSnapshots", "SnapshotFiles", "Inject",
     "PutSnapshot", "ReserveSnapshot", "SnapshotReserved", "SnapshotAck", "FetchSnapshot", "SnapshotData",
     "SnapshotChunk", "LocalSnapshot", "OfferSnapshot", "SnapshotWants", "SnapshotBlocks",
-    "Activity", "RestoredFrom", "Role", "NO_RANK",
+    "JobTerms", "Activity", "RestoredFrom", "Role", "FaultKind", "NO_RANK",
     # framing and the codec
     "PROTOCOL_VERSION", "MAGIC", "MAX_BODY_BYTES", "CHUNK_BYTES", "Codec", "ProtocolError", "Refused", "REFUSAL",
     "REFUSALS", "refusal", "payload_bytes", "chunk_views", "block_views",

@@ -20,11 +20,11 @@ def refusal(spec: JobSpec, msg: p.Register) -> str | None:
     who = f"node {msg.node_id} (host {msg.host})"
     if msg.nproc != spec.nproc_per_node:
         return f"{who} runs {msg.nproc} workers, the job needs {spec.nproc_per_node} per node (--nproc-per-node)"
-    nnodes = msg.terms.get("nnodes")
-    if isinstance(nnodes, int) and nnodes != spec.nnodes:
+    nnodes = msg.terms.nnodes
+    if nnodes and nnodes != spec.nnodes:
         return (f"{who} was started with --nnodes {nnodes}, the job has {spec.nnodes}: give every node the same "
                 "--nnodes")
-    rdzv_id = msg.terms.get("rdzv_id")
+    rdzv_id = msg.terms.rdzv_id
     if rdzv_id and rdzv_id != spec.job_id:
         return (f"{who} was started for job {rdzv_id!r} (--rdzv-id), this controller runs job {spec.job_id!r}: "
                 "give every node the same --rdzv-id")
@@ -36,9 +36,8 @@ def warnings(spec: JobSpec, msg: p.Register, rank_holders: Iterable[tuple[str, i
     each other at the end), or a node rank that `rank_holders` (node id, wanted rank) of live nodes already asked
     for (it goes where the job has room, a spare if none)."""
     said = []
-    script = msg.terms.get("script")
-    if isinstance(script, list) and all(isinstance(arg, str) for arg in script) and spec.command \
-            and tuple(script) != spec.command:
+    script = msg.terms.script
+    if script and spec.command and tuple(script) != spec.command:
         said.append(f"node {msg.node_id} (host {msg.host}) runs `{shlex.join(script)}`, the head "
                     f"`{shlex.join(spec.command)}`: every node should run the same script with the same arguments "
                     "(ranks that disagree on the number of steps wait on each other at the end until --hang-timeout)")

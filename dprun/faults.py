@@ -6,9 +6,12 @@ Pure logic: the controller asks `due()` with what it knows (steps per node rank,
 from __future__ import annotations
 
 import re
+import typing
 from dataclasses import dataclass
 
-KINDS = {
+from dpagent.protocol import FaultKind
+
+KINDS: dict[FaultKind, str] = {  # one per FaultKind (a test checks)
     "kill-node": "SIGKILL the node's agent and workers together",
     "kill-worker": "SIGKILL one worker of the node (local rank 0, or NODE.LOCAL)",
     "freeze-node": "SIGSTOP the node's agent and workers (a hung kernel or a partition); never woken by itself",
@@ -34,7 +37,7 @@ class FaultSpecError(ValueError):
 
 @dataclass(frozen=True)
 class FaultSpec:
-    kind: str
+    kind: FaultKind
     node_rank: int  # for kill-spare: index among the spares
     trigger: str  # "step", "t" or "during-recovery"
     value: float = 0.0
@@ -56,7 +59,7 @@ def parse_fault(text: str) -> FaultSpec:
     if not match:
         raise FaultSpecError(f"bad --inject {text!r}: expected KIND:NODE@step=N, KIND:NODE@t=SECONDS or "
                              "KIND:NODE@during-recovery, e.g. kill-node:1@step=20")
-    kind = match["kind"]
+    kind = typing.cast(FaultKind, match["kind"])
     if kind not in KINDS:
         raise FaultSpecError(f"bad --inject {text!r}: unknown kind {kind!r}; known: {', '.join(KINDS)}")
     if match["recovery"]:

@@ -93,9 +93,9 @@ class JobOptions:
                             local_ranks_filter=self.local_ranks_filter, max_restarts=self.max_restarts,
                             register_timeout=self.rdzv_timeout, terms=self.terms(), **kw)
 
-    def terms(self) -> dict:
+    def terms(self) -> p.JobTerms:
         """What this dprun was told of the job, for the controller to check (dprun.admission)."""
-        return {"nnodes": self.nnodes, "rdzv_id": self.rdzv_id or "", "script": list(self.script)}
+        return p.JobTerms(nnodes=self.nnodes, rdzv_id=self.rdzv_id or "", script=list(self.script))
 
 
 def uses_dpstate(script: str, module: bool = False, no_python: bool = False) -> bool:

@@ -7,6 +7,7 @@ kernel's OOM killer ended it, as their memory cgroup counted: dpagent.oom).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from typing import IO, BinaryIO, Callable, Sequence
 
 import psutil
 
+from dpagent import protocol as p
 from dpagent.oom import SAMPLE_EVERY_S, OomKills
 
 
@@ -41,7 +43,7 @@ class AgentCommand:
     max_restarts: int = 3
     register_timeout: float = 300.0  # --rdzv-timeout: no Welcome by then, the agent exits 4
     env: dict[str, str] = field(default_factory=dict)  # this node's own environment (dprun.gpus)
-    terms: dict = field(default_factory=dict)  # what this dprun was told of the job (Register.terms)
+    terms: p.JobTerms | None = None  # what this dprun was told of the job (Register.terms)
 
     def argv(self) -> list[str]:
         args = [sys.executable, "-m", "dpagent", "--controller", self.controller, "--node-id", self.node_id,
@@ -61,8 +63,8 @@ class AgentCommand:
             args += ["--local-ranks-filter", self.local_ranks_filter]
         args += ["--redirects", self.redirects, "--tee", self.tee, "--max-restarts", str(self.max_restarts),
                  "--register-timeout", str(self.register_timeout)]
-        if self.terms:
-            args += ["--job-terms", json.dumps(self.terms)]
+        if self.terms is not None:
+            args += ["--job-terms", json.dumps(dataclasses.asdict(self.terms))]
         return [*args, "--", *self.script]
 
 

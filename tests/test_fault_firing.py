@@ -3,12 +3,14 @@ layout and returns the actions; a freeze is remembered for the wake-node that fo
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 
 from dpagent import protocol as p
 from dprun.controller_io import Publish, Send, WakeNode
 from dprun.fault_firing import FaultFiring, JobNow
-from dprun.faults import FaultPlan, parse_fault
+from dprun.faults import KINDS, FaultPlan, parse_fault
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -50,3 +52,12 @@ def test_faults_that_never_fired_are_said_as_the_job_ends():
     faults = firing("kill-node:1@step=99")
     (skipped,) = faults.never_fired()
     assert skipped.event["event"] == "fault_skipped" and faults.plan.pending == []
+
+
+def test_every_fault_kind_on_the_wire_has_its_wording_and_parses():
+    kinds = typing.get_args(p.FaultKind)
+    assert set(KINDS) == set(kinds)
+    assert [parse_fault(f"{kind}:1@step=3").kind for kind in kinds] == list(kinds)
+    codec = p.Codec("t")
+    with pytest.raises(p.ProtocolError, match="Inject.kind"):
+        codec.decode(codec.encode(p.Inject(kind="no-such-fault")))  # type: ignore[arg-type]

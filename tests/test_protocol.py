@@ -41,6 +41,8 @@ def values(annotation: Any) -> st.SearchStrategy:
     """Any value a field of this type may hold."""
     if annotation in SCALARS:
         return SCALARS[annotation]
+    if annotation is Any:
+        return JSONISH
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
         return st.sampled_from(args)
@@ -62,7 +64,7 @@ def wrong(annotation: Any) -> Any:
     if origin is list:
         return [wrong(args[0])]
     if origin is dict:
-        return {"a": wrong(args[1])}
+        return [1] if args[1] is Any else {"a": wrong(args[1])}  # (any JSON value is right for Any)
     return {"no_such_field": 1}  # a nested dataclass
 
 

@@ -40,7 +40,7 @@ class Harness:
         return self.feed(Received(node, m))
 
     def register(self, node: str, spare=False, rank=-1, nproc=1, **terms):
-        return self.msg(node, p.Register(node, "h", 1, nproc, spare, rank, f"tcp://{node}:1", terms))
+        return self.msg(node, p.Register(node, "h", 1, nproc, spare, rank, f"tcp://{node}:1", p.JobTerms(**terms)))
 
     def sent_to(self, node: str, kind) -> list:
         return [s.msg for s in self.sent if s.node_id == node and isinstance(s.msg, kind)]
