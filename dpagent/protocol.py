@@ -42,7 +42,7 @@ MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as
 CHUNK_BYTES = 4 << 20  # snapshot data frames (why chunks: docs/protocol.md); a whole number of CHECKSUM_BLOCKs
 
 
-# Who sends what (the sequences: docs/internals.md). Each receiver dispatches on the type and drops, counted,
+# Who sends what (the sequences: docs/sequences.md). Each receiver dispatches on the type and drops, counted,
 # what has no business on its socket (dpagent.channel.Channel.drop_unexpected; the controller's _drop).
 ToController = Union[
     Register, Heartbeat, Pong, WorkerExited, Leaving, SnapshotStored, SnapshotFiles,  # an agent's own

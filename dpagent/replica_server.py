@@ -275,7 +275,7 @@ class ReplicaServer:
             self.checker.close()
 
     def _answer(self, incoming: Incoming, put: PutSnapshot, error: str) -> None:
-        """Report a stored snapshot to the controller, then ack it (docs/internals.md): the report is on its
+        """Report a stored snapshot to the controller, then ack it (docs/sequences.md): the report is on its
         way before the sender can move on."""
         if error:
             log.warning("refused snapshot of rank %d step %d: %s", put.rank, put.step, error)

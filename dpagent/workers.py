@@ -68,7 +68,7 @@ def worker_env(
     local_addr: str,
     replica_endpoint: str = "",
 ) -> dict[str, str]:
-    """The worker environment of docs/internals.md; the user's own OMP / GLOO settings win."""
+    """The worker environment of docs/sequences.md; the user's own OMP / GLOO settings win."""
     env = dict(base)
     env.update(
         DP_NODE_ID=node_id,

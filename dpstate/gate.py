@@ -1,5 +1,5 @@
 """The snapshot gate: what a rank waits for before the last collective of a step, so that no optimizer step
-overwrites a snapshot that a restore may still need (DESIGN.md; the Job calls it, docs/internals.md step 2).
+overwrites a snapshot that a restore may still need (DESIGN.md; the Job calls it, docs/sequences.md step 2).
 
 Every gate waits until the newest snapshot is captured (its tensors may change after it). Deferring (on a
 GPU; DP_SNAPSHOT_DEFER_ACKS), its acks are waited for at the next snapshot step: only then does a capture

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
@@ -156,3 +158,17 @@ def test_every_message_travels_on_a_channel_and_what_an_agent_relays_on_both_of_
     assert set(p.message_types().values()) == {cls for channel in channels for cls in typing.get_args(channel)}
     assert p.WorkerSummary not in p.message_types().values()  # (travels inside a Heartbeat only)
     assert set(FORWARDED) <= set(typing.get_args(p.ToAgent)) & set(typing.get_args(p.ToController))
+
+
+def test_the_internals_page_lists_every_message_on_its_channels():
+    page = (Path(__file__).parents[1] / "docs" / "internals.md").read_text()
+    table = page[page.index("## Messages: who sends which"):]
+    rows = {}
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if len(cells) == 3 and "->" in cells[1]:
+            rows[cells[1]] = set(re.findall(r"`(\w+)`", cells[2]))
+    by_receiver = {"controller": p.ToController, "agent": p.ToAgent, "worker": p.ToWorker, "replica store": p.ToReplica}
+    for receiver, union in by_receiver.items():
+        listed = set().union(*(names for route, names in rows.items() if route.endswith(f"-> {receiver}")))
+        assert listed == {cls.__name__ for cls in typing.get_args(union)}, receiver
