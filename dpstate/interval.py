@@ -20,38 +20,10 @@ COST_BOUND_SE = 1.0  # auto picks its interval for the cost plus this many stand
 
 
 class SnapshotPolicy:
-    """Which steps are snapshotted, from DP_SNAPSHOT_INTERVAL (dprun --snapshot-interval):
-
-    * ``1`` (default) / ``N``: the state before training (step 0) and every step that is a multiple of N. The
-      controller restores the newest step replicated for every rank, so a failure costs at most N + 1 steps
-      (the ``+ 1``: a peer may finish one more step while the newest snapshot is still in flight); 2N where
-      the gate defers its wait for the acks to the next snapshot step (`defers`, dpstate.gate: optimizer
-      steps that do not land in the snapshot buffers, e.g. on CUDA), since the newest may then be in flight
-      for up to N steps and a restore go back to the one before it.
-    * ``off``: no snapshots at all (for comparison; a failure then cannot be recovered).
-    * ``auto`` / ``auto:BUDGET``: measure what a snapshot costs and take the smallest interval that keeps the
-      cost under BUDGET (a fraction of step time; DP_SNAPSHOT_BUDGET, default 0.01). After `warmup` steps
-      snapshotted every step, `pairs` steps after a snapshot and `pairs` steps after none alternate; the cost
-      of one snapshot is the interquartile mean over adjacent pairs of (step after one - step after none), over
-      the median step after none, the largest over the ranks (an all-reduce at the same step on every rank),
-      and the interval is ceil(bound / budget), where the bound is the cost plus COST_BOUND_SE standard errors
-      of that mean: on a noisy host the interval errs toward keeping the budget (a few more steps at risk)
-      rather than toward exceeding it; where steps are steady the bound is the cost. Where the gate defers
-      (`defers`), steps are measured without their waits for acks, which are modelled instead: a snapshot
-      acked `lag` steps after the next step's gate (the largest median over the ranks) stalls the snapshot
-      step N steps later by lag - (N - 1) steps where positive, so the interval is the smallest N with
-      (bound + max(0, lag - N + 1)) / N within the budget: a replication slower than a step is overlapped
-      with the steps between snapshots instead of stalling the next one.
-      Once the job has seen failures, the interval is also bounded by Young and Daly's optimum
-      sqrt(2 x cost x MTBF / step time) (MTBF: time since the first step / recoveries so far): where failures
-      come often, the steps a failure throws away cost more than the snapshots that would have saved them.
-      The decision is part of every snapshot (tracked as POLICY_NAME), so after a rollback all ranks, a
-      promoted spare included, hold the same one; a rollback to before it measures again, and the first step
-      after any other recovery decides again (the failure rate changed). Afterwards the steps that follow a
-      snapshot keep being compared with those that do not, and every `refresh` snapshots (at a snapshot step,
-      so again on every rank at once) the interval is decided anew. At an interval of 1 there is no step
-      without a snapshot to compare with, so one step in PROBE_EVERY is left out (a failure there costs at most
-      3 steps): a first estimate that came out too low does not fix the interval at 1 for good.
+    """Which steps are snapshotted, from DP_SNAPSHOT_INTERVAL (dprun --snapshot-interval): ``N`` (step 0 and
+    every multiple of N; 1 by default), ``off``, or ``auto[:BUDGET]``: the smallest interval whose measured
+    snapshot cost stays under BUDGET of step time, bounded by Young and Daly's optimum once failures come.
+    How auto measures and decides, and why every rank decides alike: docs/dpstate.md ("Snapshot interval").
     """
 
     # The samples _reset_samples() (re)sets; declared here so that their types are known throughout.
