@@ -127,7 +127,7 @@ def test_goodput_failed_runs_say_why_and_give_no_figure(procs, tmp_path):
     without a step (how a run on a host too busy to start training in time ends, too)."""
     missing = tmp_path / "no-such-text.txt"
     for system, minutes, cause in (("deadpool", "2", "RuntimeError: the head dprun ended early (exit code "),
-                                   ("torchrun", "0.3", "RuntimeError: no training step done in ")):
+                                   ("torchrun", "0.2", "RuntimeError: no training step done in ")):
         code, text, out = run_bench(procs, tmp_path, "goodput", "--quick", "--systems", system, "--minutes", minutes,
                                     "--every", "5", "--data", str(missing), timeout=140)
         assert code == 1, text[-4000:]
