@@ -39,10 +39,12 @@ def plan_local_gpus(nodes: int, nproc_per_node: int, visible: list[str], backend
 
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (indices where it is unset)."""
+    names = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if names is not None and not names.strip():  # none, known without importing torch (seconds before launch)
+        return []
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    names = os.environ.get("CUDA_VISIBLE_DEVICES")
     if names is None:
         return [str(i) for i in range(count)]
     return [name.strip() for name in names.split(",")][:count]

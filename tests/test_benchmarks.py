@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from helpers.e2e import TRAIN, TRAIN_ARGS, dprun
+from helpers.e2e import TRAIN, TRAIN_ARGS
 
 pytestmark = [pytest.mark.slow]
 BENCH = REPO / "benchmarks"
@@ -56,7 +56,7 @@ def torchrun(procs, tmp_path, name: str, *args: str, max_restarts: int = 0, time
 
 
 @pytest.mark.timeout(200)
-def test_train_gpt_under_torchrun_matches_dprun_and_resumes_from_disk_checkpoints(procs, tmp_path):
+def test_train_gpt_under_torchrun_matches_dprun_and_resumes_from_disk_checkpoints(procs, tmp_path, unbroken):
     plain = torchrun(procs, tmp_path, "plain", "--steps", "12")
     assert plain["world_size"] == 2 and plain["final_step"] == 12  # torchrun's group, not two world-1 runs
     restarted = torchrun(procs, tmp_path, "restarted", "--steps", "12", "--ckpt-dir", str(tmp_path / "ckpt"),
@@ -65,8 +65,8 @@ def test_train_gpt_under_torchrun_matches_dprun_and_resumes_from_disk_checkpoint
     assert restarted["restart"] == 1 and restarted["params_sha256"] == plain["params_sha256"]
     lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if x.get("event") == "resumed"] == [5]  # from the checkpoint of step 5
-    under_dprun = dprun(procs, tmp_path, "dprun", "--nnodes", "2", steps=12)
-    assert under_dprun.returncode == 0 and under_dprun.summary["params_sha256"] == plain["params_sha256"]
+    # dprun's run of the same shape (2 nodes, 12 steps), shared with the other tests that compare with it
+    assert unbroken(2, 12).summary["params_sha256"] == plain["params_sha256"]
 
 
 @pytest.mark.timeout(200)
@@ -127,7 +127,7 @@ def test_goodput_failed_runs_say_why_and_give_no_figure(procs, tmp_path):
     without a step (how a run on a host too busy to start training in time ends, too)."""
     missing = tmp_path / "no-such-text.txt"
     for system, minutes, cause in (("deadpool", "2", "RuntimeError: the head dprun ended early (exit code "),
-                                   ("torchrun", "0.3", "RuntimeError: no training step done in ")):
+                                   ("torchrun", "0.2", "RuntimeError: no training step done in ")):
         code, text, out = run_bench(procs, tmp_path, "goodput", "--quick", "--systems", system, "--minutes", minutes,
                                     "--every", "5", "--data", str(missing), timeout=140)
         assert code == 1, text[-4000:]

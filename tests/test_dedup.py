@@ -218,7 +218,8 @@ def test_a_job_replicates_only_what_differs_and_recovers_bitwise_from_deduplicat
     from helpers.e2e import dprun
 
     bigger = ("--n-layer", "4", "--n-embd", "128", "--n-head", "4")
-    reference = dprun(procs, tmp_path, "reference", "--nnodes", "2", "--spares", "1", steps=30, train_args=bigger)
+    # the failure-free run, without the spare the killed run needs (an idle spare changes nothing trained)
+    reference = dprun(procs, tmp_path, "reference", "--nnodes", "2", "--spares", "0", steps=30, train_args=bigger)
     assert reference.returncode == 0, reference.stderr[-3000:]
     profile = tmp_path / "profile"
     run = dprun(procs, tmp_path, "killed", "--nnodes", "2", "--spares", "1", "--inject", "kill-node:1@step=15",

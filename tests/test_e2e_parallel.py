@@ -24,7 +24,7 @@ LAYOUTS = {  # name: (dims, the mesh as dprun reports it)
     "dp-pp": (["--pp", "2", "--dp", "2"], "pp=2 x dp=2 x tp=1"),
     "fsdp-tp": (["--dp", "2", "--tp", "2"], "pp=1 x dp=2 x tp=2"),
 }
-STEPS = {"3d": 30, "dp-pp": 16, "fsdp-tp": 16}
+STEPS = {"3d": 20, "dp-pp": 16, "fsdp-tp": 16}
 
 
 def run_layout(procs, tmp_path, layout: str, name: str, *options: str, timeout: float = 240):
@@ -69,17 +69,17 @@ def test_a_3d_job_loses_the_node_holding_ranks_4_and_5_and_goes_on_from_its_back
     """Its background saves (one file of shards per rank, written while it trains and recovers) resume too."""
     saved = tmp_path / "saved"
     run = run_layout(procs, tmp_path, "3d", "kill", "--nnodes", "4", "--nproc-per-node", "2", "--spares", "1",
-                     "--inject", "kill-node:2@step=10", "--save-dir", str(saved), "--save-every", "10",
+                     "--inject", "kill-node:2@step=6", "--save-dir", str(saved), "--save-every", "5",
                      "--save-keep", "3")
     done = _recovered(run, "3d", reference)
     (failed,) = run.named("node_failed")
     assert failed["node_rank"] == 2, failed
     assert set(done["phases"]) >= {"detect_s", "rebuild_s", "restore_s", "total_s"}
-    assert [e["step"] for e in run.named("state_saved")][-2:] == [20, 30]
+    assert [e["step"] for e in run.named("state_saved")][-2:] == [15, 20]
     resumed = run_layout(procs, tmp_path, "3d", "resumed", "--nnodes", "4", "--nproc-per-node", "2",
-                         "--resume-from", str(saved / "step-20"))
+                         "--resume-from", str(saved / "step-15"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert resumed.named("job_started")[0]["step"] == 20
+    assert resumed.named("job_started")[0]["step"] == 15
     assert resumed.summary["params_sha256"] == reference("3d"), "the 3D job resumed from disk diverged"
 
 

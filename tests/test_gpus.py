@@ -3,6 +3,10 @@ rank), and the worker side's refusal to treat NCCL's "Duplicate GPU detected" as
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from dpstate.abort import classify
@@ -51,3 +55,13 @@ def test_one_training_node_and_its_spares_all_see_every_gpu():
 def test_nccl_duplicate_gpu_is_not_taken_for_a_peer_failure():
     error = GpuPlacementError("NCCL refuses two ranks on one GPU ... or set DP_BACKEND=gloo")
     assert classify(error) is None  # propagates: the worker ends with the message, no recovery loop
+
+
+def test_hidden_cuda_is_known_without_importing_torch():
+    """CUDA_VISIBLE_DEVICES empty: no GPU, said without torch's import (seconds on the path to every job's
+    start, where CI and these tests run)."""
+    code = ("import sys; from dprun.gpus import visible_gpus; "
+            "assert visible_gpus() == [] and 'torch' not in sys.modules, sorted(sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "CUDA_VISIBLE_DEVICES": " "},
+                          capture_output=True, text=True, timeout=8)
+    assert proc.returncode == 0, proc.stderr[-2000:]
