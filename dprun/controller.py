@@ -21,6 +21,7 @@ from .controller_io import (  # noqa: F401  (re-exported: the controller's input
 )
 from .faults import FaultPlan
 from .ledger import ReplicaLedger
+from .membership import ANY_GENERATION, Membership  # noqa: F401  (ANY_GENERATION: re-exported, dprun.sim)
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .phase import Phase, check_transition
 from .controller_view import ControllerView, view_of
@@ -29,17 +30,11 @@ from .hang_evidence import HangEvidence
 from .deadlines import Deadlines
 from .background_saves import BackgroundSaves
 from .endgame import Endgame
-from .files import WAITING_FOR_FILES, FilesEnd, FilesRead, StateFiles
+from .files import WAITING_FOR_FILES, StateFiles
 from .reconstruction import AfterExits, FromDisk, GiveUp, NextGeneration, Reconstruction, Unchanged
 from .timeline import Timeline
-from . import admission
 from .repeats import HUNG, RepeatedFailures
 from .spare_sizing import SpareSizing
-
-# what a node says of its workers stands in any generation: how they are, how they ended, that they finished
-ANY_GENERATION = (p.Heartbeat, p.WorkerExited, p.RankFinished, p.Diverged)
-
-PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
 
 
 # ----------------------------------------------------------------------------- the state machine
@@ -63,14 +58,12 @@ class Controller:
                                      (spec.resume_from, spec.resume_step) if spec.resume_from else None)
         self.timeline = Timeline(spec.nproc_per_node, spec.world_size, last_progress_at=now)
         self.reconstruction = Reconstruction(spec, self.table, self.ledger, self.timeline, self.out, self._enter)
-        self.files = StateFiles(spec, self.table, self.ledger, self.timeline, self.saves, self.out, self._enter)
+        self.members = Membership(spec, self.table, self.ledger, self.sizing, self.out)
+        self.files = StateFiles(spec, self.table, self.ledger, self.timeline, self.saves, self.out, self._enter,
+                                control=self)
         self.deadlines = Deadlines(spec, self.table, self.timeline, self.hangs, self.out, now)
         self.endgame = Endgame(spec, self.table, self.timeline, self.out)
-        self.training_since: float | None = None
         self.mesh = ""  # the layout of a sharded or 3D-parallel job, as its workers said (WorkerReady.mesh)
-        self.dropped: dict[str, int] = {}
-        self.last_progress_event = float("-inf")
-        self.progress_said = 0  # the step the last "progress" event named
 
     # -- entry point -----------------------------------------------------------------------------
 
@@ -94,7 +87,7 @@ class Controller:
                     and self.deadlines.connection_dropped(now):
                 self._ping_due(now)  # (in a recovery every node is probed anyway)
         elif isinstance(event, Shutdown):
-            self._finish(event.exit_code, event.reason)
+            self.finish_job(event.exit_code, event.reason)
         else:
             raise TypeError(f"unknown input {event!r}")
         if self.phase not in (Phase.SAVING, Phase.LOADING):
@@ -117,22 +110,13 @@ class Controller:
         if self.phase is Phase.FORMING or not self.faults.plan.pending:
             return
         job = JobNow(steps={node.node_rank: node.last_step for node in self.table.with_role(ACTIVE)},
-                     trained_s=now - (self.training_since or now), layout=self.timeline.layout,
+                     trained_s=now - (self.timeline.training_since or now), layout=self.timeline.layout,
                      spares=[node.node_id for node in self.table.with_role(SPARE)])
         self.out.extend(self.faults.fire(now, job, recovering))
 
-    def _drop(self, why: str) -> None:
-        self.dropped[why] = self.dropped.get(why, 0) + 1
-
-    def _finish(self, code: int, message: str) -> None:
-        paused = self.deadlines.paused_lately(self.now)
-        if code != 0 and paused is not None:  # its nodes may have left for dprun's own pause: said first
-            cause = (f"dprun itself did not run for {paused:.1f} s (stopped with SIGSTOP or Ctrl-Z, its "
-                     f"machine paused, or starved of CPU), long enough for its nodes (--heartbeat-timeout "
-                     f"{self.spec.heartbeat_timeout:g} s) to take the controller for lost and leave")
-            if self.spec.save_dir:
-                cause += f", each writing the copies it held to {self.spec.save_dir}"
-            message = message if message.startswith(cause) else f"{cause}; then: {message}"
+    def finish_job(self, code: int, message: str) -> None:
+        if code != 0:  # its nodes may have left for dprun's own pause: said first
+            message = self.deadlines.pause_said(message, self.now)
         said = self.files.save_first(code, message, self.phase is Phase.FORMING, self.now)
         if said is None:
             return  # it ends once the nodes wrote its state (dprun.files)
@@ -143,7 +127,7 @@ class Controller:
         self.files.release_kept(said, code)
         self.out.extend(self.faults.never_fired())
         timeline = self.timeline
-        if timeline.max_step > self.progress_said:  # (progress events are throttled: the last step is said too)
+        if timeline.max_step > timeline.progress_said:  # (progress events are throttled: the last step is said too)
             self.out.publish("progress", generation=timeline.generation, step=timeline.max_step,
                              made_before_s=round(self.now - timeline.last_progress_at, 6))
         self.out.publish("job_finished", exit_code=code, message=said)
@@ -154,82 +138,24 @@ class Controller:
 
     def _received(self, sender: str, msg: Any, now: float) -> None:
         if isinstance(msg, p.Register):
-            self._register(sender, msg, now)
+            forming = self.phase is Phase.FORMING
+            if self.members.register(sender, msg, now, forming) is not None:
+                if forming:
+                    self._maybe_form(now)
+                else:
+                    self.reconstruction.spare_came(now)  # (a recovery may wait for one)
             return
-        node = self.table.get(sender)
+        kept = self.table.get(sender)
+        if kept is not None and kept.role == FAILED and kept.keeps_store and self._kept_heard(kept, msg, now):
+            return
+        node = self.members.sender(sender, msg, now, self.timeline)
         if node is None:
-            self._drop("unregistered sender")
-            return
-        if node.role == FAILED:
-            if node.keeps_store and self._kept_heard(node, msg, now):
-                return
-            self._drop("fenced node")
-            if isinstance(msg, (p.Heartbeat, p.Pong)):
-                self.out.send(sender, p.Stop(reason=f"node {sender} was fenced: {node.cause}", exit_code=1))
-            return
-        node.last_heard = now
-        if getattr(msg, "node_id", sender) != sender:
-            self._drop("node_id does not match the sender")
-            return
-        if (why := out_of_range(msg, self.spec.nproc_per_node, self.spec.world_size)) is not None:
-            self._drop(why)  # a buggy agent's: no rank of this job
-            if self.dropped[why] == 1:  # said once per reason: never normal, but never to flood the log either
-                self.out.publish("message_refused", node=sender, kind=type(msg).__name__, reason=why)
-            return
-        generation = getattr(msg, "generation", None)
-        if generation is not None and generation != self.timeline.generation \
-                and not isinstance(msg, ANY_GENERATION) and not self.timeline.late_copy(msg):
-            self._drop("stale generation")
             return
         handler = getattr(self, f"_on_{type(msg).__name__}", None)
         if handler is None:
-            self._drop(f"unexpected {type(msg).__name__}")
+            self.members.drop(f"unexpected {type(msg).__name__}")
             return
         handler(node, msg, now)
-
-    def _register(self, sender: str, msg: p.Register, now: float) -> None:
-        if msg.node_id != sender:
-            self._drop("node_id does not match the sender")
-            return
-        known = self.table.get(sender)
-        if known is not None:
-            if known.role == FAILED:
-                self.out.send(sender, p.Stop(reason=f"node {sender} was fenced: {known.cause}", exit_code=1))
-            else:  # a re-sent Register (reconnect): answer again
-                known.last_heard = now
-                self._welcome(known)
-            return
-        if (why := admission.refusal(self.spec, msg)) is not None:
-            self.out.send(sender, p.Stop(reason=why, exit_code=2))
-            self.out.publish("node_refused", node=sender, host=msg.host, reason=why)
-            return
-        forming = self.phase is Phase.FORMING
-        claimed = [(n.node_id, n.want_rank) for n in self.table.nodes.values() if n.role != FAILED] if forming else []
-        for warning in admission.warnings(self.spec, msg, claimed):  # (once formed, a rank goes where room is)
-            self.out.publish("node_warning", node=sender, warning=warning)
-        actives = self.table.count(ACTIVE)
-        role = ACTIVE if forming and not msg.want_spare and actives < self.spec.nnodes else SPARE
-        node = Node(
-            node_id=sender, host=msg.host, pid=msg.pid, nproc=msg.nproc, replica_endpoint=msg.replica_endpoint,
-            role=role, registered_at=now, last_heard=now, want_rank=msg.node_rank,
-        )
-        self.table.add(node)
-        self._welcome(node)
-        self.out.publish("node_joined", node=sender, host=msg.host, role=role, pid=msg.pid)
-        if forming:
-            self._maybe_form(now)
-        else:
-            self.reconstruction.spare_came(now)  # (a recovery may wait for one)
-
-    def _welcome(self, node: Node) -> None:
-        self.out.send(node.node_id, p.Welcome(
-            node_id=node.node_id, role="active" if node.role == ACTIVE else "spare", job_id=self.spec.job_id,
-            heartbeat_interval=self.spec.heartbeat_interval, heartbeat_timeout=self.spec.heartbeat_timeout,
-            prespawn=not self.spec.restart_mode, save_dir=self.spec.save_dir, world_size=self.spec.world_size,
-        ))
-        standby = self.sizing.message()
-        if node.role == SPARE and standby is not None:
-            self.out.send(node.node_id, standby)
 
     def _on_Heartbeat(self, node: Node, msg: p.Heartbeat, now: float) -> None:
         node.workers = msg.workers  # last_heard is already updated
@@ -246,8 +172,7 @@ class Controller:
         if msg.snapshot:
             self.ledger.snapshot_taken(msg.step)
         timeline.progressed(msg.rank, msg.step, now)
-        if now - self.last_progress_event >= PROGRESS_EVERY_S:
-            self.last_progress_event, self.progress_said = now, timeline.max_step
+        if timeline.progress_note_due(now):
             self.out.publish("progress", generation=timeline.generation, step=timeline.max_step, **msg.metrics)
         if (rec := self.reconstruction.stepped(msg.rank, msg.step)) is not None:
             self._recovery_complete(rec, now)
@@ -258,9 +183,7 @@ class Controller:
         self.saves.sizes[msg.rank] = msg.nbytes
         self.reconstruction.news(now)  # (a restored rank replicates its step again before its barrier)
         self.files.save_if_due(now, self.phase is Phase.TRAINING)
-        if self.sizing.stored(msg.rank, msg.nbytes):
-            for spare in self.table.with_role(SPARE):
-                self.out.send(spare.node_id, self.sizing.message())
+        self.members.snapshot_sized(msg.rank, msg.nbytes)
 
     def _on_WorkerReady(self, node: Node, msg: p.WorkerReady, now: float) -> None:
         if msg.mesh and msg.mesh != self.mesh:  # said once: each rank's snapshots hold its own shards, whole
@@ -302,19 +225,14 @@ class Controller:
     def _on_WorkerExited(self, node: Node, msg: p.WorkerExited, now: float) -> None:
         timeline = self.timeline
         if node.role == ACTIVE and msg.exitcode == 0:  # finished (its final barrier passed, in any generation)
-            node.exited_ok.add(msg.local_rank)
-            if self.spec.restart_mode and self.endgame.all_finished_at is None:  # no RankFinished: an exit 0 says it
-                self.endgame.all_finished_at = now
-            rec = self.reconstruction.recovery or self.reconstruction.pending
-            if rec is not None and rec.failed:  # the job ended under a recovery that now can never complete
-                self._finish(1, self.endgame.after_exits(rec, max(rec.peak_step, timeline.max_step)))
-                return
-            if all(len(self.table.nodes[n].exited_ok) == self.spec.nproc_per_node for n in timeline.layout):
-                self._finish(0, f"all {self.spec.world_size} ranks finished{self.endgame.divergence_note()}")
+            ended = self.endgame.worker_finished(node, msg.local_rank, now,
+                                                 self.reconstruction.recovery or self.reconstruction.pending)
+            if ended is not None:
+                self.finish_job(*ended)
             return
         if node.role == SPARE and msg.exitcode == 0:
             return
-        self._worker_exit_said(node, msg)
+        self.members.worker_exit_said(node, msg, timeline.rank_of(node, msg.local_rank))
         how = p.describe_end(msg.exitcode, msg.detail, msg.oom_killed)
         cause = f"worker {msg.local_rank} (pid {msg.pid}) {how}"
         # a crash as it exited on a Python exception counts as the exit 1 of that exception (p.WorkerExited.raised)
@@ -331,18 +249,7 @@ class Controller:
         node.raised = code > 0
         self._node_failed(node.node_id, cause, now, agent_alive=True)
         if same is not None and not self.finished:
-            self._finish(1, same)
-
-    def _worker_exit_said(self, node: Node, msg: p.WorkerExited) -> None:
-        """A live node's worker ended with an error or a signal: said as an event (the job's failure summary,
-        `dprun report`) before what comes of it."""
-        if msg.exitcode == 0 or node.role == FAILED:
-            return
-        rank = self.timeline.rank_of(node, msg.local_rank)
-        self.out.publish("worker_exited", node=node.node_id, local_rank=msg.local_rank,
-                         rank=rank if rank != p.NO_RANK else None, pid=msg.pid,
-                         exitcode=msg.exitcode, cause=p.describe_end(msg.exitcode, msg.detail, msg.oom_killed),
-                         tail=msg.stderr_tail, log=msg.log_path)
+            self.finish_job(1, same)
 
     # -- forming the first generation ------------------------------------------------------------
 
@@ -352,11 +259,7 @@ class Controller:
         spares_ready = self.table.count(SPARE) >= self.spec.spares
         if not spares_ready and now - self.deadlines.started_at < self.spec.rdzv_timeout:
             return
-        timeline = self.timeline
-        timeline.layout = self.table.first_layout(self.spec.nnodes)
-        timeline.generation = 0
-        for node_rank, node_id in enumerate(timeline.layout):
-            self.table.nodes[node_id].node_rank = node_rank
+        self.timeline.form(self.table.first_layout(self.spec.nnodes), self.table)
         if self.spec.resume_from:  # each node reads its ranks' files first (then _start_first_generation)
             self.files.load(self.spec.resume_from, self.spec.resume_step, 0, None, self.now)
         else:
@@ -365,7 +268,7 @@ class Controller:
     def _start_first_generation(self, restore_step: int, sources: dict[int, str]) -> None:
         """Generation 0: a fresh start, or every rank restores `restore_step` from `sources` (resumed)."""
         timeline = self.timeline
-        self.training_since = timeline.last_progress_at = self.now
+        timeline.training_since = timeline.last_progress_at = self.now
         self._enter(Phase.TRAINING)
         if restore_step >= 0:
             timeline.max_step = restore_step
@@ -392,44 +295,29 @@ class Controller:
         was = node.role
         self.table.set_role(node, FAILED)
         self.files.background_saved(self.saves.node_lost(node_id, now))
-        node.cause = cause
         keep = agent_alive and self.files.keeps_store(node, self.phase is Phase.FORMING)
-        if not keep:
-            self.ledger.holder_lost(node_id)
-        self.out.send(node_id, p.Stop(reason=f"node {node_id} was fenced: {cause}", exit_code=1, keep_store=keep))
-        self.out.publish("node_failed", node=node_id, node_rank=node.node_rank if was == ACTIVE else None,
-                         role=was, cause=cause)
-        self.reconstruction.node_fenced(node_id)
-        timeline = self.timeline
-        if was == SPARE:
-            self.out.publish("spare_lost", node=node_id, spares_left=len(self.table.with_role(SPARE)))
-            finishing = any(self.table.nodes[n].exited_ok for n in timeline.layout)
-            if self.phase is Phase.FORMING or finishing \
-                    or not any(node_id in held for held in timeline.holders.values()):
-                return
-        elif self.phase is Phase.FORMING:  # still forming: the slot opens for the next node to register
-            return
-        elif not (self.spec.snapshots or self.spec.restart_mode or self.endgame.all_finished_at is not None):
-            if not self.finished:  # (the first of several failed at once says it)
-                self._finish(1, f"{node_id} failed ({cause}) and snapshots are off (--snapshot-interval off): "
-                                "there is no state to recover its ranks from, so no spare can take over; rerun "
-                                "without it")
-            return
+        self.members.fenced(node, was, cause, keep)
         # when it failed: when injected, or last heard (or, restart mode, the generation's first crash)
-        heard = now if since is None else since
-        self.reconstruction.node_lost(node_id, was == SPARE, now, [self.faults.injected_at.get(node_id, now), heard])
+        began = [self.faults.injected_at.get(node_id, now), now if since is None else since]
+        end = self.reconstruction.node_lost(node_id, was, cause, now, began, forming=self.phase is Phase.FORMING,
+                                            training_over=self.endgame.all_finished_at is not None)
+        if end is not None and not self.finished:  # (the first of several failed at once says it)
+            self.finish_job(1, end)
 
     def _reconstruct(self, rec: Recovery, now: float) -> None:
         paused = self.deadlines.paused_lately(self.now) is not None
-        decision = self.reconstruction.decide(rec, now, paused, self.saves.safe is not None)
+        decision = self.reconstruction.decide(rec, now, paused, self.saves.safe)
         if isinstance(decision, Unchanged):
             self._enter(Phase.TRAINING)
         elif isinstance(decision, AfterExits):
-            self._finish(1, self.endgame.after_exits(rec, self.timeline.max_step))
+            self.finish_job(1, self.endgame.after_exits(rec, self.timeline.max_step))
         elif isinstance(decision, GiveUp):
-            self._finish(1, decision.message)
-        elif isinstance(decision, FromDisk):
-            self._restore_from_disk(rec, now, decision)
+            self.finish_job(1, decision.message)
+        elif isinstance(decision, FromDisk):  # (the background save in flight is abandoned: an event says so)
+            self.files.background_saved(self.saves.abandon(now, "a recovery from disk began"))
+            self.reconstruction.begin_generation(rec, now, decision.failed_slots, decision.spares, decision.step)
+            rec.from_disk = decision.folder
+            self.files.load(decision.folder, decision.step, self.timeline.generation, rec, self.now)
         elif isinstance(decision, NextGeneration):
             self.reconstruction.begin_generation(rec, now, decision.failed_slots, decision.spares, decision.step)
             self._launch(rec, decision.step, decision.sources, "recovery", now)
@@ -446,40 +334,18 @@ class Controller:
                          layout=list(timeline.layout), decide_s=round(now - rec.t_detect, 4))
         self.reconstruction.launched(rec)
 
-    def _restore_from_disk(self, rec: Recovery, now: float, plan: FromDisk) -> None:
-        """Some ranks have no copy left in memory, but a step of every rank is safe on disk (background saves, or
-        the step this job resumed from): every rank goes back to it. Spares take the failed slots, each node
-        reads its ranks' files into its store (dprun.files), then the generation starts from them."""
-        assert self.saves.safe is not None
-        folder, step = self.saves.safe
-        self.out.publish("restoring_from_disk", ranks=plan.lost, step=step, folder=folder,
-                         lost_steps=max(0, max(rec.peak_step, self.timeline.max_step) - step),
-                         failed=sorted(self.table.nodes[n].node_id for n in rec.failed))
-        self.files.background_saved(self.saves.abandon(now, "a recovery from disk began"))  # (an event says so)
-        self.reconstruction.begin_generation(rec, now, plan.failed_slots, plan.spares, step)
-        rec.from_disk = folder
-        self.files.load(folder, step, self.timeline.generation, rec, self.now)
-
     # -- time (dprun.deadlines keeps the clocks) --------------------------------------------------
 
     def _tick(self, now: float) -> None:
         if self.phase is Phase.FORMING:
             due = self.deadlines.forming(now)
             if isinstance(due, str):
-                self._finish(1, due)
+                self.finish_job(1, due)
                 return
             if due:
                 self._maybe_form(now)
-        for node in self.table.nodes.values():
-            silent = now - node.last_heard
-            if silent > self.spec.heartbeat_timeout and (node.role != FAILED or node.keeps_store):
-                self._node_failed(node.node_id, f"no heartbeat for {silent:.1f} s", now, since=node.last_heard)
-        if (dropped := self.deadlines.dropped_probe_over(now)) is not None:  # (ConnectionDropped's probe)
-            for node in self.table.live():
-                if node.last_heard < dropped:
-                    self._node_failed(node.node_id, f"a connection to the controller closed and it did not answer "
-                                                    f"a probe within {self.spec.probe_timeout:g} s", now,
-                                      since=node.last_heard)
+        for node_id, cause, since in self.deadlines.overdue(now):
+            self._node_failed(node_id, cause, now, since=since)
         flush = self.reconstruction.flush
         if flush is not None and now >= flush.deadline:
             for node_id in sorted(flush.waiting):
@@ -509,16 +375,16 @@ class Controller:
 
     def _check_waits(self, now: float) -> None:
         if (end := self.reconstruction.waits_over(now)) is not None:
-            self._finish(1, end)
+            self.finish_job(1, end)
         if not self.reconstruction.idle:
             return
         if self.endgame.all_finished_at is not None:
             if (end := self.endgame.waiting_for_exit(now)) is not None:
-                self._finish(1, end)
+                self.finish_job(1, end)
         elif self.spec.restart_mode:
             return
-        elif self.hangs.stuck_apart(self.deadlines.statuses(), now):
-            self._finish(1, f"job hung at its end: {self.hangs.finished_apart(self.deadlines.statuses())}")
+        elif (end := self.deadlines.hung_at_end(now)) is not None:
+            self.finish_job(1, end)
         elif self.deadlines.hang_due(now):
             self._hung(now)
 
@@ -526,74 +392,45 @@ class Controller:
         """No rank stepped for hang_timeout: blame the ranks that are not waiting on their peers."""
         stalled, culprits = self.deadlines.hung(now)
         if not culprits:
-            self._finish(1, f"job hung: no step for {stalled:.0f} s and every rank waits on its peers; "
-                            + (self.hangs.finished_apart(self.deadlines.statuses())
-                               or "check the network, or raise --hang-timeout"))
+            self.finish_job(1, self.deadlines.all_waiting(stalled))
             return
         same = None
         for node_id, (why, rank, step) in culprits.items():
             self._node_failed(node_id, f"{why}: no progress for {stalled:.0f} s (--hang-timeout)", now)
             same = same or self.repeats.seen(1, HUNG, node_id, rank, step)  # hung again where the rank went
         if same is not None and not self.finished:
-            self._finish(1, same)
+            self.finish_job(1, same)
 
     # -- files written or read (dprun.files decides) ---------------------------------------------
 
     def _while_files(self, event: Any, now: float) -> None:
         """Inputs while files are written or read: their answers and what keeps the nodes known alive count;
         a second stop, a lost node or the deadline end the wait."""
-        work = self.files.work
-        assert work is not None
         if isinstance(event, Received) and isinstance(event.msg, WAITING_FOR_FILES):
             self._received(event.node_id, event.msg, now)
         elif isinstance(event, Received) and isinstance(event.msg, p.WorkerExited):
             if (node := self.table.get(event.node_id)) is not None:
-                self._worker_exit_said(node, event.msg)
-            self._worker_lost(event.node_id, event.msg)
+                self.members.worker_exit_said(node, event.msg, self.timeline.rank_of(node, event.msg.local_rank))
+            self.files.worker_exited(event.node_id, event.msg, now)
         elif isinstance(event, NodeGone):
-            self._files_failed(event.node_id, event.cause)
+            self.files.node_failed(event.node_id, event.cause, now)
         elif isinstance(event, Shutdown):
-            self.files.cut_short(event.reason)
-            self._files_done()
+            self.files.stop(event.reason, now)
         elif isinstance(event, Paused):
             self._paused(event.seconds, now)
-        elif isinstance(event, Tick):
-            if now >= work.deadline:
-                self.files.cut_short(f"{', '.join(sorted(set(work.waiting.values())))} did not answer within "
-                                     f"{self.spec.files_timeout:g} s")
-                self._files_done()
-                return
-            for node_id in self.files.silent(now):
-                self._files_failed(node_id, f"no heartbeat for {now - self.table.nodes[node_id].last_heard:.1f} s")
-                if self.files.work is not work:
-                    return
+        elif isinstance(event, Tick) and self.files.tick(now):
             self._ping_due(now)
 
-    def _worker_lost(self, node_id: str, msg: p.WorkerExited) -> None:
-        """A worker ended while files are written or read: a resume fails if it failed; a save asks the next
-        source for its rank if that worker was to write it, even one that finished (exit 0) first: it will not
-        answer (a replica store's copy does not need its node's workers)."""
-        node, work = self.table.get(node_id), self.files.work
-        assert work is not None
-        rank = self.timeline.rank_of(node, msg.local_rank) if node is not None else p.NO_RANK
-        if msg.exitcode == 0 and not (work.saving and rank in work.local):
-            return
-        if work.recovery is not None:
-            self._load_interrupted(node_id, p.describe_exit(msg.exitcode), msg)
-        elif self.files.worker_lost(node_id, msg, rank):
-            self._files_done()
+    def go_on_from_files(self, step: int, recovery: Recovery | None) -> None:
+        """Every node's store holds its ranks' files of `step` (dprun.files): `recovery` goes on from them, or
+        the resumed job's first generation starts (each rank restores from its own node's store)."""
+        sources = {rank: self.timeline.node_of_rank(rank) for rank in range(self.spec.world_size)}
+        if recovery is not None:
+            self._launch(recovery, step, sources, "recovery from disk", self.now)
+        else:
+            self._start_first_generation(step, sources)
 
-    def _files_failed(self, node_id: str, cause: str) -> None:
-        """A node was lost while files are written (its ranks' files are asked of the next source) or read
-        (the resume fails; a recovery's read is abandoned: `_load_interrupted`)."""
-        work = self.files.work
-        assert work is not None
-        if work.recovery is not None:
-            self._load_interrupted(node_id, cause)
-        elif self.files.node_lost(node_id, cause):
-            self._files_done()
-
-    def _load_interrupted(self, node_id: str, cause: str, exited: p.WorkerExited | None = None) -> None:
+    def read_interrupted(self, node_id: str, cause: str, exited: p.WorkerExited | None) -> None:
         """A node (or a worker) was lost while a recovery's files were read: the read is abandoned and the recovery
         carries on as one that a failure interrupted: the loss handled as any other (the node fenced, every node
         probed), then a plan made again (from the copies read so far, or the disk once more), or the job ended
@@ -617,25 +454,8 @@ class Controller:
             self.reconstruction.replanned_for_a_loss()
 
     def _on_SnapshotFiles(self, node: Node, msg: p.SnapshotFiles, now: float) -> None:
-        background = self.saves.in_flight is not None and msg.step == self.saves.in_flight.step
-        if background:  # (a save on stop of the same step counts a file it wrote too)
-            self.files.background_saved(self.saves.answered(node.node_id, msg.step, msg.results, now))
-        over = self.files.answered(node.node_id, msg)
-        if over is None and not background:
-            self._drop("unexpected SnapshotFiles")
-        elif over:
-            self._files_done()
-
-    def _files_done(self) -> None:
-        outcome = self.files.outcome(self.now)
-        if isinstance(outcome, FilesEnd):
-            self._finish(outcome.code, outcome.message)
-        elif isinstance(outcome, FilesRead) and outcome.recovery is not None:  # every node's store holds its ranks
-            sources = {rank: self.timeline.node_of_rank(rank) for rank in range(self.spec.world_size)}
-            self._launch(outcome.recovery, outcome.step, sources, "recovery from disk", self.now)
-        elif isinstance(outcome, FilesRead):  # each rank restores from its own node's store
-            sources = {rank: self.timeline.node_of_rank(rank) for rank in range(self.spec.world_size)}
-            self._start_first_generation(outcome.step, sources)
+        if not self.files.snapshot_files(node.node_id, msg, now):
+            self.members.drop("unexpected SnapshotFiles")
 
     def _kept_heard(self, node: Node, msg: Any, now: float) -> bool:
         """A message from a fenced node whose store stays: True if taken (what shows it alive, its files)."""
@@ -651,20 +471,11 @@ class Controller:
         return False
 
     def _kept_gone(self, node_id: str, cause: str, now: float) -> None:
-        """A fenced node whose store stayed was lost too: its copies with it. A rank that the recovery under way
-        restores from it has its plan made again at once (its fetch from a dead store would wait out its
-        timeout)."""
-        self.table.nodes[node_id].keeps_store = False
-        self.ledger.holder_lost(node_id)
-        if self.files.work is not None:
-            self._files_failed(node_id, cause)
-        rec = self.reconstruction.recovery
-        if rec is not None and not self.finished and any(
-                holder == node_id and rank not in self.timeline.restores_answered
-                for rank, holder in rec.sources.items()):
-            self.reconstruction.replan(now, f"the store of {node_id}, which ranks restored from, was lost: "
-                                            f"{cause[:200]}")
-            self.reconstruction.replanned_for_a_loss()
+        """A fenced node whose store stayed was lost too: its copies with it (dprun.files), and a recovery that
+        restores ranks from it plans again at once (dprun.reconstruction)."""
+        self.files.kept_gone(node_id, cause, now)
+        if not self.finished:
+            self.reconstruction.store_lost(node_id, cause, now)
 
     # -- views -----------------------------------------------------------------------------------
 

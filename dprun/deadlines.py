@@ -8,11 +8,13 @@ the job to end) the controller carries out.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from dpagent import protocol as p
 
 from .controller_io import JobSpec, Outbox
 from .hang_evidence import HangEvidence, Placed
-from .nodes import ACTIVE, SPARE, NodeTable
+from .nodes import ACTIVE, FAILED, SPARE, NodeTable
 from .timeline import Timeline
 
 FORMING_NOTE_EVERY_S = 15.0  # nodes still missing after this long, and as often again: "waiting_for_nodes"
@@ -44,6 +46,20 @@ class Deadlines:
                              spares=self.table.count(SPARE), spares_wanted=spec.spares,
                              timeout_s=round(spec.rdzv_timeout - (now - self.started_at)))
         return False
+
+    def overdue(self, now: float) -> Iterator[tuple[str, str, float]]:
+        """The nodes to fail now, as (node id, cause, last heard), each looked at once the one before it was
+        failed: those silent for the heartbeat timeout (a fenced one whose store stays too), then, once a closed
+        connection's probe is over, the live nodes not heard from since it closed."""
+        for node in self.table.nodes.values():
+            silent = now - node.last_heard
+            if silent > self.spec.heartbeat_timeout and (node.role != FAILED or node.keeps_store):
+                yield node.node_id, f"no heartbeat for {silent:.1f} s", node.last_heard
+        if (since := self.dropped_probe_over(now)) is not None:
+            for node in self.table.live():
+                if node.last_heard < since:
+                    yield (node.node_id, f"a connection to the controller closed and it did not answer a probe "
+                                         f"within {self.spec.probe_timeout:g} s", node.last_heard)
 
     def ping_due(self, now: float) -> bool:
         """Every heartbeat interval, a Ping to every live node (its Pong proves it alive; its agent, which
@@ -87,9 +103,34 @@ class Deadlines:
             return self.paused[1]
         return None
 
+    def pause_said(self, message: str, now: float) -> str:
+        """A job that ends with an error just after dprun itself did not run long enough for its nodes to take it
+        for lost ends for that: said first."""
+        paused = self.paused_lately(now)
+        if paused is None:
+            return message
+        cause = (f"dprun itself did not run for {paused:.1f} s (stopped with SIGSTOP or Ctrl-Z, its "
+                 f"machine paused, or starved of CPU), long enough for its nodes (--heartbeat-timeout "
+                 f"{self.spec.heartbeat_timeout:g} s) to take the controller for lost and leave")
+        if self.spec.save_dir:
+            cause += f", each writing the copies it held to {self.spec.save_dir}"
+        return message if message.startswith(cause) else f"{cause}; then: {message}"
+
     def statuses(self) -> list[p.WorkerSummary]:
         """The training nodes' worker statuses, as their heartbeats said."""
         return [status for node_id in self.timeline.layout for status in self.table.nodes[node_id].workers.values()]
+
+    def hung_at_end(self, now: float) -> str | None:
+        """Ranks that finished their steps wait at the end for others that train on (dprun.hang_evidence): the
+        job's end message, once they have for long enough."""
+        if not self.hangs.stuck_apart(self.statuses(), now):
+            return None
+        return f"job hung at its end: {self.hangs.finished_apart(self.statuses())}"
+
+    def all_waiting(self, stalled: float) -> str:
+        """The end message of a hang in which every rank waits on its peers."""
+        return (f"job hung: no step for {stalled:.0f} s and every rank waits on its peers; "
+                + (self.hangs.finished_apart(self.statuses()) or "check the network, or raise --hang-timeout"))
 
     def hang_due(self, now: float) -> bool:
         """No rank stepped for --hang-timeout (once a step was made, or ranks wait on their peers)."""

@@ -8,7 +8,7 @@ and the outbox. The end it finds due it returns as a message; the controller end
 from __future__ import annotations
 
 from .controller_io import JobSpec, Outbox, Recovery
-from .nodes import NodeTable
+from .nodes import Node, NodeTable
 from .timeline import Timeline
 
 EXIT_NOTE_EVERY_S = 30.0  # workers not exited this long after training finished, and as often: "waiting_for_exit"
@@ -28,6 +28,19 @@ class Endgame:
         self.finished_ranks[rank] = step
         if self.all_finished_at is None and len(self.finished_ranks) == self.spec.world_size:
             self.all_finished_at = now
+
+    def worker_finished(self, node: Node, local_rank: int, now: float,
+                        rec: Recovery | None) -> tuple[int, str] | None:
+        """An active node's worker exited 0 (its final barrier passed, in any generation): how the job ends, if
+        it ends now (every rank exited 0; or a recovery under way, `rec`, can never complete)."""
+        node.exited_ok.add(local_rank)
+        if self.spec.restart_mode and self.all_finished_at is None:  # no RankFinished: a first exit 0 says it
+            self.all_finished_at = now
+        if rec is not None and rec.failed:  # the job ended under a recovery that now can never complete
+            return 1, self.after_exits(rec, max(rec.peak_step, self.timeline.max_step))
+        if all(len(self.table.nodes[n].exited_ok) == self.spec.nproc_per_node for n in self.timeline.layout):
+            return 0, f"all {self.spec.world_size} ranks finished{self.divergence_note()}"
+        return None
 
     def rank_diverged(self, node_id: str, rank: int, step: int, blocks: list[int]) -> None:
         if rank not in self.diverged:

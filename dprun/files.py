@@ -11,7 +11,7 @@ no longer needed (`keeps_store`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from dpagent import protocol as p
 from dpagent.snapshot_files import CANNOT_WRITE, step_folder
@@ -68,11 +68,23 @@ class FilesRead:
     recovery: Recovery | None
 
 
+class FilesControl(Protocol):
+    """What the files part asks of the job as a wait ends or breaks off."""
+
+    def finish_job(self, code: int, message: str) -> None: ...
+
+    def go_on_from_files(self, step: int, recovery: Recovery | None) -> None:
+        """Every node's store holds its ranks' files of `step`: `recovery` goes on (None: a resume starts)."""
+
+    def read_interrupted(self, node_id: str, cause: str, exited: p.WorkerExited | None) -> None:
+        """A node (or a worker) was lost while a recovery's files were read."""
+
+
 class StateFiles:
     def __init__(self, spec: JobSpec, table: NodeTable, ledger: ReplicaLedger, timeline: Timeline,
-                 saves: BackgroundSaves, out: Outbox, enter: Callable[[Phase], None]):
+                 saves: BackgroundSaves, out: Outbox, enter: Callable[[Phase], None], control: FilesControl):
         self.spec, self.table, self.ledger, self.timeline, self.saves = spec, table, ledger, timeline, saves
-        self.out, self.enter = out, enter
+        self.out, self.enter, self.control = out, enter, control
         self.work: FileWork | None = None  # snapshot files being written (the job ends) or read (it resumes)
         self.saved = False  # the state was saved (or there was none to save): the job ends as it is
         self.saved_in = ""  # the step folder that save wrote, once every rank's file is there
@@ -196,6 +208,13 @@ class StateFiles:
                 self.ledger.holder_lost(node.node_id)
                 self.out.send(node.node_id, p.Stop(reason=reason, exit_code=code))
 
+    def kept_gone(self, node_id: str, cause: str, now: float) -> None:
+        """A fenced node whose store stayed was lost too: its copies with it (a save asks the next source)."""
+        self.table.nodes[node_id].keeps_store = False
+        self.ledger.holder_lost(node_id)
+        if self.work is not None:
+            self.node_failed(node_id, cause, now)
+
     def load(self, folder: str, step: int, generation: int, rec: Recovery | None, now: float) -> None:
         """Each node reads its own ranks' files into its replica store: a resumed job's first generation (0, no
         `rec`) or a running job's recovery from disk (into the new generation's stores; `rec` goes on once every
@@ -234,45 +253,73 @@ class StateFiles:
                       if n.node_id not in gone and now - n.last_heard > self.spec.heartbeat_timeout
                       and (n.role != FAILED or n.keeps_store))
 
-    def cut_short(self, why: str) -> None:
-        """Out of time (a second stop, the deadline): the wait ends with what was written."""
+    def stop(self, why: str, now: float) -> None:
+        """Out of time (a second stop): the wait ends with what was written."""
         assert self.work is not None
         self.work.errors.append(why)
         self.work.hurried = True
+        self._done(now)
 
-    def worker_lost(self, node_id: str, msg: p.WorkerExited, rank: int) -> bool:
-        """A worker ended while files are written or read (not a recovery's read): a resume fails if it failed;
-        a save asks the next source for its rank if that worker was to write it. True: the wait is over."""
+    def tick(self, now: float) -> bool:
+        """The deadline ends the wait; a node silent for the heartbeat timeout is lost (its files are asked
+        elsewhere at once). True: the wait goes on."""
         work = self.work
         assert work is not None
+        if now >= work.deadline:
+            self.stop(f"{', '.join(sorted(set(work.waiting.values())))} did not answer within "
+                      f"{self.spec.files_timeout:g} s", now)
+            return False
+        for node_id in self.silent(now):
+            self.node_failed(node_id, f"no heartbeat for {now - self.table.nodes[node_id].last_heard:.1f} s", now)
+            if self.work is not work:
+                return False
+        return True
+
+    def worker_exited(self, node_id: str, msg: p.WorkerExited, now: float) -> None:
+        """A worker ended while files are written or read: a resume fails if it failed; a save asks the next
+        source for its rank if that worker was to write it, even one that finished (exit 0) first: it will not
+        answer (a replica store's copy does not need its node's workers)."""
+        node, work = self.table.get(node_id), self.work
+        assert work is not None
+        rank = self.timeline.rank_of(node, msg.local_rank) if node is not None else p.NO_RANK
+        if msg.exitcode == 0 and not (work.saving and rank in work.local):
+            return
+        if work.recovery is not None:
+            self.control.read_interrupted(node_id, p.describe_exit(msg.exitcode), msg)
+            return
         work.dead_workers.add(rank)
         how = p.describe_exit(msg.exitcode) + (" before it wrote its file" if msg.exitcode == 0 else "")
         if not work.saving or (rank in work.local and work.waiting.get(rank) == node_id):
-            return self._files_lost(work, [rank], f"{node_id}: its worker {msg.local_rank} {how}")
-        return False
+            self._files_lost(work, [rank], f"{node_id}: its worker {msg.local_rank} {how}", now)
 
-    def node_lost(self, node_id: str, cause: str) -> bool:
-        """A node was lost while files are written (its ranks' files are asked of the next source) or read for a
-        resume (it fails). True: the wait is over."""
+    def node_failed(self, node_id: str, cause: str, now: float) -> None:
+        """A node was lost while files are written (its ranks' files are asked of the next source) or read (the
+        resume fails; a recovery's read is abandoned: FilesControl.read_interrupted)."""
         work = self.work
         assert work is not None
+        if work.recovery is not None:
+            self.control.read_interrupted(node_id, cause, None)
+            return
         work.gone.add(node_id)
         self.ledger.holder_lost(node_id)
         lost = [rank for rank, node in work.waiting.items() if node == node_id]
         if lost or not work.saving:
-            return self._files_lost(work, lost, f"{node_id} failed: {cause}")
-        return False
+            self._files_lost(work, lost, f"{node_id} failed: {cause}", now)
 
-    def _files_lost(self, work: FileWork, ranks: list[int], why: str) -> bool:
+    def _files_lost(self, work: FileWork, ranks: list[int], why: str, now: float) -> None:
         if not ranks or not all([self._save_elsewhere(work, rank, why) for rank in ranks]):
             work.errors.append(why)
-        return not work.saving or not work.waiting
+        if not work.saving or not work.waiting:
+            self._done(now)
 
-    def answered(self, node_id: str, msg: p.SnapshotFiles) -> bool | None:
-        """A node's SnapshotFiles: None if no file work waits for that step; else whether the wait is over."""
+    def snapshot_files(self, node_id: str, msg: p.SnapshotFiles, now: float) -> bool:
+        """A node's SnapshotFiles, for a background save or the wait (False: for neither)."""
+        background = self.saves.in_flight is not None and msg.step == self.saves.in_flight.step
+        if background:  # (a save on stop of the same step counts a file it wrote too)
+            self.background_saved(self.saves.answered(node_id, msg.step, msg.results, now))
         work = self.work
         if work is None or msg.step != work.step:
-            return None
+            return background
         for rank_text, error in msg.results.items():
             rank = int(rank_text)
             if work.waiting.get(rank) != node_id:
@@ -291,9 +338,18 @@ class StateFiles:
                 continue
             if not self._save_elsewhere(work, rank, f"{node_id}: {error}"):
                 work.errors.append(f"{node_id}: {error}")
-        return not work.waiting
+        if not work.waiting:
+            self._done(now)
+        return True
 
-    def outcome(self, now: float) -> FilesEnd | FilesRead | None:
+    def _done(self, now: float) -> None:
+        outcome = self._outcome(now)
+        if isinstance(outcome, FilesEnd):
+            self.control.finish_job(outcome.code, outcome.message)
+        elif isinstance(outcome, FilesRead):
+            self.control.go_on_from_files(outcome.step, outcome.recovery)
+
+    def _outcome(self, now: float) -> FilesEnd | FilesRead | None:
         """The wait is over: how the job goes on (None: another step is written or read instead)."""
         work, self.work = self.work, None
         assert work is not None

@@ -15,7 +15,7 @@ from dpagent import protocol as p
 
 from .controller_io import Flush, JobSpec, Outbox, Recovery
 from .ledger import ReplicaLedger, RestorePlan
-from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
+from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable, Role
 from .phase import Phase
 from .timeline import Timeline
 
@@ -51,11 +51,14 @@ class NextGeneration:
 
 @dataclass(frozen=True)
 class FromDisk:
-    """`lost` ranks have no copy left in memory, but a step of every rank is safe on disk: go back to it."""
+    """Some ranks have no copy left in memory, but a step of every rank is safe on disk (background saves, or the
+    step this job resumed from): every rank goes back to it. Spares take `failed_slots`, each node reads its ranks'
+    files from `folder` into its store (dprun.files), then the generation starts from them."""
 
     failed_slots: list[int]
     spares: list[Node]
-    lost: list[int]
+    folder: str
+    step: int
 
 
 Decision = Unchanged | AfterExits | GiveUp | NextGeneration | FromDisk | None  # None: the plan waits (pending)
@@ -110,9 +113,23 @@ class Reconstruction:
         if self.pending is not None:
             self.pending.retries, self.pending.probed_for_lost = 0, False
 
-    def node_lost(self, node_id: str, was_spare: bool, now: float, began: list[float]) -> None:
-        """A fenced node's loss joins the pending recovery; `began`: when it may have failed (injected, last
-        heard); a held-back crash of this generation began no later either."""
+    def node_lost(self, node_id: str, was: Role, cause: str, now: float, began: list[float], forming: bool,
+                  training_over: bool) -> str | None:
+        """A node (in role `was`) was fenced: its loss joins the pending recovery, where it needs one (the job's
+        end message where nothing can recover its ranks). `began`: when it may have failed (injected, last
+        heard); a held-back crash of this generation began no later either. `training_over`: every rank finished
+        (its peers' exits end the job)."""
+        self.node_fenced(node_id)
+        if was == SPARE:
+            self.out.publish("spare_lost", node=node_id, spares_left=len(self.table.with_role(SPARE)))
+            finishing = any(self.table.nodes[n].exited_ok for n in self.timeline.layout)
+            if forming or finishing or not any(node_id in held for held in self.timeline.holders.values()):
+                return None
+        elif forming:  # still forming: the slot opens for the next node to register
+            return None
+        elif not (self.spec.snapshots or self.spec.restart_mode or training_over):
+            return (f"{node_id} failed ({cause}) and snapshots are off (--snapshot-interval off): there is no "
+                    "state to recover its ranks from, so no spare can take over; rerun without it")
         if self.open_pending(now):  # a failure during recovery: one recovery covers both
             self.replanned_for_a_loss()
         rec = self.pending
@@ -120,10 +137,11 @@ class Reconstruction:
         if not rec.failed:  # (one opened by a peer's error, then this node found by the probe: its
             rec.t_detect = now  # detection took the probe, not the planning)
         rec.failed.append(node_id)
-        rec.replan |= was_spare
+        rec.replan |= was == SPARE
         for t in [*began, *self.crashed_at.values()]:
             rec.t_fail = min(rec.t_fail, t)
         self.start_flush(now)
+        return None
 
     def start_flush(self, now: float) -> None:
         """Ping every live node: a Pong proves it alive and flushes the SnapshotStored it sent before."""
@@ -190,8 +208,9 @@ class Reconstruction:
         if rec is not None and rec.restoring_until is not None:
             rec.restoring_until += seconds
 
-    def decide(self, rec: Recovery, now: float, paused_lately: bool, disk_safe: bool) -> Decision:
-        """The plan for `rec`, its probe answered: what the job does next (None: it waits, still pending)."""
+    def decide(self, rec: Recovery, now: float, paused_lately: bool, safe: tuple[str, int] | None) -> Decision:
+        """The plan for `rec`, its probe answered: what the job does next (None: it waits, still pending).
+        `safe`: the (folder, step) known complete on disk, if any."""
         layout, nodes = self.timeline.layout, self.table.nodes
         failed_slots = [i for i, n in enumerate(layout) if nodes[n].role == FAILED]
         if not failed_slots and not rec.replan:
@@ -248,8 +267,12 @@ class Reconstruction:
                 self.pending = rec
                 self.enter(Phase.WAITING)
                 return None
-        if plan.lost and disk_safe and self.spec.snapshots:
-            return FromDisk(failed_slots, spares, plan.lost)
+        if plan.lost and safe is not None and self.spec.snapshots:
+            folder, step = safe
+            self.out.publish("restoring_from_disk", ranks=plan.lost, step=step, folder=folder,
+                             lost_steps=max(0, max(rec.peak_step, self.timeline.max_step) - step),
+                             failed=sorted(nodes[n].node_id for n in rec.failed))
+            return FromDisk(failed_slots, spares, folder, step)
         if plan.lost:
             holders = sorted({nodes[n].node_id for n in rec.failed})
             bad = f"; copies found bad: {'; '.join(rec.bad_copies[-6:])}" if rec.bad_copies else ""
@@ -289,6 +312,15 @@ class Reconstruction:
         rec.restore_step = step
         rec.lost_steps = max(0, rec.peak_step - step)
         self.ledger.rollback(step)
+
+    def store_lost(self, node_id: str, cause: str, now: float) -> None:
+        """A fenced node's kept store was lost: a rank that the recovery under way restores from it has its plan
+        made again at once (its fetch from a dead store would wait out its timeout)."""
+        rec = self.recovery
+        if rec is not None and any(holder == node_id and rank not in self.timeline.restores_answered
+                                   for rank, holder in rec.sources.items()):
+            self.replan(now, f"the store of {node_id}, which ranks restored from, was lost: {cause[:200]}")
+            self.replanned_for_a_loss()
 
     def launched(self, rec: Recovery) -> None:
         """`rec`'s generation was sent out: it is complete once every rank stepped past its restore step."""

@@ -16,12 +16,15 @@ from .controller_io import JobSpec, Send
 from .ledger import INIT, ReplicaLedger
 from .nodes import ACTIVE, SPARE, Node, NodeTable
 
+PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
+
 
 @dataclass
 class Timeline:
     nproc: int  # ranks per node
     world_size: int
     last_progress_at: float  # when the newest step last grew (hang detection)
+    training_since: float | None = None  # when the first generation started
     generation: int = -1  # -1 while the first generation forms
     layout: list[str] = field(default_factory=list)  # node rank -> node id
     holders: dict[int, list[str]] = field(default_factory=dict)  # node rank -> nodes holding its replicas
@@ -33,6 +36,14 @@ class Timeline:
     late_copies: list[tuple[int, int, str]] = field(default_factory=list)  # (rank, step, holder) of an older one
     unrestored: set[int] = field(default_factory=set)  # ranks handed to a new node that has not restored them yet
     restores_answered: set[int] = field(default_factory=set)  # ranks that said restored or failed to, this generation
+    last_progress_event: float = float("-inf")  # when a "progress" event was last said
+    progress_said: int = 0  # the step it named
+
+    def form(self, layout: list[str], table: NodeTable) -> None:
+        """The first generation's layout (node ids by node rank)."""
+        self.layout, self.generation = layout, 0
+        for node_rank, node_id in enumerate(layout):
+            table.nodes[node_id].node_rank = node_rank
 
     def ranks_of(self, node_rank: int) -> range:
         return range(node_rank * self.nproc, (node_rank + 1) * self.nproc)
@@ -59,6 +70,13 @@ class Timeline:
             self.max_step = max(self.max_step, step)
             self.last_progress_at = now
             self.stepped = True
+
+    def progress_note_due(self, now: float) -> bool:
+        """A "progress" event is due (at most one a second), naming the newest step."""
+        if now - self.last_progress_event < PROGRESS_EVERY_S:
+            return False
+        self.last_progress_event, self.progress_said = now, self.max_step
+        return True
 
     def began(self, step: int, now: float) -> None:
         """A new generation was planned, every rank going back to `step`."""

@@ -117,9 +117,9 @@ def test_stale_generation_and_fenced_messages_change_nothing():
     h.msg("b", p.SnapshotStored("b", 0, 50, 1))  # b is fenced
     h.msg("zz", p.Heartbeat("zz", 1))  # never registered
     assert h.c.table.nodes == before
-    assert h.c.dropped["stale generation"] == 1
-    assert h.c.dropped["fenced node"] == 1
-    assert h.c.dropped["unregistered sender"] == 1
+    assert h.c.members.dropped["stale generation"] == 1
+    assert h.c.members.dropped["fenced node"] == 1
+    assert h.c.members.dropped["unregistered sender"] == 1
 
 
 def test_no_spare_left_stops_the_job_naming_the_node():
@@ -247,7 +247,7 @@ def test_a_peer_error_from_a_replaced_generation_is_dropped():
     assert h.c.timeline.generation == 1
     h.msg("b", p.PeerError("b", 0, 1, "late news of generation 0"))
     assert h.c.reconstruction.flush is None and h.c.reconstruction.pending is None and h.c.timeline.generation == 1
-    assert h.c.dropped == {"stale generation": 1}
+    assert h.c.members.dropped == {"stale generation": 1}
 
 
 def test_ranks_that_never_manage_to_connect_end_the_job_with_a_clear_message():
