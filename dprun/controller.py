@@ -115,6 +115,7 @@ class Controller:
         self.out.extend(self.faults.fire(now, job, recovering))
 
     def finish_job(self, code: int, message: str) -> None:
+        """End the job (with --save-dir, an error or a signal: once the nodes wrote its state, dprun.files)."""
         if code != 0:  # its nodes may have left for dprun's own pause: said first
             message = self.deadlines.pause_said(message, self.now)
         said = self.files.save_first(code, message, self.phase is Phase.FORMING, self.now)

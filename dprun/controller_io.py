@@ -1,5 +1,5 @@
-"""The controller's vocabulary: the job spec, the inputs it handles and the actions it returns (all plain
-dataclasses, so a shell or a simulator can drive it), and the records it keeps of a recovery in progress.
+"""The controller's vocabulary: the job spec, the inputs it handles and the actions it returns (plain dataclasses,
+so a shell or a simulator can drive it), the outbox gathering those actions, and the records of a recovery.
 """
 
 from __future__ import annotations
