@@ -87,7 +87,7 @@ class ReplicaStore:
         it, drop the oldest, so that it takes that copy's memory. Returns the copies dropped (their memory is
         freed when the caller lets go of them). Safe: its sender finished optimizer step `step`, past the
         snapshot gate, so every rank's snapshot before `step` is acked and no restore goes back past it (see
-        dprun.reconstruction._survivor_floors); the copy of that snapshot stays. Steps the snapshot will
+        dprun.timeline.survivor_floors); the copy of that snapshot stays. Steps the snapshot will
         supersede (newer ones of an older generation) do not count: they go when it is stored."""
         held = self._ranks.get(rank, {})
         if step in held or not held or generation < max(s.generation for s in held.values()):

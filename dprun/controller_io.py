@@ -1,5 +1,5 @@
-"""The controller's vocabulary: the job spec, the inputs it handles and the actions it returns (all plain
-dataclasses, so a shell or a simulator can drive it), and the records it keeps of a recovery in progress.
+"""The controller's vocabulary: the job spec, the inputs it handles and the actions it returns (plain dataclasses,
+so a shell or a simulator can drive it), the outbox gathering those actions, and the records of a recovery.
 """
 
 from __future__ import annotations
@@ -125,6 +125,27 @@ class Finish:
     saved_in: str = ""  # the step folder the job's state was saved in as it ended (--save-dir), if it was
 
 
+class Outbox:
+    """The actions that handling one input produced, in order: the controller and its parts add to it, and the
+    controller hands them back."""
+
+    def __init__(self) -> None:
+        self.actions: list[Any] = []
+
+    def send(self, node_id: str, msg: Any) -> None:
+        self.actions.append(Send(node_id, msg))
+
+    def publish(self, name: str, **fields: Any) -> None:
+        self.actions.append(Publish({"event": name, **fields}))
+
+    def extend(self, actions: list[Any]) -> None:
+        self.actions.extend(actions)
+
+    def take(self) -> list[Any]:
+        out, self.actions = self.actions, []
+        return out
+
+
 def out_of_range(msg: Any, nproc_per_node: int, world_size: int) -> str | None:
     """Why a message must be dropped that names a local rank or a rank this job does not have (None: it names
     none, or ones it has, or no rank at all)."""
@@ -152,20 +173,20 @@ class Recovery:
     restore_step: int = -1
     lost_steps: int = 0
     peak_step: int = 0  # the newest step any rank had reached when this recovery's first failure came
-    promoted: dict = field(default_factory=dict)  # node rank -> spare node id
+    promoted: dict[int, str] = field(default_factory=dict)  # node rank -> spare node id
     replan: bool = False  # no node to replace, but the plan must change (holder lost, a copy bad)
     waiting_since: float | None = None  # on_spare_exhausted=wait: when waiting for a spare began
-    ready: dict = field(default_factory=dict)  # rank -> (rebuild_s, restore_s)
-    stepped: set = field(default_factory=set)  # ranks that completed a step after the restore step
+    ready: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (rebuild_s, restore_s)
+    stepped: set[int] = field(default_factory=set)  # ranks that completed a step after the restore step
     retries: int = 0  # generations planned again with no node lost (a rank failed to connect or restore)
     why: str = ""  # what the last rank that asked for a new plan said
     settle_until: float = 0.0  # a peer error alone: decide no sooner (a dead worker's exit may be on its way)
     probed_for_lost: bool = False  # a plan found state lost and every node was probed once more before ending
-    bad_copies: list = field(default_factory=list)  # "rank R step S on NODE: why", as workers reported them
+    bad_copies: list[str] = field(default_factory=list)  # "rank R step S on NODE: why", as workers reported them
     free_replans: int = 0  # replans owed to a dropped bad copy: they do not count against MAX_REPLANS
-    no_local: dict = field(default_factory=dict)  # rank -> a step it reported no local copy of (nor older)
+    no_local: dict[int, int] = field(default_factory=dict)  # rank -> a step it reported no local copy of (nor older)
     restoring_until: float | None = None  # state looked lost while a live node still restored it: wait so long
-    sources: dict = field(default_factory=dict)  # the plan's: rank -> holder node id, "" (own copy) or INIT
+    sources: dict[int, str] = field(default_factory=dict)  # the plan's: rank -> holder node id, "" (own copy) or INIT
     from_disk: str = ""  # the step folder every rank went back to (state lost in memory: background saves)
 
     def continued(self) -> "Recovery":
@@ -181,4 +202,4 @@ class Flush:
 
     seq: int
     deadline: float
-    waiting: set
+    waiting: set[str]

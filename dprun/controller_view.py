@@ -5,10 +5,13 @@ so that the dashboard, the status feed and `dprun status` read no controller int
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from .nodes import ACTIVE, Node, Role
 from .phase import Phase
+
+if TYPE_CHECKING:
+    from .controller import Controller
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,13 @@ class ControllerView:
     restore_point: int | None  # the newest step every rank could go back to from the replicas, if any
 
 
-def view_of(controller, now: float) -> ControllerView:
+def view_of(controller: Controller, now: float) -> ControllerView:
     """`controller` (a dprun.controller.Controller) as a ControllerView at `now` (its monotonic clock)."""
-    spec, layout = controller.spec, controller.layout
+    spec, timeline = controller.spec, controller.timeline
+    layout = timeline.layout
     nproc = spec.nproc_per_node
     held = controller.ledger.held
-    nodes = {node_id: _node_view(node, layout, controller.holders, held, nproc, now)
+    nodes = {node_id: _node_view(node, layout, timeline.holders, held, nproc, now)
              for node_id, node in controller.table.nodes.items()}
     restore_point = None
     if held and layout and not spec.restart_mode:
@@ -49,7 +53,7 @@ def view_of(controller, now: float) -> ControllerView:
                   for rank in range(len(layout) * nproc)]
         restore_point = min(newest) if min(newest) >= 0 else None
     return ControllerView(job_id=spec.job_id, nproc_per_node=nproc, world_size=spec.world_size,
-                          generation=controller.generation, phase=controller.phase, nodes=nodes,
+                          generation=timeline.generation, phase=controller.phase, nodes=nodes,
                           restore_point=restore_point)
 
 

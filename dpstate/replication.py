@@ -40,7 +40,7 @@ from .profile import PhaseClock, SnapshotStats, write_profile
 # snapshot (the newest, or the one before it while the newest is not yet held everywhere: the gate that waits
 # for its acks is at the next snapshot step) while it captures the next one when the dead ranks' newest copies
 # are good; every step submitted is captured, even across a reconfiguration (quiesce), so a rank holds the step
-# it last reported (dprun.reconstruction._survivor_floors). A walk back past bad copies of a dead rank can go further; a
+# it last reported (dprun.timeline.survivor_floors). A walk back past bad copies of a dead rank can go further; a
 # survivor then reports its missing copy (RestoreFailed, source "") and the plan for that step has no cut:
 # "state lost" (the dead rank's copies at newer steps were bad).
 NSLOTS = 2

@@ -126,7 +126,7 @@ def test_a_save_whose_writer_is_lost_or_refused_fails_and_each_kind_is_said_once
 def _with_copies(h, step: int, holders: dict[int, str]) -> None:
     """Every rank made `step` (Progress from its node) and its copy of it is stored on its holder."""
     for rank, holder in holders.items():
-        h.msg(h.c.node_of_rank(rank), p.Progress(h.c.node_of_rank(rank), 0, rank, step))
+        h.msg(h.c.timeline.node_of_rank(rank), p.Progress(h.c.timeline.node_of_rank(rank), 0, rank, step))
     for rank, holder in holders.items():
         h.msg(holder, p.SnapshotStored(holder, rank, step, 0, 1000))
 

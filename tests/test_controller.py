@@ -17,10 +17,10 @@ def test_first_generation_forms_when_every_node_registered():
     h = Harness(spec())
     h.register("a", rank=0)
     h.register("b", rank=1)
-    assert h.c.generation == -1, "waits for the spare"
+    assert h.c.timeline.generation == -1, "waits for the spare"
     h.register("s", spare=True)
-    assert h.c.generation == 0
-    assert h.c.layout == ["a", "b"]
+    assert h.c.timeline.generation == 0
+    assert h.c.timeline.layout == ["a", "b"]
     (ra,) = h.sent_to("a", p.Reconfigure)
     assert (ra.node_rank, ra.world_size, ra.restore_step) == (0, 2, -1)
     assert ra.replica_to == "tcp://b:1", "node 0's snapshots live on node 1"
@@ -33,7 +33,7 @@ def test_forms_without_spares_at_rendezvous_timeout_and_fails_without_actives():
     h.register("a", rank=0)
     h.register("b", rank=1)
     h.feed(Tick(), dt=31)
-    assert h.c.generation == 0
+    assert h.c.timeline.generation == 0
     lonely = Harness(spec())
     lonely.register("a")
     lonely.feed(Tick(), dt=31)
@@ -54,11 +54,11 @@ def test_while_nodes_are_missing_the_controller_says_whom_it_waits_for_and_until
     h.register("b", rank=1)
     while h.now < 30:
         h.alive({"a": {}, "b": {}})
-    assert h.named("waiting_for_nodes")[-1]["active"] == 2 and h.c.generation == -1, "the spare is still awaited"
+    assert h.named("waiting_for_nodes")[-1]["active"] == 2 and h.c.timeline.generation == -1, "the spare is still awaited"
     h.register("s", spare=True)
     while h.now < 60:
         h.alive({"a": {}, "b": {}, "s": {}})
-    assert h.c.generation == 0 and len(h.named("waiting_for_nodes")) == 2, "formed: no more notes"
+    assert h.c.timeline.generation == 0 and len(h.named("waiting_for_nodes")) == 2, "formed: no more notes"
 
 
 def test_node_failure_promotes_spare_into_same_node_rank_and_restores_newest_common_step():
@@ -70,10 +70,10 @@ def test_node_failure_promotes_spare_into_same_node_rank_and_restores_newest_com
     h.msg("a", p.Progress("a", 0, 0, 7))
     h.feed(NodeGone("b", "agent process exited"), dt=1)
     assert h.named("node_failed")[0]["node"] == "b"
-    assert h.c.generation == 0, "decision waits for the probe round"
+    assert h.c.timeline.generation == 0, "decision waits for the probe round"
     h.pong_all()
-    assert h.c.generation == 1
-    assert h.c.layout == ["a", "s"]
+    assert h.c.timeline.generation == 1
+    assert h.c.timeline.layout == ["a", "s"]
     (rs,) = h.sent_to("s", p.Reconfigure)
     # rank 0's report of step 6 died with b, but its Progress(7) proves 6 acked (its optimizer waited for it)
     assert rs.node_rank == 1 and rs.restore_step == 6
@@ -95,7 +95,7 @@ def test_recovery_complete_after_every_rank_steps_past_restore_step():
     h.c.faults.injected_at["b"] = h.now
     h.msg("b", p.WorkerExited("b", 0, 0, 99, -9), )
     h.pong_all()
-    assert h.c.generation == 1
+    assert h.c.timeline.generation == 1
     h.msg("a", p.WorkerReady("a", 1, 0, 0.02, 0.01, "local"))
     h.msg("s", p.WorkerReady("s", 1, 1, 0.03, 0.05, "replica"))
     h.feed(Received("a", p.Progress("a", 1, 0, 4)), dt=0.5)
@@ -117,9 +117,9 @@ def test_stale_generation_and_fenced_messages_change_nothing():
     h.msg("b", p.SnapshotStored("b", 0, 50, 1))  # b is fenced
     h.msg("zz", p.Heartbeat("zz", 1))  # never registered
     assert h.c.table.nodes == before
-    assert h.c.dropped["stale generation"] == 1
-    assert h.c.dropped["fenced node"] == 1
-    assert h.c.dropped["unregistered sender"] == 1
+    assert h.c.members.dropped["stale generation"] == 1
+    assert h.c.members.dropped["fenced node"] == 1
+    assert h.c.members.dropped["unregistered sender"] == 1
 
 
 def test_no_spare_left_stops_the_job_naming_the_node():
@@ -141,7 +141,7 @@ def test_a_node_that_says_it_leaves_is_failed_at_once_and_replaced():
     (failed,) = h.named("node_failed")
     assert failed["node"] == "b" and failed["cause"] == "its agent left the job: the dprun that ran it (pid 7) died"
     h.pong_all()
-    assert h.c.generation == 1 and h.c.layout == ["a", "s"]
+    assert h.c.timeline.generation == 1 and h.c.timeline.layout == ["a", "s"]
     h.msg("b", p.Leaving("b", "again"))  # fenced already: nothing more
     assert len(h.named("node_failed")) == 1
 
@@ -166,7 +166,7 @@ def test_missed_heartbeats_fail_a_frozen_node():
 def test_peer_error_probes_and_fails_the_node_that_does_not_answer():
     h = formed()
     h.msg("a", p.PeerError("a", 0, 0, "Connection reset by peer"))
-    seq = h.c.seq
+    seq = h.c.reconstruction.seq
     assert {s.node_id for s in h.sent if isinstance(s.msg, p.Ping) and s.msg.seq == seq} == {"a", "b", "s"}
     h.msg("a", p.Pong("a", seq))
     h.msg("s", p.Pong("s", seq))
@@ -174,9 +174,9 @@ def test_peer_error_probes_and_fails_the_node_that_does_not_answer():
     assert h.named("node_failed")[0]["node"] == "b"
     assert "probe" in h.named("node_failed")[0]["cause"]
     h.pong_all()
-    assert h.c.generation == 1
+    assert h.c.timeline.generation == 1
     # from the peer's error to the node found: detection (it read 0 s, the probe counted as planning)
-    assert h.c.recovery.t_detect - h.c.recovery.t_fail == pytest.approx(1.1)
+    assert h.c.reconstruction.recovery.t_detect - h.c.reconstruction.recovery.t_fail == pytest.approx(1.1)
     assert h.named("reconfigure")[-1]["decide_s"] == 0.0
 
 
@@ -187,7 +187,7 @@ def test_a_dropped_connection_probes_every_node_and_fails_the_one_that_does_not_
     h = formed()
     h.alive({"a": {}, "b": {}, "s": {}}, dt=0.3)
     h.feed(ConnectionDropped(), dt=0.1)
-    seq = h.c.seq
+    seq = h.c.reconstruction.seq
     assert {s.node_id for s in h.sent if isinstance(s.msg, p.Ping) and s.msg.seq == seq} == {"a", "b", "s"}
     h.msg("a", p.Pong("a", seq))
     h.msg("s", p.Pong("s", seq))
@@ -196,7 +196,7 @@ def test_a_dropped_connection_probes_every_node_and_fails_the_one_that_does_not_
     h.feed(Tick(), dt=0.2)
     (failed,) = h.named("node_failed")
     assert failed["node"] == "b" and "a connection to the controller closed" in failed["cause"]
-    assert h.c.pending.t_fail == 0.0, "dated from its last word (its heartbeat at 0 s), not from the probe (1.5 s)"
+    assert h.c.reconstruction.pending.t_fail == 0.0, "dated from its last word (its heartbeat at 0 s), not from the probe (1.5 s)"
 
 
 def test_a_dropped_connection_with_every_node_answering_changes_nothing():
@@ -204,25 +204,25 @@ def test_a_dropped_connection_with_every_node_answering_changes_nothing():
     h.feed(ConnectionDropped(), dt=0.1)  # (a member's dprun that spoke for its dead agent, a status client...)
     h.feed(ConnectionDropped(), dt=0.1)
     h.alive({"a": {}, "b": {}, "s": {}}, dt=1.5)
-    assert not h.named("node_failed") and h.c.generation == 0 and h.c.dropped_at is None
+    assert not h.named("node_failed") and h.c.timeline.generation == 0 and h.c.deadlines.dropped_at is None
 
 
 def test_a_dropped_connection_during_a_recovery_is_left_to_its_probe():
     h = formed()
     h.feed(NodeGone("b", "agent process exited"))
     h.feed(ConnectionDropped(), dt=0.1)  # (b's own connection, as its processes die)
-    assert h.c.dropped_at is None
+    assert h.c.deadlines.dropped_at is None
 
 
 def test_a_peer_error_with_every_node_alive_plans_the_same_layout_again():
     h = formed()
-    layout = list(h.c.layout)
+    layout = list(h.c.timeline.layout)
     h.msg("a", p.PeerError("a", 0, 0, "PeerConnectError: could not connect to every rank within 10 s"))
     h.msg("b", p.PeerError("b", 0, 1, "PeerConnectError: could not connect to every rank within 10 s"))
     h.pong_all()  # everyone answers: nobody failed, but both ranks wait for a new generation
-    assert h.c.generation == 0, "not before a worker's exit report had the time to arrive"
+    assert h.c.timeline.generation == 0, "not before a worker's exit report had the time to arrive"
     h.feed(Tick(), dt=0.6)
-    assert h.c.generation == 1 and h.c.layout == layout, "a retry, not a swap: the spare stays a spare"
+    assert h.c.timeline.generation == 1 and h.c.timeline.layout == layout, "a retry, not a swap: the spare stays a spare"
     assert not h.named("node_failed") and not h.named("spare_promoted")
     (rc,) = h.sent_to("b", p.Reconfigure)[-1:]
     assert rc.generation == 1
@@ -235,7 +235,7 @@ def test_a_peer_error_then_the_exit_of_the_worker_behind_it_makes_one_swap_not_a
     h.msg("b", p.WorkerExited("b", 0, 0, 9, -9))
     h.pong_all()
     h.feed(Tick(), dt=0.6)
-    assert h.c.generation == 1 and h.c.layout == ["a", "s"]
+    assert h.c.timeline.generation == 1 and h.c.timeline.layout == ["a", "s"]
     assert len(h.named("reconfigure")) == 1
 
 
@@ -244,34 +244,34 @@ def test_a_peer_error_from_a_replaced_generation_is_dropped():
     h.msg("a", p.PeerError("a", 0, 0, "boom"))
     h.pong_all()
     h.feed(Tick(), dt=0.6)
-    assert h.c.generation == 1
+    assert h.c.timeline.generation == 1
     h.msg("b", p.PeerError("b", 0, 1, "late news of generation 0"))
-    assert h.c.flush is None and h.c.pending is None and h.c.generation == 1
-    assert h.c.dropped == {"stale generation": 1}
+    assert h.c.reconstruction.flush is None and h.c.reconstruction.pending is None and h.c.timeline.generation == 1
+    assert h.c.members.dropped == {"stale generation": 1}
 
 
 def test_ranks_that_never_manage_to_connect_end_the_job_with_a_clear_message():
     h = formed()
     for attempt in range(4):
-        h.msg("a", p.PeerError("a", h.c.generation, 0, "PeerConnectError: wait timeout"))
+        h.msg("a", p.PeerError("a", h.c.timeline.generation, 0, "PeerConnectError: wait timeout"))
         h.pong_all()
         h.feed(Tick(), dt=0.6)
     assert h.finish is not None and h.finish.exit_code == 1
     assert "could not start" in h.finish.message and "DP_CONNECT_TIMEOUT" in h.finish.message
-    assert h.c.generation == 3
+    assert h.c.timeline.generation == 3
 
 
 def test_state_lost_when_a_node_and_its_replica_holder_die_together():
     h = formed(spec(nnodes=3, spares=2))
     h.register("c", rank=2)
     h.register("t", spare=True)
-    assert h.c.generation == 0
+    assert h.c.timeline.generation == 0
     h.msg("c", p.SnapshotStored("c", 1, 4, 0))  # rank 1's copy lives on c
     h.msg("b", p.Progress("b", 0, 1, 5))
     h.feed(NodeGone("b", "killed"))
     h.feed(NodeGone("c", "killed"))
     h.pong_all()
-    assert h.finish is None and h.c.flush is not None, "before ending, every live node is probed once more"
+    assert h.finish is None and h.c.reconstruction.flush is not None, "before ending, every live node is probed once more"
     h.pong_all()
     assert h.finish and h.finish.exit_code == 1 and "state lost" in h.finish.message
     assert "rerun with --replicas 2" in h.finish.message  # the flag that would have kept it, by name
@@ -304,11 +304,11 @@ def test_a_copy_reported_after_the_probe_round_still_saves_the_job():
     h.feed(NodeGone("a", "killed"))
     h.feed(NodeGone("b", "killed"))
     h.pong_all()
-    assert h.finish is None and h.c.generation == 0 and h.c.flush is not None
+    assert h.finish is None and h.c.timeline.generation == 0 and h.c.reconstruction.flush is not None
     h.msg("c", p.SnapshotStored("c", 0, 4, 0))
     h.msg("c", p.SnapshotStored("c", 1, 4, 0))
     h.pong_all()
-    assert h.finish is None and h.c.generation == 1
+    assert h.finish is None and h.c.timeline.generation == 1
     restore = {m.node_rank: m for node in ("s", "t") for m in h.sent_to(node, p.Reconfigure)}
     assert {r: m.restore_from for r, m in restore.items()} == {0: {"0": "tcp://c:1"}, 1: {"1": "tcp://c:1"}}
     assert all(m.restore_step == 4 for m in restore.values())
@@ -385,7 +385,7 @@ def test_a_node_told_the_same_job_shape_joins_without_a_word():
     h.register("a", rank=0, nnodes=2, rdzv_id="j1", script=["train.py", "--steps", "40"])
     h.register("b", rank=1, nnodes=2, rdzv_id="", script=["train.py", "--steps", "40"])  # (no --rdzv-id given)
     h.register("s", spare=True)  # (a bare dpagent: no terms)
-    assert h.c.generation == 0 and not h.named("node_refused") and not h.named("node_warning")
+    assert h.c.timeline.generation == 0 and not h.named("node_refused") and not h.named("node_warning")
 
 
 def test_a_node_that_runs_other_arguments_joins_with_a_warning_naming_both_commands():
@@ -404,7 +404,7 @@ def test_a_node_rank_asked_for_twice_is_warned_about_and_the_second_node_stands_
     h.register("b2", rank=1)
     (warning,) = [e["warning"] for e in h.named("node_warning")]
     assert "node b2 (host h) asked for node rank 1, which node b asked for first" in warning
-    assert h.c.generation == 0 and h.c.layout == ["a", "b"] and h.c.table.get("b2").role == "spare"
+    assert h.c.timeline.generation == 0 and h.c.timeline.layout == ["a", "b"] and h.c.table.get("b2").role == "spare"
     h.feed(NodeGone("b", "agent process exited"), dt=1.0)
     h.register("b3", rank=1)  # once formed, a rank is the controller's to give: a node joins as a spare, unwarned
     assert len(h.named("node_warning")) == 1
@@ -457,7 +457,7 @@ def test_two_replicas_survive_a_node_and_its_first_holder_dying_together():
     h.feed(NodeGone("b", "killed"))
     h.feed(NodeGone("c", "killed"))
     h.pong_all()
-    assert h.finish is None and h.c.generation == 1
+    assert h.finish is None and h.c.timeline.generation == 1
     restore = {k: v for node in ("s", "t") for k, v in h.sent_to(node, p.Reconfigure)[-1].restore_from.items()}
     assert restore == {"1": "tcp://a:1", "2": "tcp://a:1"}, "both dead ranks come back from a, their second copy"
 
@@ -587,7 +587,7 @@ def test_a_hang_that_follows_its_rank_onto_the_spare_ends_the_job_as_the_script_
     _rank_1_computes_while_rank_0_waits(h, step=4, idle=("s", "s2"))
     h.pong_all()
     h.feed(Tick(), dt=0.6)
-    assert h.c.layout == ["a", "s"] and not h.finish
+    assert h.c.timeline.layout == ["a", "s"] and not h.finish
     # the spare restored step 4 and hangs in step 5 again: no step made in generation 1
     _rank_1_computes_while_rank_0_waits(h, step=4, on="s", idle=("s2",))
     assert h.finish and h.finish.exit_code == 1, h.finish
@@ -677,7 +677,7 @@ def test_out_of_spares_with_wait_policy_resumes_when_a_node_joins():
     h.register("late")
     assert h.sent_to("late", p.Welcome)[0].role == "spare"
     h.pong_all()
-    assert h.c.generation == 1 and h.c.layout == ["a", "late"]
+    assert h.c.timeline.generation == 1 and h.c.timeline.layout == ["a", "late"]
 
 
 def test_out_of_spares_with_wait_policy_gives_up_after_its_timeout():
@@ -697,7 +697,7 @@ def test_a_single_node_s_replacement_is_a_spare_that_holds_no_copy_so_a_second_l
     h.register("a", rank=0)
     h.register("s1", spare=True)
     h.register("s2", spare=True)
-    assert h.c.holders == {0: ["s1"]}
+    assert h.c.timeline.holders == {0: ["s1"]}
     for step in (1, 2):
         h.msg("s1", p.SnapshotStored("s1", 0, step, 0))
         h.msg("a", p.Progress("a", 0, 0, step, snapshot=True))
@@ -847,17 +847,17 @@ def test_state_that_looks_lost_while_a_live_node_restores_it_waits_for_that_rest
             h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
         h.feed(NodeGone("c", "killed"))
         h.pong_all()
-        assert h.c.generation == 1 and h.c.layout == ["a", "b", "s1"] and h.c.unrestored == {2}
+        assert h.c.timeline.generation == 1 and h.c.timeline.layout == ["a", "b", "s1"] and h.c.timeline.unrestored == {2}
         h.feed(NodeGone("a", "killed"))  # the only replica of rank 2 goes too
         h.pong_all()
         h.pong_all()  # the probe before "state lost"
-        assert h.finish is None and h.c.generation == 1, "rank 2 may be restored already: wait for s1"
+        assert h.finish is None and h.c.timeline.generation == 1, "rank 2 may be restored already: wait for s1"
         (waiting,) = h.named("waiting_for_restore")
         assert waiting["ranks"] == [2] and waiting["nodes"] == ["s1"]
         if outcome == "restored":
             h.msg("s1", p.WorkerReady("s1", 1, 2, 0.01, 0.02, "replica"))
             h.pong_all()
-            assert h.finish is None and h.c.generation == 2 and h.c.layout == ["s2", "b", "s1"]
+            assert h.finish is None and h.c.timeline.generation == 2 and h.c.timeline.layout == ["s2", "b", "s1"]
             (rc,) = h.sent_to("s1", p.Reconfigure)[-1:]
             assert rc.restore_step == 4 and rc.restore_from == {"2": ""}, "its own restored copy"
         else:
@@ -881,7 +881,7 @@ def test_state_lost_for_a_rank_no_live_node_restores_ends_the_job_without_waitin
     h.msg("a", p.SnapshotStored("a", 1, 4, 0))
     h.feed(NodeGone("b", "killed"))
     h.pong_all()
-    assert h.c.generation == 1 and h.c.layout == ["a", "s"] and h.c.unrestored == {1}
+    assert h.c.timeline.generation == 1 and h.c.timeline.layout == ["a", "s"] and h.c.timeline.unrestored == {1}
     h.feed(NodeGone("a", "killed"))
     h.pong_all()
     h.pong_all()  # the probe before "state lost"
@@ -902,7 +902,7 @@ def test_a_late_copy_that_this_generation_s_copy_superseded_is_forgotten_at_once
         h.msg("a", p.SnapshotStored("a", 1, step, 0))
     h.feed(NodeGone("b", "agent process exited"))
     h.pong_all()
-    assert h.c.generation == 1 and h.c.layout == ["a", "s"]
+    assert h.c.timeline.generation == 1 and h.c.timeline.layout == ["a", "s"]
     h.msg("a", p.SnapshotStored("a", 1, 5, 0))  # late: b's put, in flight when it died
     assert h.c.ledger.holders_of(1, 5) == ["a"], "taken in: the store made room for it"
     h.msg("a", p.SnapshotStored("a", 1, 4, 1))  # the spare's restored step 4, sent again

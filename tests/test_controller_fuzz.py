@@ -115,7 +115,7 @@ def test_a_local_rank_or_a_rank_the_job_does_not_have_is_dropped_and_counted():
     h.msg("b", p.WorkerExited("b", 0, 1, 11, 1, "ValueError: x"))
     h.msg("b", p.Progress("b", 0, 7, 3))
     h.msg("b", p.Progress("b", 0, 7, 4))
-    assert h.c.dropped == {"local_rank 1 out of range": 1, "rank 7 out of range": 2}
-    assert not h.named("node_failed") and h.c.rank_step.get(7) is None
+    assert h.c.members.dropped == {"local_rank 1 out of range": 1, "rank 7 out of range": 2}
+    assert not h.named("node_failed") and h.c.timeline.rank_step.get(7) is None
     assert [(e["kind"], e["reason"]) for e in h.named("message_refused")] == [
         ("WorkerExited", "local_rank 1 out of range"), ("Progress", "rank 7 out of range")], "said once each"

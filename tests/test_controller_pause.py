@@ -10,7 +10,7 @@ from helpers.controller_harness import finished_but_rank_1_lingers, formed, spec
 
 def test_a_pause_of_the_controller_is_not_its_nodes_silence():
     h = formed()
-    assert h.c.generation == 0
+    assert h.c.timeline.generation == 0
     h.feed(Paused(12.0), dt=12.0)  # 12 s without a turn of its loop, past the 5 s heartbeat timeout
     h.feed(Tick(), dt=0.05)
     assert not h.named("node_failed"), "a node blamed for the controller's own pause"
@@ -44,7 +44,7 @@ def test_a_short_pause_moves_the_deadlines_on_and_is_not_blamed_for_a_later_fail
     h.feed(Tick(), dt=30.0)  # a really is silent now
     (failed, *_) = h.named("node_failed")
     assert "no heartbeat" in failed["cause"]
-    assert h.c.paused is None  # under the timeout: no node left for it, so no end message blames it
+    assert h.c.deadlines.paused is None  # under the timeout: no node left for it, so no end message blames it
 
 
 def test_without_a_pause_silent_nodes_are_failed_at_the_heartbeat_timeout():

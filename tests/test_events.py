@@ -16,7 +16,7 @@ import dprun
 from dprun.events import EventSink, describe, write_line
 from helpers.e2e import TRAIN, TRAIN_ARGS
 
-PUBLISHED = re.compile(r'_publish\("([a-z_]+)"|\{"event": "([a-z_]+)"')
+PUBLISHED = re.compile(r'publish\("([a-z_]+)"|\{"event": "([a-z_]+)"')  # (_publish or Outbox.publish)
 
 
 def test_every_event_kind_published_has_a_line_in_words_not_the_generic_key_value_one():

@@ -82,7 +82,7 @@ def test_a_resumed_job_reads_its_files_into_its_nodes_stores_then_restores_from_
     h.msg("b", p.SnapshotFiles("b", 4, {"1": ""}))  # (without rank 0: a peer's copy is not required)
     (rc,) = h.sent_to("a", p.Reconfigure)
     assert rc.generation == 0 and rc.restore_step == 4 and rc.restore_from == {"0": "tcp://a:1"}
-    assert h.c.max_step == 4 and h.named("job_started")[0]["resumed_from"] == "/saved/step-4"
+    assert h.c.timeline.max_step == 4 and h.named("job_started")[0]["resumed_from"] == "/saved/step-4"
 
 
 def _resumed_and_started(h: Harness, held_by_peers: bool) -> None:
@@ -293,7 +293,7 @@ def test_without_save_dir_a_fenced_node_stops_at_once_and_a_kept_one_stops_once_
     h.msg("b", p.Progress("b", 0, 1, 4))
     h.msg("b", p.WorkerExited("b", 0, 0, 99, -9))
     h.pong_all()
-    assert h.c.generation == 1 and [m.keep_store for m in h.sent_to("b", p.Stop)] == [True]
+    assert h.c.timeline.generation == 1 and [m.keep_store for m in h.sent_to("b", p.Stop)] == [True]
     h.msg("a", p.WorkerReady("a", 1, 0, 0.02, 0.01, "local"))
     h.msg("s", p.WorkerReady("s", 1, 1, 0.03, 0.05, "replica"))
     h.msg("a", p.Progress("a", 1, 0, 4))
@@ -385,7 +385,7 @@ def _both_workers_lost(job) -> Harness:
         h.msg(holder, p.SnapshotStored(holder, rank, 4, 0))
     h.msg("b", p.WorkerExited("b", 0, 0, 11, -9))
     h.pong_all()
-    assert h.c.generation == 1 and h.c.layout[1] in ("s", "t")
+    assert h.c.timeline.generation == 1 and h.c.timeline.layout[1] in ("s", "t")
     h.msg("a", p.WorkerExited("a", 1, 0, 12, -9))
     h.pong_all()
     h.pong_all()
@@ -396,7 +396,7 @@ def test_the_stores_fenced_nodes_keep_serve_the_recovery_when_they_hold_the_only
     """a's and b's workers die one after the other, each node holding the other's only copy: with --save-dir
     their stores stay, and the plan restores from them rather than say "state lost"."""
     h = _both_workers_lost(spec(spares=2, save_dir="/saved"))
-    assert h.finish is None and h.c.generation == 2 and set(h.c.layout) == {"s", "t"}
+    assert h.finish is None and h.c.timeline.generation == 2 and set(h.c.timeline.layout) == {"s", "t"}
     plans = {m.node_rank: m for node in ("s", "t") for m in h.sent_to(node, p.Reconfigure) if m.generation == 2}
     assert plans[0].restore_from == {"0": "tcp://b:1"} and plans[1].restore_from == {"1": "tcp://a:1"}
     assert [m.keep_store for m in h.sent_to("a", p.Stop)] == [True], "kept until this recovery completes"
@@ -408,11 +408,11 @@ def test_a_kept_store_lost_while_a_rank_restores_from_it_has_the_plan_made_again
     says rank 0's state is lost, once rank 0's node has not said it restored it in --restore-wait (the copy may
     have been fetched before b died) (simulator seed 13863: before, no plan was made again at all)."""
     h = _both_workers_lost(spec(spares=2, save_dir="/saved", restore_wait=3.0))
-    assert h.c.generation == 2 and h.finish is None
-    rank0_on = h.c.layout[0]
-    h.msg(h.c.layout[1], p.WorkerReady(h.c.layout[1], 2, 1, 0.01, 0.02, "replica"))  # rank 1 restored from a
+    assert h.c.timeline.generation == 2 and h.finish is None
+    rank0_on = h.c.timeline.layout[0]
+    h.msg(h.c.timeline.layout[1], p.WorkerReady(h.c.timeline.layout[1], 2, 1, 0.01, 0.02, "replica"))  # rank 1 restored from a
     h.feed(NodeGone("b", "agent process exited (killed by SIGKILL)"))
-    assert h.c.flush is not None, "every node probed at once for a new plan, not left to the fetch's timeout"
+    assert h.c.reconstruction.flush is not None, "every node probed at once for a new plan, not left to the fetch's timeout"
     h.pong_all()
     h.pong_all()
     (waiting,) = h.named("waiting_for_restore")

@@ -65,7 +65,7 @@ def _rank_1_raised_and_s_took_its_place():
     _step(h, {"a": 0, "b": 1}, 4, 0)
     h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, BUG))
     _recover(h)
-    assert h.c.generation == 1 and h.c.layout == ["a", "s"] and not h.finish
+    assert h.c.timeline.generation == 1 and h.c.timeline.layout == ["a", "s"] and not h.finish
     return h
 
 
@@ -108,7 +108,7 @@ def test_the_step_a_worker_made_in_a_generation_since_replaced_still_names_the_s
         h.msg("a", p.PeerError("a", 1, 0, "Connection reset by peer"))
         h.pong_all()
         h.feed(Tick(), dt=0.6)
-        assert h.c.generation == 2 and h.c.layout == ["a", "s"] and h.c.max_step < 3, "planned again, rolled back"
+        assert h.c.timeline.generation == 2 and h.c.timeline.layout == ["a", "s"] and h.c.timeline.max_step < 3, "planned again, rolled back"
         _step(h, {"s": 1}, 4, 1)  # stale: dropped
         return h
 
@@ -126,7 +126,7 @@ def test_a_one_off_error_recovers_and_so_does_a_kill_at_the_same_step():
     _step(h, {"a": 0, "s": 1}, 5, 1)
     h.msg("s", p.WorkerExited("s", 1, 0, 12, -9))  # the OOM killer, say: a signal says nothing of the script
     _recover(h)
-    assert not h.finish and h.c.generation == 2 and h.c.layout == ["a", "s2"]
+    assert not h.finish and h.c.timeline.generation == 2 and h.c.timeline.layout == ["a", "s2"]
 
 
 def test_the_oom_killer_at_the_same_step_on_the_spare_is_the_scripts_appetite_not_the_node():
@@ -140,7 +140,7 @@ def test_the_oom_killer_at_the_same_step_on_the_spare_is_the_scripts_appetite_no
     assert failed["cause"] == ("worker 0 (pid 11) killed by the kernel's OOM killer: out of memory "
                                "(its last line before: step 4 loss 2.1)")
     _recover(h)
-    assert h.c.layout == ["a", "s"] and not h.finish
+    assert h.c.timeline.layout == ["a", "s"] and not h.finish
     _step(h, {"a": 0, "s": 1}, 4, 1)
     h.msg("s", p.WorkerExited("s", 1, 0, 12, -9, "step 4 loss 2.1", oom_killed=True))
     assert h.finish and h.finish.exit_code == 1
@@ -170,10 +170,10 @@ def test_restart_mode_counts_restarts_not_repeats():
     h.register("s2", spare=True)
     h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, BUG))
     _recover(h)
-    assert h.c.generation == 1 and h.c.layout == ["a", "s"]
+    assert h.c.timeline.generation == 1 and h.c.timeline.layout == ["a", "s"]
     h.msg("s", p.WorkerExited("s", 1, 0, 12, 1, BUG))
     _recover(h)
-    assert not h.finish and h.c.generation == 2 and h.c.layout == ["a", "s2"]
+    assert not h.finish and h.c.timeline.generation == 2 and h.c.timeline.layout == ["a", "s2"]
 
 
 def test_a_rank_that_exits_0_without_finishing_is_named_when_the_others_fail_without_it():
@@ -204,7 +204,7 @@ def test_a_rank_that_finished_in_a_generation_since_replaced_still_counts_as_fin
     _step(h, {"a": 0, "b": 1}, 5, 0)
     h.msg("b", p.PeerError("b", 0, 1, "slow peer"))  # a new generation is planned: generation 0 is over ...
     _recover(h)
-    assert h.c.generation == 1
+    assert h.c.timeline.generation == 1
     h.msg("b", p.RankFinished("b", 0, 1, 5))  # ... but b had passed its final barrier: a fact in any generation
     h.msg("b", p.WorkerExited("b", 0, 0, 11, 0))
     h.msg("a", p.WorkerExited("a", 1, 0, 10, -9))
@@ -229,11 +229,11 @@ def test_an_error_reported_after_another_failure_rolled_the_job_back_counts_at_t
                 h.msg(holder, p.SnapshotStored(holder, rank, 5, 0))
     h.msg("c", p.Leaving("c", "received SIGTERM; the controller did not stop the job"))
     _recover(h)
-    assert h.c.generation == 1 and h.c.max_step == 5
+    assert h.c.timeline.generation == 1 and h.c.timeline.max_step == 5
     h.msg("s", p.WorkerReady("s", 1, 2, 0.01, 0.02, "replica"))  # rank 2 restored (from a's store)
     h.msg("a", p.WorkerExited("a", 0, 0, 11, 1, "[rank0]: ValueError: bad batch at step 9"))
     _recover(h)
-    assert h.c.generation == 2 and h.c.layout == ["s2", "b", "s"] and not h.finish
+    assert h.c.timeline.generation == 2 and h.c.timeline.layout == ["s2", "b", "s"] and not h.finish
     for step in range(6, 9):  # replayed from the snapshot, deterministically, to the same error
         _step(h, {"s2": 0, "b": 1, "s": 2}, step, 2)
     h.msg("s2", p.WorkerExited("s2", 2, 0, 12, 1, "[rank0]: ValueError: bad batch at step 9"))

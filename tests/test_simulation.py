@@ -80,7 +80,7 @@ def test_a_job_of_a_thousand_nodes_survives_failures_during_recovery_with_every_
     failed = [e for e in world.events if e["event"] == "node_failed"]
     promoted = [e for e in world.events if e["event"] == "spare_promoted"]
     assert len(failed) == 4 and len(promoted) == 4, [e["event"] for e in world.events if e["event"] != "progress"]
-    assert world.controller.max_step == 30 and world.controller.generation >= 2
+    assert world.controller.timeline.max_step == 30 and world.controller.timeline.generation >= 2
 
 
 @pytest.mark.slow  # in-process, but 14-25 s on a 2-core host

@@ -23,13 +23,13 @@ def fingerprint(controller) -> tuple:
     """The state an older-generation message must not change (liveness timestamps aside)."""
     table = controller.table.nodes
     return (
-        controller.generation,
-        tuple(controller.layout),
+        controller.timeline.generation,
+        tuple(controller.timeline.layout),
         tuple(sorted((n, node.role, node.node_rank) for n, node in table.items())),
         repr(sorted(controller.ledger.held.items())),
-        controller.max_step,
+        controller.timeline.max_step,
         controller.finished,
-        None if controller.recovery is None else controller.recovery.restore_step,
+        None if controller.reconstruction.recovery is None else controller.reconstruction.recovery.restore_step,
     )
 
 
@@ -41,8 +41,8 @@ def is_stale(controller, event) -> bool:
         kept = node.keeps_store and isinstance(event.msg, (p.Heartbeat, p.Pong, p.SnapshotFiles, p.Leaving))
         return not kept and not isinstance(event.msg, p.Register)
     generation = getattr(event.msg, "generation", None)
-    return (generation is not None and generation < controller.generation
-            and not isinstance(event.msg, ANY_GENERATION) and not controller._late_copy(event.msg))
+    return (generation is not None and generation < controller.timeline.generation
+            and not isinstance(event.msg, ANY_GENERATION) and not controller.timeline.late_copy(event.msg))
 
 
 def records_of(c) -> Phase:
@@ -50,14 +50,15 @@ def records_of(c) -> Phase:
     them equal to its explicit phase after every input."""
     if c.phase is Phase.FINISHED:
         return Phase.FINISHED
-    if c.files is not None:
-        return Phase.SAVING if c.files.saving else Phase.LOADING
-    if c.generation < 0:
+    work, rec = c.files.work, c.reconstruction
+    if work is not None:
+        return Phase.SAVING if work.saving else Phase.LOADING
+    if c.timeline.generation < 0:
         return Phase.FORMING
-    if c.pending is not None:
-        waits = c.pending.waiting_since is not None or c.pending.restoring_until is not None
-        return Phase.WAITING if waits and c.flush is None else Phase.DECIDING
-    return Phase.RECOVERING if c.recovery is not None else Phase.TRAINING
+    if rec.pending is not None:
+        waits = rec.pending.waiting_since is not None or rec.pending.restoring_until is not None
+        return Phase.WAITING if waits and rec.flush is None else Phase.DECIDING
+    return Phase.RECOVERING if rec.recovery is not None else Phase.TRAINING
 
 
 class Checker:
@@ -89,7 +90,7 @@ class Checker:
         if (kept := records_of(c)) != c.phase:
             raise InvariantViolation(f"invariant 12: the controller is {c.phase.name} but its records are those of "
                                      f"{kept.name} after {event}")
-        if c.generation >= 0:
+        if c.timeline.generation >= 0:
             self._one_owner_per_rank(world)
         for action in actions:
             if isinstance(action, Send) and isinstance(action.msg, p.Reconfigure):
@@ -108,7 +109,7 @@ class Checker:
         if event.msg.exitcode != 1 or not any(e.detail == line and not e.once for e in world.errors):
             return
         nodes = self.struck.setdefault(line, set())
-        ending = any(isinstance(a, Finish) for a in actions) or world.controller.files is not None
+        ending = any(isinstance(a, Finish) for a in actions) or world.controller.files.work is not None
         if nodes - {event.node_id} and not ending:  # (it ends once its state is saved, with save_dir)
             raise InvariantViolation(f"invariant 6: {sorted(nodes)} and {event.node_id} raised {line!r}, the job "
                                      "goes on")
@@ -116,22 +117,22 @@ class Checker:
 
     def _one_owner_per_rank(self, world) -> None:
         c = world.controller
-        layout = c.layout
+        layout = c.timeline.layout
         in_layout = set(layout)
         if len(layout) != c.spec.nnodes or len(in_layout) != len(layout):
             raise InvariantViolation(f"invariant 1: layout {layout} does not give each node rank one node")
         if c.phase not in (Phase.FINISHED, Phase.SAVING, Phase.LOADING) and not c.table.all_in_role(in_layout, ACTIVE):
-            if c.pending is None and c.flush is None:
+            if c.reconstruction.pending is None and c.reconstruction.flush is None:
                 raise InvariantViolation(f"invariant 1: a failed node still owns ranks with no recovery under way: "
                                          f"{[(n, c.table.nodes[n].role) for n in layout]}")
         # the nodes' side changes only with what world.owners_changed counts: checked again only then
-        seen = (c.generation, world.owners_changed)
+        seen = (c.timeline.generation, world.owners_changed)
         if seen == self.owners_checked:
             return
         self.owners_checked = seen
         owners: dict[tuple[int, int], str] = {}
         for node in world.nodes.values():
-            if node.running and node.node_rank >= 0 and node.generation == c.generation:
+            if node.running and node.node_rank >= 0 and node.generation == c.timeline.generation:
                 key = (node.generation, node.node_rank)
                 if key in owners:
                     raise InvariantViolation(f"invariant 1: {owners[key]} and {node.node_id} both own node rank "
@@ -166,7 +167,7 @@ class Checker:
                 raise InvariantViolation(f"invariant 9: restoring from {folder}, which is not whole on disk any more "
                                          f"(pruned: {world.disk.pruned}; complete: {world.disk.complete_steps()})")
             assert folder is not None  # (the folder of self.safe, checked above)
-            self.from_disk[world.controller.generation] = (folder, event["step"])
+            self.from_disk[world.controller.timeline.generation] = (folder, event["step"])
         elif name == "recovery_complete" and folder:
             generation = event["generation"]
             if self.from_disk.get(generation) != (folder, event["restore_step"]):
@@ -222,8 +223,9 @@ def judge_outcome(world) -> str:
     """Liveness (4) and 'lost only when gone' (5). Returns the outcome's name."""
     finish = world.finish
     if finish is None:
+        timeline = world.controller.timeline
         raise InvariantViolation(f"liveness: no progress to an end by t={world.now:.1f}s "
-                                 f"(generation {world.controller.generation}, step {world.controller.max_step})")
+                                 f"(generation {timeline.generation}, step {timeline.max_step})")
     saved = re.search(r"the state of step (\d+) is saved", finish.message)
     held = world.disk.files.get(finish.saved_in, {})
     if saved and (not world.disk.complete(finish.saved_in) or set(held.values()) != {int(saved[1])}):
@@ -232,7 +234,7 @@ def judge_outcome(world) -> str:
                                  f"{finish.message}")
     _every_save_said(world)
     if finish.exit_code == 0:
-        for node_id in world.controller.layout:
+        for node_id in world.controller.timeline.layout:
             for worker in world.nodes[node_id].workers:
                 if worker.state != world.steps:
                     raise InvariantViolation(f"finished with rank {worker.rank} at step {worker.state}")
@@ -240,8 +242,9 @@ def judge_outcome(world) -> str:
     if "state lost" in finish.message:
         _lost_with_a_step_on_disk(world, finish.message)
         c = world.controller
-        failed_ranks = [r for i, n in enumerate(c.layout) if c.table.nodes[n].role == FAILED for r in c.ranks_of(i)]
-        failed_ranks += sorted(c.unrestored)
+        failed_ranks = [r for i, n in enumerate(c.timeline.layout) if c.table.nodes[n].role == FAILED
+                        for r in c.timeline.ranks_of(i)]
+        failed_ranks += sorted(c.timeline.unrestored)
         # a copy on a node the controller fenced is gone by design (the node is stopped, its store with it)
         usable = [n for n in world.nodes.values()
                   if n.running and (c.table.get(n.node_id) is None or c.table.get(n.node_id).role != FAILED)]
@@ -253,7 +256,7 @@ def judge_outcome(world) -> str:
             # can use any more (survivors dropped them when they restored an older one, or their rings of
             # local copies never reached back that far): lost is the truth when no step has a good copy of
             # every failed rank and a good replica or a local copy of every survivor
-            for node_id in c.layout:
+            for node_id in c.timeline.layout:
                 for w in world.nodes[node_id].workers if world.nodes[node_id].running else []:
                     if w.rank >= 0 and w.rank not in failed_ranks:
                         good[w.rank] |= {s for s in w.local if s <= w.state}

@@ -60,11 +60,11 @@ class FaultDriver:
                 w.corrupt_replicas(node.node_id, CORRUPT[fault.kind])
             return
         if fault.kind == "kill-spare":
-            candidates = [n for n in w.nodes.values() if n.running and n.node_id not in c.layout]
+            candidates = [n for n in w.nodes.values() if n.running and n.node_id not in c.timeline.layout]
         elif fault.kind == LEAVE:
             candidates = [n for n in w.nodes.values() if n.running]
         else:
-            candidates = [w.nodes[n] for n in c.layout if w.nodes[n].running]
+            candidates = [w.nodes[n] for n in c.timeline.layout if w.nodes[n].running]
         if not candidates:
             return
         node = candidates[int(fault.pick * len(candidates)) % len(candidates)]
@@ -90,7 +90,7 @@ class FaultDriver:
     def arm(self, fault: Fault) -> None:
         """The script's own error, a few steps past the newest step: on the rank the pick names, or all."""
         w = self.world
-        step = w.controller.max_step + fault.ahead
+        step = w.controller.timeline.max_step + fault.ahead
         rank = None if fault.kind == "script-error-all" else int(fault.pick * w.spec.world_size) % w.spec.world_size
         once = fault.kind == "one-off-error"
         detail = f"ValueError: flaky read #{len(w.errors)}" if once else f"ValueError: bad batch at step {step}"

@@ -101,7 +101,7 @@ class World(WorkerSide):
         if self.finish is not None:
             return
         msg = getattr(event, "msg", None)
-        if isinstance(msg, p.SnapshotStored) and msg.generation >= self.controller.generation:
+        if isinstance(msg, p.SnapshotStored) and msg.generation >= self.controller.timeline.generation:
             self.reported.add((msg.node_id, msg.rank, msg.step, msg.generation))
         if self.observer is not None and hasattr(self.observer, "before_input"):
             self.observer.before_input(self, event)

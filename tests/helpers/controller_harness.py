@@ -46,15 +46,15 @@ class Harness:
         return [s.msg for s in self.sent if s.node_id == node and isinstance(s.msg, kind)]
 
     def pong_all(self):
-        seq = self.c.seq
+        seq = self.c.reconstruction.seq
         for node in self.c.table.live():
             self.msg(node.node_id, p.Pong(node.node_id, seq))
 
     def alive(self, statuses: dict[str, dict], dt: float = 0.5):
         """One heartbeat interval: these nodes heartbeat (with worker statuses) and answer probes."""
         for node, workers in statuses.items():
-            self.msg(node, p.Heartbeat(node, self.c.generation, workers))
-            self.msg(node, p.Pong(node, self.c.seq))
+            self.msg(node, p.Heartbeat(node, self.c.timeline.generation, workers))
+            self.msg(node, p.Pong(node, self.c.reconstruction.seq))
         self.feed(Tick(), dt=dt)
 
     def named(self, name: str) -> list[dict]:
