@@ -1,7 +1,8 @@
 """The node agent's event loop: sockets, timers and dispatch between the controller, workers and replica store.
 
-Thin by design: workers.py spawns and watches workers (worker_link.py talks with them), replica_server.py serves
-snapshots, fault_actions.py injects.
+Thin by design: it composes parts that own their state (worker_link.py talks with the workers that workers.py
+spawns and watches, restart.py, shutdown.py, stop_signals.py), replica_server.py serves snapshots, fault_actions.py
+injects; it alone writes the node's place in the job (placement.py), which the parts read.
 """
 
 from __future__ import annotations
