@@ -1,4 +1,4 @@
-"""Restart mode, for scripts that do not use dpstate (the agent's side of it, mixed into dpagent.agent.Agent).
+"""Restart mode, for scripts that do not use dpstate (the agent's side of it: a part that dpagent.agent composes).
 
 Each Reconfigure replaces the node's workers by fresh ones with torchrun's environment; a worker's crash is held
 back until it is clear it was not a dead peer's doing (in a plain script, a peer's death kills the survivors too).
@@ -10,10 +10,14 @@ import logging
 import signal
 import subprocess
 import time
+from typing import Callable
 
+from .agent_config import AgentConfig
 from .exit_wording import describe_exit
 from .output import CRASHES, exception_name, raised_exception
-from .protocol import NO_RANK, PeerError, Reconfigure, WorkerExited, WorkerReady
+from .placement import Placement
+from .protocol import NO_RANK, PeerError, Reconfigure, ToController, WorkerExited, WorkerReady
+from .worker_link import WorkerLink
 from .workers import restart_env
 
 log = logging.getLogger("dpagent")
@@ -67,20 +71,27 @@ class HeldExits:
 
 
 class RestartMode:
-    """Needs the agent's cfg, workers, _peers, welcome, latest_reconfigure, job_id, generation, _base_env,
-    _spawn, _to_controller and held_exits (a HeldExits)."""
+    """A part of the agent that replaces its workers on each Reconfigure and holds back their crashes (it owns
+    the HeldExits); it is handed the worker link (which spawns them), the way to the controller and the node's
+    place (read only). Used only where place.restart_mode (Welcome(prespawn=False))."""
 
-    restart_mode = False  # Welcome(prespawn=False)
+    def __init__(self, cfg: AgentConfig, link: WorkerLink, to_controller: Callable[[ToController], None],
+                 place: Placement) -> None:
+        self.cfg = cfg
+        self.link = link
+        self.to_controller = to_controller
+        self.place = place
+        self.held_exits = HeldExits()  # crashes held back, replaced workers' exits
 
-    def _restart_workers(self, msg: Reconfigure) -> None:
+    def restart_workers(self, msg: Reconfigure) -> None:
         """Replace this node's workers by fresh ones that know their ranks; WorkerReady for each."""
         started = time.monotonic()
-        old = self.workers.alive()
+        workers = self.link.workers
+        old = workers.alive()
         self.held_exits.retire([w.pid for w in old])
         for worker in old:
-            if worker.identity is not None:
-                self._peers.pop(worker.identity, None)
-        self.workers.signal_all(signal.SIGKILL)
+            self.link.forget(worker)
+        workers.signal_all(signal.SIGKILL)
         for worker in old:
             try:
                 worker.popen.wait(timeout=max(0.1, 5.0 - (time.monotonic() - started)))
@@ -91,30 +102,32 @@ class RestartMode:
         for local_rank in range(self.cfg.nproc):
             rank = msg.node_rank * msg.nproc_per_node + local_rank
             env = restart_env(
-                self._base_env(local_rank, "active"), rank=rank, world_size=msg.world_size, local_rank=local_rank,
-                nproc=self.cfg.nproc, node_rank=msg.node_rank, nnodes=msg.nnodes, store_endpoint=msg.store_endpoint,
-                restart_count=msg.generation, max_restarts=self.cfg.max_restarts, run_id=self.job_id,
+                self.link.base_env(local_rank, "active"), rank=rank, world_size=msg.world_size,
+                local_rank=local_rank, nproc=self.cfg.nproc, node_rank=msg.node_rank, nnodes=msg.nnodes,
+                store_endpoint=msg.store_endpoint, restart_count=msg.generation, max_restarts=self.cfg.max_restarts,
+                run_id=self.place.job_id,
             )
-            if self._spawn(local_rank, env, attempt=msg.generation) is not None:
-                self._to_controller(WorkerReady(self.cfg.node_id, msg.generation, rank,
-                                                round(time.monotonic() - started, 4), 0.0, "restart"))
+            if self.link.spawn(local_rank, env, attempt=msg.generation) is not None:
+                self.to_controller(WorkerReady(self.cfg.node_id, msg.generation, rank,
+                                               round(time.monotonic() - started, 4), 0.0, "restart"))
 
-    def _hold_exit(self, exited: WorkerExited) -> bool:
+    def hold_exit(self, exited: WorkerExited) -> bool:
         """A failed worker in restart mode: tell the controller to probe every node now (a PeerError) and
         report the exit only if no Reconfigure comes within a heartbeat timeout. False: report it at once (one
-        that no peer's death explains, may_be_a_peers_doing)."""
-        if not self.restart_mode or exited.exitcode == 0 or self.shutdown is not None or self.welcome is None:
+        that no peer's death explains, may_be_a_peers_doing). The agent asks only while it does not stop."""
+        welcome = self.place.welcome
+        if not self.place.restart_mode or exited.exitcode == 0 or welcome is None:
             return False
-        rc = self.latest_reconfigure
+        rc = self.place.latest
         if not may_be_a_peers_doing(exited, rc.world_size if rc is not None else 0):
             return False
         rank = rc.node_rank * self.cfg.nproc + exited.local_rank if rc is not None else NO_RANK
-        self._to_controller(PeerError(self.cfg.node_id, self.generation, rank,
-                                      f"worker {exited.local_rank} {describe_exit(exited.exitcode)}"))
-        self.held_exits.hold(exited, time.monotonic() + self.welcome.heartbeat_timeout)
+        self.to_controller(PeerError(self.cfg.node_id, self.place.generation, rank,
+                                     f"worker {exited.local_rank} {describe_exit(exited.exitcode)}"))
+        self.held_exits.hold(exited, time.monotonic() + welcome.heartbeat_timeout)
         return True
 
-    def _release_held(self, now: float) -> None:
+    def release_held(self, now: float) -> None:
         for exited in self.held_exits.due(now):
             log.warning("worker %d's exit stands on its own (no recovery followed): reporting it", exited.local_rank)
-            self._to_controller(exited)
+            self.to_controller(exited)

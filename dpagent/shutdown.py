@@ -2,7 +2,7 @@
 lost the controller, save what the node holds to the job's --save-dir first (dpagent.lost_save), then SIGKILL.
 Also what starts it: a stop signal (which first waits for the controller's own stop) or the controller's loss.
 
-A part of the Agent (it inherits this), kept apart so each file reads in one sitting.
+A part that the agent composes (ShutdownSequence); the Shutdown under way is its own state.
 """
 
 from __future__ import annotations
@@ -12,9 +12,19 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from .lost_save import LostSave, save_store
 from .protocol import Leaving, Stop
+
+if TYPE_CHECKING:  # (types only: dprun imports this module for the exit codes)
+    from .agent_config import AgentConfig
+    from .liveness import Liveness
+    from .placement import Placement
+    from .protocol import SnapshotFiles, ToController, ToWorker
+    from .replica_store import ReplicaStore
+    from .stop_signals import StopSignals
+    from .workers import WorkerGroup
 
 log = logging.getLogger("dpagent")
 
@@ -52,60 +62,75 @@ class Shutdown:
 
 
 class ShutdownSequence:
-    """Needs the agent's cfg, workers, shutdown, retired, exit_code, replica, welcome, liveness, restart_mode,
-    _signals, _signalled, _stop_wait, _job_stopping, _to_workers, _to_controller and _own_ranks."""
+    """A part of the agent that owns its shutdown (the one under way, the wait a first stop signal allows for the
+    controller's own stop), and the outcome: retired, or the exit code that ends the agent's loop. It is handed
+    the workers, the ways to them and to the controller, the replica store (a lost controller's save writes its
+    copies), the node's place in the job and its stop signals (read only)."""
 
-    shutdown: Shutdown | None  # (the two it sets: typed here as the agent types them)
-    exit_code: int | None
+    def __init__(self, cfg: AgentConfig, workers: WorkerGroup, to_workers: Callable[[ToWorker], None],
+                 to_controller: Callable[[ToController], None], store: ReplicaStore, place: Placement,
+                 signals: StopSignals) -> None:
+        self.cfg = cfg
+        self.workers = workers
+        self.to_workers = to_workers
+        self.to_controller = to_controller
+        self.store = store
+        self.place = place
+        self.signals = signals
+        self.shutdown: Shutdown | None = None
+        self.retired = False  # its workers stopped by Stop(keep_store): only its replica store serves
+        self.exit_code: int | None = None  # set: the agent exits with it
+        self.stop_wait: float | None = None  # a first stop signal: until then the controller may stop the job
+        self.job_stopping = False  # the controller asked for the job's save: its Stop follows
 
-    def _stop_signalled(self, now: float) -> None:
+    def stop_signalled(self, now: float, liveness: Liveness | None) -> None:
         """A signal to stop. When Slurm ends a step (its time limit, scancel) every process gets SIGTERM, the
         controller's dprun too, which saves the job's state from the nodes' stores (--save-dir) and then stops
         them: so a first signal waits up to the heartbeat timeout for the controller to say the job stops (its
         save, its Stop), and stops this node alone if it does not. A second signal stops it at once."""
-        name = signal.Signals(self._signalled).name
-        if self._signals > 1 or self.liveness is None:
+        name = self.signals.name
+        if self.signals.count > 1 or liveness is None:
             self._stop_alone(f"received {name}")
-        elif self._stop_wait is None:
-            self._stop_wait = now + self.liveness.timeout
+        elif self.stop_wait is None:
+            self.stop_wait = now + liveness.timeout
             log.warning("received %s: waiting up to %.1fs for the controller to stop the job (a save first, with "
-                        "--save-dir), else this node stops; a second signal stops it now", name, self.liveness.timeout)
-        elif now >= self._stop_wait and not self._job_stopping:
+                        "--save-dir), else this node stops; a second signal stops it now", name, liveness.timeout)
+        elif now >= self.stop_wait and not self.job_stopping:
             self._stop_alone(f"received {name}; the controller did not stop the job")
 
     def _stop_alone(self, reason: str) -> None:
         """This node stops on a signal of its own, the job not stopping with it: the controller, told so (Leaving),
         fails it at once for that reason (a spare takes over), not for its workers' exit codes."""
-        if self.welcome is not None and not self._job_stopping:
-            self._to_controller(Leaving(self.cfg.node_id, reason))
-        self._begin_shutdown(128 + self._signalled, reason, StopPhase.STOP)
+        if self.place.welcome is not None and not self.job_stopping:
+            self.to_controller(Leaving(self.cfg.node_id, reason))
+        self.begin(128 + self.signals.signalled, reason, StopPhase.STOP)
 
-    def _lose_controller(self, why: str) -> None:
+    def lose_controller(self, why: str) -> None:
         """The controller is gone: save what this node holds to the job's --save-dir (if it has one), then exit 3."""
-        signals_before = self._signals  # one that comes once the save is told of counts against it (CI: one
+        signals_before = self.signals.count  # one that comes once the save is told of counts against it (CI: one
         # that came while the store was written before the shutdown began was taken as before it, and not heeded)
-        saving = self.welcome is not None and bool(self.welcome.save_dir) and not self.restart_mode
+        welcome = self.place.welcome
+        save_dir = welcome.save_dir if welcome is not None and not self.place.restart_mode else ""
         log.error("controller lost: %s; %skilling workers, exiting %d", why,
-                  f"saving this node's snapshots to {self.welcome.save_dir}, then " if saving else "",
-                  EXIT_CONTROLLER_LOST)
-        self._begin_shutdown(EXIT_CONTROLLER_LOST, "controller lost", StopPhase.SAVE if saving else StopPhase.KILL,
-                             signals_before=signals_before)
+                  f"saving this node's snapshots to {save_dir}, then " if save_dir else "", EXIT_CONTROLLER_LOST)
+        self.begin(EXIT_CONTROLLER_LOST, "controller lost", StopPhase.SAVE if save_dir else StopPhase.KILL,
+                   signals_before=signals_before)
 
-    def _leave(self, why: str) -> None:
+    def leave(self, why: str) -> None:
         """This node leaves the job on its own (the dprun that ran it died): the controller, told so, fails it at
         once (a spare takes over from the replicas, as for any lost node); its workers are killed, and it exits 1."""
         log.error("%s: leaving the job (its workers killed), exiting 1", why)
-        if self.welcome is not None:
-            self._to_controller(Leaving(self.cfg.node_id, why))
-        self._begin_shutdown(1, "left the job", StopPhase.KILL)
+        if self.place.welcome is not None:
+            self.to_controller(Leaving(self.cfg.node_id, why))
+        self.begin(1, "left the job", StopPhase.KILL)
 
-    def _exiting(self) -> bool:
+    def exiting(self) -> bool:
         """Stopping to exit: not running, nor only stopping its workers to keep its store (Stop.keep_store)."""
         return self.shutdown is not None and not self.shutdown.keep_store
 
-    def _begin_shutdown(self, code: int, reason: str, phase: StopPhase, stop: Stop | None = None,
-                        signals_before: int | None = None) -> None:
-        signals_before = self._signals if signals_before is None else signals_before
+    def begin(self, code: int, reason: str, phase: StopPhase, stop: Stop | None = None,
+              signals_before: int | None = None) -> None:
+        signals_before = self.signals.count if signals_before is None else signals_before
         keep_store = stop is not None and stop.keep_store
         if self.shutdown is not None:
             if self.shutdown.keep_store and not keep_store:  # the end while its workers still stop: exit then
@@ -117,51 +142,60 @@ class ShutdownSequence:
         log.info("%s; %d live worker(s); will exit %d", reason, len(alive), code)
         save = None
         if phase is StopPhase.STOP:
-            self._to_workers(stop or Stop(reason, code))
+            self.to_workers(stop or Stop(reason, code))
             deadline = now + self.cfg.stop_grace
         elif phase is StopPhase.SAVE:
+            welcome = self.place.welcome
+            assert welcome is not None  # (lose_controller saves only where the Welcome named a --save-dir)
             greeted = {w.local_rank for w in self.workers.greeted()}  # (each answers for its rank)
-            save = LostSave(self.welcome.save_dir, {r for r in self._own_ranks() if r % self.cfg.nproc in greeted},
-                            self.welcome.world_size, self.cfg.node_id)
+            save = LostSave(welcome.save_dir, {r for r in self.place.own_ranks() if r % self.cfg.nproc in greeted},
+                            welcome.world_size, self.cfg.node_id)
             with self.workers.paused():  # (as for a SaveSnapshots: copies here may refer to their buffers)
-                save_store(self.replica.store, save)
-            self._to_workers(save.request())
+                save_store(self.store, save)
+            self.to_workers(save.request())
             deadline = now + self.cfg.save_timeout
         else:
             self.workers.signal_all(signal.SIGKILL)
             deadline = now + 2.0
         self.shutdown = Shutdown(code, reason, phase, deadline, keep_store, save, signals_before)
-        self._advance_shutdown(now)
+        self.advance(now)
 
-    def _signal_while_saving(self, now: float) -> None:
+    def signal_while_saving(self, now: float) -> None:
         """A signal while the node saves after losing its controller: the first is told it may cut the save
         short (as Slurm's time limit's SIGTERM comes before its SIGKILL, the save goes on), the second does."""
         sd = self.shutdown
-        if self._signals - sd.signals == 1 and not sd.save.warned:
+        assert sd is not None and sd.save is not None  # (the agent asks in phase SAVE)
+        if self.signals.count - sd.signals == 1 and not sd.save.warned:
             log.warning("received %s while saving (up to %.0fs more); a second signal cuts the save short",
-                        signal.Signals(self._signalled).name, sd.deadline - now)
+                        self.signals.name, sd.deadline - now)
             sd.save.warned = True
-        elif self._signals - sd.signals > 1 and sd.deadline > now:
-            log.warning("received %s again: the save is cut short", signal.Signals(self._signalled).name)
+        elif self.signals.count - sd.signals > 1 and sd.deadline > now:
+            log.warning("received %s again: the save is cut short", self.signals.name)
             sd.deadline = now  # (the files written stay)
 
-    def _saved(self, msg) -> bool:
+    def saved(self, msg: SnapshotFiles) -> bool:
         """A worker's answer to the save of a node that lost its controller (else False: not ours)."""
         if self.shutdown is None or self.shutdown.save is None:
             return False
         self.shutdown.save.answered(msg)
         return True
 
-    def _advance_shutdown(self, now: float) -> None:
+    def greeting(self) -> Stop | None:
+        """What a worker that says Hello now is told of the shutdown: the Stop its peers were sent, if any."""
         sd = self.shutdown
+        return Stop(sd.reason, sd.code) if sd is not None and sd.phase is StopPhase.STOP else None
+
+    def advance(self, now: float) -> None:
+        sd = self.shutdown
+        assert sd is not None  # (the agent advances one under way)
         alive = self.workers.alive()
         if not alive and sd.keep_store:
             log.info("workers stopped; the replica store stays for the job's end (a save may need its copies)")
             self.shutdown, self.retired = None, True
             return
         answering = {w.local_rank for w in alive}
-        if sd.phase is StopPhase.SAVE and (not any(r % self.cfg.nproc in answering for r in sd.save.waiting)
-                                   or now >= sd.deadline):
+        if sd.phase is StopPhase.SAVE and sd.save is not None and (
+                not any(r % self.cfg.nproc in answering for r in sd.save.waiting) or now >= sd.deadline):
             log.log(logging.WARNING if sd.save.waiting or sd.save.errors else logging.INFO, "controller lost: %s",
                     sd.save.summary())
             self.workers.signal_all(signal.SIGKILL)

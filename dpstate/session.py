@@ -101,20 +101,21 @@ class Job:
         self._rebuild_s = 0.0
         self._last_step = 0  # the newest step completed in this generation's timeline
         self._step_started = 0.0  # perf_counter when the step in progress began
-        self._replicator = None if control is None else Replicator(control.codec, 0, abort, ctx)
-        self._snapshot_gate = None if control is None else SnapshotGate(self._replicator)
-        self._sources = None if control is None else SnapshotSources(self._replicator, self.node_id, self._send)
-        if self._replicator is not None:
-            self._replicator.on_divergence = self._diverged  # (told to the controller: protocol.Diverged)
-            if self._replicator.policy.mode == "auto":
-                self._tracked.add(**{POLICY_NAME: self._replicator.policy})  # its decision travels in snapshots
+        replicator = None if control is None else Replicator(control.codec, 0, abort, ctx)
+        self._replicator = replicator  # (this and the two below: None standalone, and used only under an agent)
+        self._snapshot_gate = None if replicator is None else SnapshotGate(replicator)
+        self._sources = None if replicator is None else SnapshotSources(replicator, self.node_id, self._send)
+        if replicator is not None:
+            replicator.on_divergence = self._diverged  # (told to the controller: protocol.Diverged)
+            if replicator.policy.mode == "auto":
+                self._tracked.add(**{POLICY_NAME: replicator.policy})  # its decision travels in snapshots
         self.activity: P.Activity = "idle"  # what it does now, for its WorkerStatus
-        if control is not None:
+        if control is not None and replicator is not None:
             abort.add_callback(self._groups.on_abort)
             control.status = self._status
-            self._room = RestoreRoom(self._replicator, self.local_rank)  # a spare makes room for its restore
+            self._room = RestoreRoom(replicator, self.local_rank)  # a spare makes room for its restore
             control.on_standby = self._room.on_message
-            control.on_save = lambda msg: save_local(self._replicator, msg, self.rank, self.node_id, self._send)
+            control.on_save = lambda msg: save_local(replicator, msg, self.rank, self.node_id, self._send)
             if control.standby is not None:  # came first
                 control.on_standby(control.standby)
 
@@ -200,11 +201,13 @@ class Job:
                           "restores no optimizer state (momentum, Adam's moments) and drifts from its peers; and "
                           "only a tracked optimizer's step is sure to wait for the snapshot taken meanwhile",
                           stacklevel=2)
-        if self._control.finished:  # (its RankFinished is sent: the job counts the rank done and waits for its exit)
+        control, replicator, gate = self._control, self._replicator, self._snapshot_gate
+        assert control is not None and replicator is not None and gate is not None  # (not standalone)
+        if control.finished:  # (its RankFinished is sent: the job counts the rank done and waits for its exit)
             raise RuntimeError(
                 f"dpstate: job.steps() called again after a loop that ran to its end (step {self._last_step}): call "
                 "job.steps(total) once (warm-up steps count in it), or break out of a loop to go on in the next")
-        latest = self._control.latest
+        latest = control.latest
         if self._started and latest is not None and latest.generation == self.generation:
             number = self._last_step + 1  # steps() again after a break, same generation: go on from where we are
         else:
@@ -213,9 +216,9 @@ class Job:
             if number - 1 > total_steps:  # (--resume-from a longer run's save)
                 warnings.warn(f"dpstate: the job goes on from step {number - 1}, past the {total_steps} steps asked "
                               "for: there is nothing left to train", stacklevel=2)
-        lands = self._replicator.landing.enabled and self._parts is None and any(  # (an optimizer step writes
+        lands = replicator.landing.enabled and self._parts is None and any(  # (an optimizer step writes
             isinstance(o, AdamW) and o.lands() for o in self._tracked.objects.values())  # the snapshot buffers)
-        self._snapshot_gate.defers = self._replicator.policy.defers = defers_acks(lands, self.device)
+        gate.defers = replicator.policy.defers = defers_acks(lands, self.device)
         while True:
             try:
                 if number > total_steps:
@@ -223,7 +226,7 @@ class Job:
                     return
                 step = Step(self, number)
                 self.activity = "compute"
-                self._snapshot_gate.step = number
+                gate.step = number
                 self._step_started = time.perf_counter()
                 try:
                     yield step
@@ -237,14 +240,14 @@ class Job:
                 self._last_step = number
                 number += 1
             except Exception as exc:
-                self._snapshot_gate.step = None  # a recovery's gates wait for every ack
+                gate.step = None  # a recovery's gates wait for every ack
                 if classify(exc, self._abort) is None and not self._abort.stopped:
                     raise
                 self._recover(exc, newer_than=self.generation)
-                self._snapshot_gate.forget_waits()
+                gate.forget_waits()
                 number = self._last_step + 1
             finally:
-                self._snapshot_gate.step = None
+                gate.step = None
 
     # ------------------------------------------------------------------ per step
 
@@ -266,7 +269,8 @@ class Job:
         """A step whose collectives did not pass the gate (no data_parallel, all_reduce or barrier of ours in
         it) passes it here, then, where acks are due, meets the other ranks at a barrier, which is what makes
         the gate global. A dpstate.AdamW is then told where its step lands (dpstate.landing)."""
-        gate = self._snapshot_gate
+        gate, replicator = self._snapshot_gate, self._replicator
+        assert gate is not None and replicator is not None  # (hooked only under an agent)
         if gate.pending:
             if self.world_size > 1 and gate.acks_due():
                 self.barrier()
@@ -274,10 +278,12 @@ class Job:
                 self._gate()
         # past the gate: the older buffer may take the state (not a sharded job's: its parameters are DTensors)
         if isinstance(optimizer, AdamW) and not gate.defers and self._parts is None:
-            optimizer.landing = self._replicator.land()
+            optimizer.landing = replicator.land()
 
     def _after_step(self, step: Step) -> None:
-        policy, gate = self._replicator.policy, self._snapshot_gate
+        replicator, gate = self._replicator, self._snapshot_gate
+        assert replicator is not None and gate is not None  # (steps() under an agent)
+        policy = replicator.policy
         if policy.after_step(step.number, gate.step_clock(policy), self.generation):  # auto: all ranks decide here
             local = torch.tensor(policy.local_measurements(), dtype=torch.float64, device=self.device)
             policy.decide_from(self.all_reduce(local, dist.ReduceOp.MAX).tolist(), step.number)
@@ -288,13 +294,14 @@ class Job:
             print(stall_message(stalled, policy.describe()), file=sys.stderr, flush=True)
         snapshot = policy.wants(step.number)
         if snapshot:
-            self._replicator.submit(step.number, self._tracked.capture(step.number), self._tracked.shared_keys)
+            replicator.submit(step.number, self._tracked.capture(step.number), self._tracked.shared_keys)
             gate.submitted()
         self._report(step, snapshot)
 
     def _left_loop(self, step: Step) -> None:
         """The script broke out of job.steps() after `step`: report the step if it completed, with no snapshot
         and no collective (its peers may not have left with it), so that the job's last step is not one short."""
+        assert self._control is not None  # (steps() under an agent)
         if not step.done or step.failure is not None or self._abort.is_set() or self._control.finished:
             return
         self._last_step = step.number
@@ -308,6 +315,7 @@ class Job:
     def _finish(self, last: int) -> None:
         self.activity = "finishing"  # at the final barrier: a peer still training past `last` never comes
         self.barrier()  # past the snapshot gate: every rank's last snapshot is held
+        assert self._control is not None  # (steps() under an agent)
         self._control.finished = True
         self._send(P.RankFinished(node_id=self.node_id, generation=self.generation, rank=self.rank, step=last))
         self.activity = "idle"
@@ -318,16 +326,19 @@ class Job:
                               blocks=blocks[:16]))
 
     def _send(self, msg: Any) -> None:
+        assert self._control is not None  # (only under an agent is anything sent)
         self._control.send(msg)
 
     # ------------------------------------------------------------------ generations
 
     def _recover(self, error: BaseException | None, newer_than: int, restore: bool = True) -> None:
         """Enter the newest generation > newer_than; after a failure, report it and wait for one (bounded)."""
+        control = self._control
+        assert control is not None  # (a recovery is under an agent)
         self.activity = "recovering"
         while True:
             if self._abort.stopped:
-                raise SystemExit(self._control.stop_message.exit_code if self._control.stop_message else 0)
+                raise SystemExit(control.stop_message.exit_code if control.stop_message else 0)
             timeout = None
             if error is not None:
                 timeout = self.reconfigure_timeout
@@ -337,7 +348,7 @@ class Job:
                           flush=True)
                     self._send(P.PeerError(node_id=self.node_id, generation=self.generation, rank=self.rank,
                                            detail=detail))
-            reconf = self._control.wait_reconfigure(newer_than, timeout)
+            reconf = control.wait_reconfigure(newer_than, timeout)
             if reconf is None:
                 raise SystemExit(
                     f"dpstate: rank {self.rank}: no Reconfigure within {timeout:g} s (DP_RECONFIGURE_TIMEOUT) "
@@ -352,11 +363,13 @@ class Job:
                 error, newer_than = exc, reconf.generation
 
     def _enter(self, reconf: P.Reconfigure, restore: bool) -> None:
+        replicator, sources = self._replicator, self._sources
+        assert replicator is not None and sources is not None  # (a generation is entered under an agent)
         for optimizer in self._tracked.objects.values():  # out of the snapshot buffers, which recovery reuses
             if isinstance(optimizer, AdamW):
                 optimizer.go_home()
-        self._replicator.unland()
-        self._sources.drop_stale(reconf.generation)
+        replicator.unland()
+        sources.drop_stale(reconf.generation)
         self._abort.enter(reconf.generation)
         old_rank = self.rank
         self._apply(reconf)
@@ -366,11 +379,11 @@ class Job:
                 proxy.drop()
             self._retire_parts()
             self._groups.destroy()  # first: an NCCL abort is what frees a copy stream waiting on a stuck kernel
-            self._replicator.quiesce()
+            replicator.quiesce()
             if old_rank != self.rank:
-                self._replicator.forget_after(-1)
+                replicator.forget_after(-1)
             if not restore:  # the script runs before it restores (a spare in init): fetch meanwhile
-                self._sources.prefetch(reconf, self.rank)
+                sources.prefetch(reconf, self.rank)
             self._groups.build(reconf.generation, reconf.store_endpoint, self.rank, self.world_size, self._abort)
             if self._parts is not None:
                 self._build_parts(reconf.generation)
@@ -378,8 +391,8 @@ class Job:
         if not restore:
             return
         t0 = time.perf_counter()
-        self._replicator.quiesce()
-        self._replicator.configure(reconf.generation, [reconf.replica_to, *reconf.replica_also], self.rank)
+        replicator.quiesce()
+        replicator.configure(reconf.generation, [reconf.replica_to, *reconf.replica_also], self.rank)
         self.restored_from, restored = self._restore(reconf)
         self._started, self._last_step = True, max(reconf.restore_step, 0)
         restore_s = time.perf_counter() - t0
@@ -389,7 +402,7 @@ class Job:
             # The stores the plan names as holding this step keep their copy for this generation instead
             # of receiving it again (they check it first), so a survivor sends it whole only where its
             # holder died; the first step's snapshot gate waits for it, as for any snapshot.
-            self._replicator.submit_packed(restored, held_at=named_sources(reconf, self.rank))
+            replicator.submit_packed(restored, held_at=named_sources(reconf, self.rank))
         # restored: said before the barrier, which a failure elsewhere can hold up (the controller, planning
         # for that failure, then knows this rank's state is here, not only on the replicas it came from)
         self._send(P.WorkerReady(node_id=self.node_id, generation=self.generation, rank=self.rank,
@@ -428,7 +441,8 @@ class Job:
     def _restore(self, reconf: P.Reconfigure) -> tuple[P.RestoredFrom, Slot | None]:
         """Bring the tracked state to reconf.restore_step; returns where it came from and the snapshot
         restored, if any (to be replicated again for this generation)."""
-        step, rep = reconf.restore_step, self._replicator
+        step, rep, sources = reconf.restore_step, self._replicator, self._sources
+        assert rep is not None and sources is not None  # (a generation is entered under an agent)
         source = reconf.restore_from.get(str(self.rank), "")
         if step >= 0 and self._started and not rep.policy.enabled:
             raise RuntimeError(f"dpstate: rank {self.rank} cannot be restored to step {step}: snapshots are off "
@@ -444,7 +458,7 @@ class Job:
             rep.forget_after(-1)
             rep.submit(0, self._tracked.capture(0), self._tracked.shared_keys)
             return "", None
-        slot, bad_copies = self._sources.take_prefetched(reconf, self.rank)
+        slot, bad_copies = sources.take_prefetched(reconf, self.rank)
         where: P.RestoredFrom
         slot, where = (slot, "replica") if slot is not None else (rep.local(step), "local")
         if slot is None and (source == "init" or (step == 0 and not source)):
@@ -456,7 +470,7 @@ class Job:
             rep.submit(0, self._tracked.capture(0), self._tracked.shared_keys)
             return "init", None
         if slot is None:
-            slot, where = self._sources.fetch_any(reconf, self.rank, bad_copies), "replica"
+            slot, where = sources.fetch_any(reconf, self.rank, bad_copies), "replica"
         if where == "replica" and not self._tracked.holds_training_state():  # a new process would diverge
             raise RuntimeError(f"dpstate: rank {self.rank} cannot be restored to step {step} here: {UNTRACKED}")
         self._load(slot, step)

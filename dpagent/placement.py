@@ -1,0 +1,27 @@
+"""This node's place in the job as its controller told it: the Welcome, the newest Reconfigure (its generation,
+node rank), a spare's Standby. The agent alone writes it, on those messages; its parts are handed it to read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .protocol import NO_RANK, Reconfigure, Standby, Welcome
+
+
+@dataclass
+class Placement:
+    nproc: int  # this node's workers
+    role: str  # "active" or "spare"
+    generation: int = NO_RANK
+    job_id: str = ""
+    welcome: Welcome | None = None
+    latest: Reconfigure | None = None  # the newest Reconfigure
+    standby: Standby | None = None  # a spare's: the snapshot sizes its workers make room for
+    restart_mode: bool = False  # Welcome(prespawn=False): workers start, and restart, with their ranks
+
+    def own_ranks(self) -> list[int]:
+        """The global ranks of this node's workers in the current generation ([] before one, or on a spare)."""
+        reconf = self.latest
+        if reconf is None or reconf.node_rank < 0:
+            return []
+        return list(range(reconf.node_rank * self.nproc, (reconf.node_rank + 1) * self.nproc))
