@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 
 import psutil
 
-from dpstate.profile import thread_cpu_times
+from dpstate.replication.profile import thread_cpu_times
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_gpt.py"

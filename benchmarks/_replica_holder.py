@@ -11,11 +11,11 @@ import threading
 
 import zmq
 
-from dpagent import protocol as P
-from dpagent.channel import Channel
-from dpagent.memory import reuse_freed_memory
+from dpcommon import protocol as P
+from dpcommon.channel import Channel
+from dpcommon.memory import reuse_freed_memory
 from dpagent.replica_server import ReplicaServer
-from dpagent.replica_store import ReplicaStore
+from dpcommon.replica_store import ReplicaStore
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ import json
 import statistics
 import time
 
-from dpagent import protocol as p
-from dprun.controller import Controller, JobSpec, NodeGone, Received, Send, Tick
+from dpcommon import protocol as p
+from dprun.controller.state_machine import Controller, JobSpec, NodeGone, Received, Send, Tick
 
 
 class Wire:

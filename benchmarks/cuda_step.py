@@ -62,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import _common as C
-    from dpagent import protocol as P
-    from dpstate.abort import AbortSignal
-    from dpstate.gate import SnapshotGate
-    from dpstate.interval import SnapshotPolicy
-    from dpstate.replication import Replicator
-    from dpstate.state import Tracked
+    from dpcommon import protocol as P
+    from dpstate.steps.abort import AbortSignal
+    from dpstate.steps.gate import SnapshotGate
+    from dpstate.steps.interval import SnapshotPolicy
+    from dpstate.replication.replicator import Replicator
+    from dpstate.snapshot.state import Tracked
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("cuda_step: no CUDA device here; nothing measured (the CUDA path's CPU-runnable tests are in "
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         rep.configure(0, endpoint, 0)
     gate = SnapshotGate(rep)
-    gate.defers = True  # torch's AdamW steps in place: acks are waited for at snapshot steps (dpstate.gate)
+    gate.defers = True  # torch's AdamW steps in place: acks are waited for at snapshot steps (dpstate.steps.gate)
     opt.register_step_pre_hook(lambda *_: gate.wait())  # the snapshot gate (at once when none in flight)
 
     def step(number: int, snapshot: bool) -> float:
@@ -222,7 +222,7 @@ def fit_step(step, shape: dict, target: float, max_rows: int, log: list) -> int:
 def measure_auto(step, gate, rep, number: int, budget: float) -> tuple[dict, int]:
     """--snapshot-interval auto on this GPU: dpstate's SnapshotPolicy measures the cost of a snapshot over
     its alternating window (as the session does, here for one rank) and picks the interval."""
-    from dpstate.interval import SnapshotPolicy
+    from dpstate.steps.interval import SnapshotPolicy
 
     window = SnapshotPolicy.from_env()  # its warm-up and pairs: DP_SNAPSHOT_AUTO_STEPS, as in a job
     policy = rep.policy = SnapshotPolicy("auto", budget, window.warmup, window.pairs)

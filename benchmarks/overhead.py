@@ -107,7 +107,7 @@ def after_snapshot_minus_before(per_step: dict[int, float]) -> list[float]:
 def paired_optimizer_s(timings: list[dict], lo: int, hi: int) -> float | None:
     """What a snapshot adds to the optimizer step after it (rank 0's), from a run that snapshots every 2nd step:
     the median over the same adjacent pairs as paired_cost of the difference in opt.step()'s wall time. With
-    dpstate.AdamW that step writes its result out of place into the snapshot buffer (dpstate.landing) only
+    dpstate.AdamW that step writes its result out of place into the snapshot buffer (dpstate.snapshot.landing) only
     after a step that was snapshotted: this is that cost, inside the paired cost."""
     opt = {r["step"]: r["opt_s"] for r in timings if "opt_s" in r and "event" not in r and lo < r["step"] <= hi}
     return C.median(after_snapshot_minus_before(opt))
@@ -148,7 +148,7 @@ def profile_of(result: C.RunResult) -> dict | None:
             threads[name] = threads.get(name, 0.0) + sec
     return {
         "snapshots": n, "bytes_per_snapshot": sum(r["bytes"] for r in ranks) / n,
-        # what dpstate.AdamW's steps had written in place already (dpstate.landing): not copied
+        # what dpstate.AdamW's steps had written in place already (dpstate.snapshot.landing): not copied
         "landed_bytes_per_snapshot": sum(r.get("landed_bytes", 0) for r in ranks) / n,
         "ms_per_snapshot": {"meta": per("meta_s"), "copy": per("copy_s"), "crc": per("crc_s"),
                             "capture": per("capture_s"), "send_to_ack": per("send_s"),
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (30 if args.quick else 50)  # 5 configs x 2 reps: ~10 min here
     args.auto_steps = "2,3" if args.quick else AUTO_STEPS
     warm, pairs = (int(x) for x in args.auto_steps.split(","))
-    first_decision = 1 + warm + 2 * pairs  # the step at which auto first decides (dpstate.interval)
+    first_decision = 1 + warm + 2 * pairs  # the step at which auto first decides (dpstate.steps.interval)
     configs = [c for c in args.configs.split(",") if c]
     C.install_cleanup()
     work = C.Workdir("overhead", keep=args.keep)

@@ -16,7 +16,7 @@ shrinks it to 2 nodes x 2 (pp 2 dp 1 tp 2) and fewer steps: a smoke run of the c
    rank finished a step after the restore step). The 3D workers run through this file (--worker3d), which
    times, without changing them, the user's build(mesh) (parallel_gpt.build_parts) and dpstate's rebuild
    steps (retire the old parts, destroy the group, build the group, build the mesh, Parts.build, restore).
-2. mesh_rebuild: 8 processes (no training) with dpstate.pgroup.GroupManager over one TCPStore rebuild the
+2. mesh_rebuild: 8 processes (no training) with dpstate.groups.pgroup.GroupManager over one TCPStore rebuild the
    default group and the pp x dp x tp mesh for generations 1..N; each generation timed on each rank from
    destroy() to the end of a first all-reduce on each mesh dim's group (ranks start it after a store barrier).
 3. overhead: the 3D job (no spare, no failure) with --snapshot-interval off, 1 and auto (auto:0.01; decided
@@ -83,9 +83,9 @@ def worker3d(argv: list[str]) -> int:
     out = open(f"{log_base}.{os.getpid()}.jsonl", "a", buffering=1)
     sys.path.insert(0, str(Path(argv[0]).resolve().parent))
     import dpstate
-    import dpstate.parallel
-    import dpstate.pgroup
-    import dpstate.session
+    import dpstate.groups.parallel
+    import dpstate.groups.pgroup
+    import dpstate.steps.session
 
     jobs: list = []
     made: list = []
@@ -103,12 +103,12 @@ def worker3d(argv: list[str]) -> int:
                 write(what=what, t=t, s=time.perf_counter() - t0)
         return wrapper
 
-    for cls, name, what in ((dpstate.session.Job, "_retire_parts", "retire"),
-                            (dpstate.pgroup.GroupManager, "destroy", "destroy"),
-                            (dpstate.pgroup.GroupManager, "build", "group"),
-                            (dpstate.pgroup.GroupManager, "build_mesh", "mesh"),
-                            (dpstate.parallel.Parts, "build", "parts_build"),
-                            (dpstate.session.Job, "_restore", "restore")):
+    for cls, name, what in ((dpstate.steps.session.Job, "_retire_parts", "retire"),
+                            (dpstate.groups.pgroup.GroupManager, "destroy", "destroy"),
+                            (dpstate.groups.pgroup.GroupManager, "build", "group"),
+                            (dpstate.groups.pgroup.GroupManager, "build_mesh", "mesh"),
+                            (dpstate.groups.parallel.Parts, "build", "parts_build"),
+                            (dpstate.steps.session.Job, "_restore", "restore")):
         if hasattr(cls, name):  # (a renamed step is left out of the breakdown, not an error)
             setattr(cls, name, timed(what, getattr(cls, name)))
     init = dpstate.init
@@ -161,9 +161,9 @@ def mesh_worker(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from dpstate.abort import AbortSignal
-    from dpstate.mesh import MeshLayout
-    from dpstate.pgroup import GroupManager
+    from dpstate.steps.abort import AbortSignal
+    from dpstate.groups.mesh import MeshLayout
+    from dpstate.groups.pgroup import GroupManager
 
     timeout = datetime.timedelta(seconds=60)
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout) \
@@ -199,7 +199,7 @@ def mesh_worker(argv: list[str]) -> int:
         time.sleep(0.01)  # rank wrote its figures
     del master
     sys.stdout.flush()
-    os._exit(0)  # the groups are leaked on purpose (dpstate.pgroup.GroupManager.destroy): skip their destructors
+    os._exit(0)  # the groups are leaked on purpose (dpstate.groups.pgroup.GroupManager.destroy): skip their destructors
 
 
 def mesh_group(argv: list[str]) -> int:
@@ -435,7 +435,7 @@ def run_recovery(args, work: C.Workdir, failures: C.Failures) -> dict:
 def run_overhead(args, work: C.Workdir, failures: C.Failures) -> tuple[dict, dict]:
     configs = ("off", "per_step", "auto")
     warm, pairs = (int(x) for x in args.auto_steps.split(","))
-    first_decision = 1 + warm + 2 * pairs  # the step at which auto decides first (dpstate.interval)
+    first_decision = 1 + warm + 2 * pairs  # the step at which auto decides first (dpstate.steps.interval)
     results: dict[tuple[int, str], C.RunResult] = {}
     for rep in range(args.overhead_reps):
         order = configs[rep % 3:] + configs[: rep % 3]

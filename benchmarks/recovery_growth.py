@@ -19,7 +19,7 @@ Three measurements in one run (docs/scaling.md has the method and the figures):
   time (arrive, Gloo init, connection recording) and each rank's CPU time, then the first all-reduce and a
   barrier. Variants, interleaved: `before` (dpstate before both fixes of docs/scaling.md: Gloo's default
   rendezvous keys, 8 bytes per peer, and the connections recorded from the network namespace's whole TCP
-  table), `table` (the keys of now, the TCP-table recording: dpstate before dpstate/severing.py recorded its own
+  table), `table` (the keys of now, the TCP-table recording: dpstate before dpstate/groups/severing.py recorded its own
   new sockets) and `now` (dpstate as it is); the old recording is patched in the benchmark's processes only.
 * decide: the controller alone (benchmarks/controller_scale.py's path: a node failure in, the probe round, the
   plan and every Reconfigure out, through the real codec), CPU time at 2 ... 4,096 ranks (1 rank per node, and
@@ -139,11 +139,11 @@ def run_jobs(args, work: C.Workdir, failures: C.Failures) -> list[dict]:
 
 
 def _table_recording(connections):
-    """How dpstate.severing.GroupConnections.recording found the build's connections before it looked at the
+    """How dpstate.groups.severing.GroupConnections.recording found the build's connections before it looked at the
     process's own new sockets only: every socket fd new since the build began, joined with the network
     namespace's whole TCP table (/proc/self/net/tcp{,6}: non-listening), which on one host holds every rank's
     connections and every leaked older generation's."""
-    from dpstate import severing
+    from dpstate.groups import severing
 
     def connected_inodes() -> set[str]:
         inodes: set[str] = set()
@@ -177,9 +177,9 @@ def group_worker(endpoint: str, rank: int, schedule_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from dpstate.abort import AbortSignal
-    from dpstate.pgroup import GroupManager
-    from dpstate.severing import GroupConnections
+    from dpstate.steps.abort import AbortSignal
+    from dpstate.groups.pgroup import GroupManager
+    from dpstate.groups.severing import GroupConnections
 
     torch.set_num_threads(1)
     spent: dict[str, float] = {}
@@ -310,7 +310,8 @@ def run_groups(args, work: C.Workdir, failures: C.Failures) -> list[dict]:
     return rows
 
 
-STORE_KEY_BYTES = 154  # a rank's Gloo rendezvous key, the rank as sequence number (IPv4 loopback; dpstate.pgroup)
+# a rank's Gloo rendezvous key, the rank as sequence number (IPv4 loopback; dpstate.groups.pgroup)
+STORE_KEY_BYTES = 154
 
 
 def store_client(port: int, gets: int) -> int:
@@ -372,8 +373,8 @@ def measure_store(work: C.Workdir, failures: C.Failures, clients: int, gets: int
 def run_decide(sizes: list[tuple[int, int]], repeat: int) -> list[dict]:
     import controller_scale as cs
 
-    from dpagent import protocol as p
-    from dprun.controller import NodeGone
+    from dpcommon import protocol as p
+    from dprun.controller.state_machine import NodeGone
 
     rows = []
     for nodes, nproc in sizes:

@@ -13,7 +13,7 @@ slow phases of a shared host hit both.
   until the last node answered: the copy's checks (one pass of block digests), the writes, fsync, rename, the
   manifest parts and the messages), median over all saves. Its baseline, measured right after each save run in the
   same folder (so the same filesystem): a plain sequential write of the same number of bytes, 4 MiB writes, fsync,
-  rename, as dpagent.snapshot_files.write_snapshot does but without the checks or anything else, by ONE writer (the
+  rename, as dpcommon.snapshot_files.write_snapshot does but without the checks or anything else, by ONE writer (the
   target's baseline: what the disk gives one stream) and by N concurrent writers each writing its share, N = the
   nodes that wrote a save (its manifest parts; each agent writes the ranks it holds concurrently with the others,
   so that is what the save's writers could get at most). Each plain write is done 3 times; median. Target: save /
@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
 
-from dpagent.checksum import checksums_both
+from dpcommon.checksum import checksums_both
 
 CONFIGS = ("off", "save", "write")
 STEADY_FROM = 4  # as overhead.py: from step 4 on, both snapshot buffers have been written once
@@ -162,9 +162,9 @@ class BesideWriter:
 
 
 def cpu_part_s(nbytes: int) -> float:
-    """Seconds one core takes for the CPU part of writing `nbytes` of a held copy (dpagent.snapshot_files.
+    """Seconds one core takes for the CPU part of writing `nbytes` of a held copy (dpcommon.snapshot_files.
     write_copies): copying it out of the worker's buffer it refers to, into memory kept for it, then one pass of
-    block digests for the file's checks (dpagent.checksum.checksums_both). With nothing else running: what of a
+    block digests for the file's checks (dpcommon.checksum.checksums_both). With nothing else running: what of a
     save's time is not the disk, before contention."""
     data = np.frombuffer(os.urandom(nbytes), np.uint8)
     room = np.zeros(nbytes, np.uint8)

@@ -91,10 +91,10 @@ def worker(mb: float, endpoint: str, token: str, reps: int, device_name: str = "
     import torch
 
     sys.path.insert(0, str(HERE.parent))
-    from dpagent import protocol as P
-    from dpstate import snapshot as S
-    from dpstate.abort import AbortSignal
-    from dpstate.replication import Replicator
+    from dpcommon import protocol as P
+    from dpstate.snapshot import packing as S
+    from dpstate.steps.abort import AbortSignal
+    from dpstate.replication.replicator import Replicator
 
     torch.set_num_threads(1)
     device = torch.device(device_name)

@@ -14,10 +14,10 @@ import socket
 import sys
 
 from .agent import Agent, AgentConfig, AgentError
-from .memory import reuse_freed_memory
+from dpcommon.memory import reuse_freed_memory
 from .output import OutputSpec, parse_ranks, parse_std
 from .process import LAUNCHER_GONE, set_pdeathsig
-from .protocol import NO_RANK, JobTerms
+from dpcommon.protocol import NO_RANK, JobTerms
 from .shutdown import EXIT_USAGE
 from .workers import worker_command
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     _setup_logging(opts.node_id, opts.verbose)
-    reuse_freed_memory()  # before any snapshot is received (see dpagent/memory.py)
+    reuse_freed_memory()  # before any snapshot is received (see dpcommon/memory.py)
     cfg = AgentConfig(
         controller=opts.controller,
         node_id=opts.node_id,

@@ -22,17 +22,17 @@ import zmq
 
 from . import fault_actions
 from .agent_config import AgentConfig as AgentConfig  # (re-exported: dpagent's command line names it here)
-from .channel import Channel, Incoming, poll_ms
+from dpcommon.channel import Channel, Incoming, poll_ms
 from .loop_events import EventPipe
 from .liveness import Liveness
 from .placement import Placement
 from .process import descendants, reap_orphans, set_child_subreaper, signal_procs
-from .protocol import (
+from dpcommon.protocol import (
     REFUSALS, Codec, Heartbeat, Hello, Inject, LoadSnapshots, Ping, Pong, Reconfigure, Register, SaveSnapshots,
     SnapshotFiles, Standby, Stop, ToController, Welcome,
 )
 from .replica_server import FilesDone, RelabelChecked, ReplicaServer
-from .replica_store import ReplicaStore
+from dpcommon.replica_store import ReplicaStore
 from .restart import RestartMode
 from .shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, EXIT_REFUSED, ShutdownSequence, StopPhase
 from .stop_signals import StopSignals

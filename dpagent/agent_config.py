@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from .output import OutputSpec
-from .protocol import NO_RANK, JobTerms
+from dpcommon.protocol import NO_RANK, JobTerms
 
 
 @dataclass

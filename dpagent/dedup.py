@@ -19,12 +19,12 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from .checksum import CHECKSUM_BLOCK, CheckPlan
-from .protocol import CHUNK_BYTES, LocalSnapshot, OfferSnapshot, payload_bytes
+from dpcommon.checksum import CHECKSUM_BLOCK, CheckPlan
+from dpcommon.protocol import CHUNK_BYTES, LocalSnapshot, OfferSnapshot, payload_bytes
 
 OFFER_WAIT_S = 2.0  # how long an offer waits for the local snapshot of its step before it is asked for whole
 EXPECT_RESTORE_S = 30.0  # after a Reconfigure, how long its restore step counts as coming (see LocalCopies.expect)
-KEEP_PER_WORKER = 2  # local copies kept per worker: its ring (dpstate.replication.NSLOTS)
+KEEP_PER_WORKER = 2  # local copies kept per worker: its ring (dpstate.replication.replicator.NSLOTS)
 
 
 @dataclass(eq=False)
@@ -132,7 +132,7 @@ def _map_worker_buffer(pid: int, fd: int, inode: int) -> mmap.mmap:
 class Offer:
     """A peer's OfferSnapshot: waiting for its step's local copy, then for the blocks it was asked for."""
 
-    incoming: Any  # dpagent.channel.Incoming (the reply goes to its sender)
+    incoming: Any  # dpcommon.channel.Incoming (the reply goes to its sender)
     msg: OfferSnapshot
     meta: Any
     digests: np.ndarray

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from .protocol import NO_RANK, SaveSnapshots, SnapshotFiles
-from .replica_store import ReplicaStore
-from .snapshot_files import rank_file, save_held, step_folder
+from dpcommon.protocol import NO_RANK, SaveSnapshots, SnapshotFiles
+from dpcommon.replica_store import ReplicaStore
+from dpcommon.snapshot_files import rank_file, save_held, step_folder
 
 log = logging.getLogger("dpagent")
 
@@ -23,7 +23,7 @@ class LostSave:
 
     directory: str
     waiting: set[int]  # global ranks of this node's live workers that have not answered yet
-    world_size: int  # the job's (for the manifests: dpagent.save_manifest)
+    world_size: int  # the job's (for the manifests: dpcommon.save_manifest)
     writer: str  # this node's id, which names its manifest parts
     written: dict[str, list[int]] = field(default_factory=dict)  # "rank R (held)" / "(own)" -> steps
     errors: list[str] = field(default_factory=list)

@@ -151,10 +151,11 @@ class WorkerOutput:
 
 
 # dpstate's own notices on a worker's stderr (a spare's warm-up, the snapshot interval, a SIGTERM it outlives...),
-# after torch's "[rankN]: " prefixes as dprun.repeats strips them: not why a worker failed, and a spare prints
-# some that its predecessor did not, so the same bug must not read as another. Its errors are exception lines
+# after torch's "[rankN]: " prefixes as dprun.controller.repeats strips them: not why a worker failed, and a spare
+# prints some that its predecessor did not, so the same bug must not read as another. Its errors are exception lines
 # ("RuntimeError: dpstate: ..."), kept; and so are the two lines it ends a worker with: a SystemExit's message
-# (dpstate.session, no Reconfigure after a failure) and os._exit's notice (dpstate.control, Stop unheeded).
+# (dpstate.steps.session, no Reconfigure after a failure) and os._exit's notice (dpstate.steps.agent_link, Stop
+# unheeded).
 _DPSTATE_NOTICE = re.compile(r"^(?:\[rank\d+\]:\s*)*dpstate: (?!rank \d+: no Reconfigure within |Stop \()")
 
 

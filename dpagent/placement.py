@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .protocol import NO_RANK, Reconfigure, Standby, Welcome
+from dpcommon.protocol import NO_RANK, Reconfigure, Standby, Welcome
 
 
 @dataclass

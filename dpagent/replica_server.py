@@ -24,16 +24,16 @@ from typing import Any, Callable
 
 import zmq
 
-from .channel import Channel, Incoming
-from .checksum import checksum_chunks
+from dpcommon.channel import Channel, Incoming
+from dpcommon.checksum import checksum_chunks
 from .dedup import EXPECT_RESTORE_S, LocalCopies, Offer, assemble, decide, parse_offer
 from .loop_events import EventPipe
-from .protocol import (FetchSnapshot, LoadSnapshots, LocalSnapshot, OfferSnapshot, PutSnapshot, ReserveSnapshot,
+from dpcommon.protocol import (FetchSnapshot, LoadSnapshots, LocalSnapshot, OfferSnapshot, PutSnapshot, ReserveSnapshot,
                        SaveSnapshots, SnapshotAck, SnapshotBlocks, SnapshotChunk, SnapshotData, SnapshotFiles,
                        SnapshotReserved, SnapshotStored, SnapshotWants)
-from .replica_store import ReplicaStore, Snapshot, intact
-from .save_manifest import prune
-from .snapshot_files import CopyRoom, copy_out, held_copies, read_files, store_loaded, write_copies
+from dpcommon.replica_store import ReplicaStore, Snapshot, intact
+from dpcommon.save_manifest import prune
+from dpcommon.snapshot_files import CopyRoom, copy_out, held_copies, read_files, store_loaded, write_copies
 
 log = logging.getLogger("dpagent")
 DIFFERS_SAID_EVERY = 100  # snapshots of a rank whose blocks differ, between two warnings of it
@@ -82,7 +82,7 @@ class RelabelChecker:
 @dataclass(frozen=True)
 class FilesDone:
     """A SaveSnapshots' files written or a LoadSnapshots' read, on a thread (posted to the agent loop): for a
-    save, each rank's "" or why not; for a load, what dpagent.snapshot_files.read_files read."""
+    save, each rank's "" or why not; for a load, what dpcommon.snapshot_files.read_files read."""
 
     msg: SaveSnapshots | LoadSnapshots
     outcome: dict

@@ -13,10 +13,10 @@ import time
 from typing import Callable
 
 from .agent_config import AgentConfig
-from .exit_wording import describe_exit
+from dpcommon.exit_wording import describe_exit
 from .output import CRASHES, exception_name, raised_exception
 from .placement import Placement
-from .protocol import NO_RANK, PeerError, Reconfigure, ToController, WorkerExited, WorkerReady
+from dpcommon.protocol import NO_RANK, PeerError, Reconfigure, ToController, WorkerExited, WorkerReady
 from .worker_link import WorkerLink
 from .workers import restart_env
 

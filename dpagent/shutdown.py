@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from .lost_save import LostSave, save_store
-from .protocol import Leaving, Stop
+from dpcommon.protocol import Leaving, Stop
 
 if TYPE_CHECKING:  # (types only: dprun imports this module for the exit codes)
     from .agent_config import AgentConfig
     from .liveness import Liveness
     from .placement import Placement
-    from .protocol import SnapshotFiles, ToController, ToWorker
-    from .replica_store import ReplicaStore
+    from dpcommon.protocol import SnapshotFiles, ToController, ToWorker
+    from dpcommon.replica_store import ReplicaStore
     from .stop_signals import StopSignals
     from .workers import WorkerGroup
 

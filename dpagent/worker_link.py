@@ -13,12 +13,12 @@ import time
 from typing import Callable
 
 from .agent_config import AgentConfig
-from .channel import Channel, Incoming
-from .exit_wording import describe_exit
+from dpcommon.channel import Channel, Incoming
+from dpcommon.exit_wording import describe_exit
 from .oom import OomKills
 from .output import crash_exception, failure_detail
 from .placement import Placement
-from .protocol import (
+from dpcommon.protocol import (
     NO_RANK, Diverged, Hello, PeerError, Progress, RankFinished, Reconfigure, RestoreFailed, SnapshotFiles,
     Standby, Stop, ToController, ToWorker, WorkerExited, WorkerReady, WorkerStatus, WorkerSummary,
 )

@@ -21,7 +21,7 @@ from typing import Collection, Mapping, Sequence
 import psutil
 
 from .loop_events import EventPipe
-from .exit_wording import describe_exit as describe_exit  # (re-exported: tests name it here)
+from dpcommon.exit_wording import describe_exit as describe_exit  # (re-exported: tests name it here)
 from .output import OutputSpec, WorkerOutput
 from .process import child_preexec, signal_tree
 
@@ -81,7 +81,7 @@ def worker_env(
         LOCAL_WORLD_SIZE=str(nproc),
         TORCHELASTIC_RUN_ID=job_id,
     )
-    if replica_endpoint:  # this node's replica store: told of each local snapshot (dedup, dpstate.shared)
+    if replica_endpoint:  # this node's replica store: told of each local snapshot (dedup, dpstate.snapshot.shared)
         env["DP_LOCAL_REPLICA"] = replica_endpoint
     try:
         sharing = int(base.get("DP_TOTAL_LOCAL_WORKERS") or 0)

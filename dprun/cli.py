@@ -1,7 +1,8 @@
 """The `dprun` command line (typer): `dprun [OPTIONS] SCRIPT [ARGS]...` runs a job, `dprun status` and `dprun
 report` watch and explain one. Options in torchrun's words (and its PET_* variables), grouped in help panels.
 
-run parses, dprun.run_options checks (every bad input ends in one line on stderr and exit code 2), dprun.job runs.
+run parses, dprun.launcher.run_options checks (every bad input ends in one line on stderr and exit code 2),
+dprun.launcher.job runs.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from typing import Any, List, NoReturn, Optional
 import typer
 from typer.core import TyperCommand
 
-from . import checks_cli as checks
-from .job import run_multinode, run_standalone
-from .run_options import OptionsError, RunArgs, options_from_args
-from .server import PortInUse
+from .launcher import option_checks as checks
+from .launcher.job import run_multinode, run_standalone
+from .launcher.run_options import OptionsError, RunArgs, options_from_args
+from .launcher.controller_shell import PortInUse
 
 app = typer.Typer(add_completion=False, rich_markup_mode=None)
 status_app = typer.Typer(add_completion=False, rich_markup_mode=None)
@@ -221,7 +222,7 @@ def status(
     timeout: float = typer.Option(10.0, "--timeout", help="Give up after this many seconds without an update."),
 ) -> None:
     """Attach read-only to a running job and show its live dashboard (Ctrl-C detaches; the job goes on)."""
-    from .status import attach, find_endpoint
+    from .monitor.status import attach, find_endpoint
 
     try:
         if problem := checks.seconds_problem("--timeout", timeout):
@@ -245,7 +246,7 @@ def report(
                                               "first, -1 the last."),
 ) -> None:
     """Every failure and recovery of a job (detect / rebuild / restore / total, lost steps) and its goodput."""
-    from .report import run_report
+    from .monitor.report import run_report
 
     raise typer.Exit(run_report(events_file, plot, as_json, run))
 
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         target, prog = (status_app if args[0] == "status" else report_app), f"dprun {args[0]}"
         args = args[1:]
     elif args and args[0] == "ckpt":
-        from .ckpt_cli import ckpt_app  # (its commands import torch only where they export)
+        from .checkpoints.commands import ckpt_app  # (its commands import torch only where they export)
 
         target, prog, args = ckpt_app, "dprun ckpt", args[1:]
     try:

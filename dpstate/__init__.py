@@ -7,15 +7,15 @@
         with step: ...   # failures caused by a reconfiguration are swallowed and the loop recovers
 """
 
-from .abort import ABORT_MARKER, Aborted, AbortSignal, classify
-from .ddp import DataParallel
-from .pgroup import local_device
-from .replication import ReplicationError
-from .joining import init
-from .optim import AdamW
-from .parallel import Parts, StalePartsError
-from .session import Job, Step
-from .snapshot import SnapshotError
+from .steps.abort import ABORT_MARKER, Aborted, AbortSignal, classify
+from .groups.ddp import DataParallel
+from .groups.pgroup import local_device
+from .replication.replicator import ReplicationError
+from .steps.joining import init
+from .snapshot.optim import AdamW
+from .groups.parallel import Parts, StalePartsError
+from .steps.session import Job, Step
+from .snapshot.packing import SnapshotError
 
 __all__ = [
     "ABORT_MARKER",

@@ -21,13 +21,13 @@ import pytest
 import zmq
 
 from conftest import gone
-from dpagent.checksum import checksum_chunks
-from dpagent.protocol import (
+from dpcommon.checksum import checksum_chunks
+from dpcommon.protocol import (
     Codec, Heartbeat, Inject, Leaving, Ping, Pong, Progress, PutSnapshot, Reconfigure, Register, SnapshotAck,
     SaveSnapshots, SnapshotChunk, SnapshotData, SnapshotFiles, SnapshotStored, Standby, Stop, FetchSnapshot, Welcome,
     WorkerExited, chunk_views,
 )
-from dpagent.snapshot_files import read_snapshot
+from dpcommon.snapshot_files import read_snapshot
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(30)]  # real agents and workers: 2-12 s each
 
@@ -471,7 +471,7 @@ def test_replica_put_fetch_round_trip(start_agent):
 @pytest.mark.timeout(90)
 def test_an_agent_writing_a_save_goes_on_answering_its_controller(start_agent, tmp_path):
     """A stopping job's files are written on a thread: a large state on a slow disk takes minutes, and an agent
-    silent that long would be given up as dead (dprun.files). A Ping sent right behind the SaveSnapshots is
+    silent that long would be given up as dead (dprun.controller.files). A Ping sent right behind the SaveSnapshots is
     answered before the file is done; the file then reads back whole."""
     agent = start_agent(nproc=1)
     agent.welcome()

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from dpagent import protocol as p
+from dpcommon import protocol as p
 from dpagent.agent_config import AgentConfig
 from dpagent.liveness import Liveness
 from dpagent.placement import Placement
-from dpagent.replica_store import ReplicaStore
+from dpcommon.replica_store import ReplicaStore
 from dpagent.restart import RestartMode
 from dpagent.shutdown import ShutdownSequence, StopPhase
 from dpagent.stop_signals import StopSignals

@@ -14,11 +14,11 @@ import psutil
 import pytest
 import zmq
 
-from dpagent.channel import Channel, poll_ms
+from dpcommon.channel import Channel, poll_ms
 from dpagent.loop_events import EventPipe
 from dpagent.liveness import Liveness
 from dpagent.output import crash_exception, failure_detail
-from dpagent.protocol import (
+from dpcommon.protocol import (
     PROTOCOL_VERSION, REFUSAL, REFUSALS, Codec, Ping, Pong, ProtocolError, Refused, Standby, WorkerExited,
     describe_end, refusal,
 )
@@ -302,7 +302,7 @@ def test_the_agent_does_not_import_torch():
 
 KEEPS_FREED_MEMORY = r'''
 import ctypes, ctypes.util, os, sys
-from dpagent.memory import reuse_freed_memory
+from dpcommon.memory import reuse_freed_memory
 if not reuse_freed_memory():
     print("skip"); sys.exit(0)
 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -366,7 +366,7 @@ def test_a_fresh_snapshot_buffer_is_private_and_asks_for_huge_pages():
     pages."""
     import ctypes
 
-    from dpagent.memory import huge_page_buffer
+    from dpcommon.memory import huge_page_buffer
 
     buf = huge_page_buffer(8 << 20)
     assert len(buf) == 8 << 20
@@ -386,7 +386,7 @@ def test_a_plain_host_slot_lives_in_a_huge_page_buffer_and_lets_it_go():
     writable, and the mapping goes away once the slot is released."""
     import gc
 
-    from dpstate.fetch import Slot
+    from dpstate.replication.fetch import Slot
 
     slot = Slot()
     slot.reserve(8 << 20, pin=False)
@@ -461,9 +461,9 @@ def test_dpstate_notices_are_passed_over_for_the_detail_but_kept_in_the_tail(pre
 
 def test_the_lines_dpstate_ends_a_worker_with_are_its_detail():
     ended = "dpstate: rank 1: no Reconfigure within 60 s (DP_RECONFIGURE_TIMEOUT) after a failure in generation 2"
-    assert summary(f"{WARMED}\n{ended}\n", 1) == ended, "a SystemExit's message (dpstate.session)"
+    assert summary(f"{WARMED}\n{ended}\n", 1) == ended, "a SystemExit's message (dpstate.steps.session)"
     stop = "dpstate: Stop (the job stops) and the main thread did not exit in 30 s; exiting with 143"
-    assert summary(f"{stop}\n", 143) == stop, "os._exit's notice (dpstate.control)"
+    assert summary(f"{stop}\n", 143) == stop, "os._exit's notice (dpstate.steps.agent_link)"
 
 
 def test_a_plain_scripts_crash_is_held_for_a_dead_peer_only_where_one_could_have_caused_it():

@@ -1,5 +1,5 @@
-"""Background saves without processes: the manifests and what makes a step complete (dpagent.save_manifest),
-the schedule (dprun.background_saves) and the controller's part (asking the stores, restoring from disk)."""
+"""Background saves without processes: the manifests and what makes a step complete (dpcommon.save_manifest),
+the schedule (dprun.controller.background_saves) and the controller's part (asking the stores, restoring from disk)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import os
 
 import pytest
 
-from dpagent import protocol as p
-from dpagent.checksum import checksum_chunks
-from dpagent.save_manifest import complete_steps, prune, read_step, resume_steps, verify_step, write_manifest
-from dpagent.snapshot_files import step_folder, write_snapshot
-from dprun.background_saves import BackgroundSaves
-from dprun.controller import NodeGone
+from dpcommon import protocol as p
+from dpcommon.checksum import checksum_chunks
+from dpcommon.save_manifest import complete_steps, prune, read_step, resume_steps, verify_step, write_manifest
+from dpcommon.snapshot_files import step_folder, write_snapshot
+from dprun.controller.background_saves import BackgroundSaves
+from dprun.controller.state_machine import NodeGone
 from helpers.controller_harness import formed, spec
 
 META = b'{"step": 1}'

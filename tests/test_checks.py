@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from dpagent import protocol as P
-from dpagent.checksum import CHECKSUM_BLOCK, CheckPlan, block_digests, checksum, checksum_chunks
+from dpcommon import protocol as P
+from dpcommon.checksum import CHECKSUM_BLOCK, CheckPlan, block_digests, checksum, checksum_chunks
 from dpagent.dedup import LocalCopies, Offer, assemble, decide
-from dpstate import snapshot as S
-from dpstate.abort import AbortSignal
-from dpstate.checks import CheckPlanner, check_every_from_env, replicated_keys, tensor_key
-from dpstate.replication import Replicator
-from dpstate.shared import HEADER_BYTES, SharedBuffer
-from dpstate.state import Tracked
+from dpstate.snapshot import packing as S
+from dpstate.steps.abort import AbortSignal
+from dpstate.snapshot.checks import CheckPlanner, check_every_from_env, replicated_keys, tensor_key
+from dpstate.replication.replicator import Replicator
+from dpstate.snapshot.shared import HEADER_BYTES, SharedBuffer
+from dpstate.snapshot.state import Tracked
 from helpers.fake_agents import TOKEN
 from helpers.replication import data_parallel_state, replicators
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import REPO
 
-from dpagent.save_manifest import write_manifest
-from dpagent.snapshot_files import write_snapshot
-from dpstate import snapshot as S
-from dpstate.state import Tracked
+from dpcommon.save_manifest import write_manifest
+from dpcommon.snapshot_files import write_snapshot
+from dpstate.snapshot import packing as S
+from dpstate.snapshot.state import Tracked
 from helpers.cli import run
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,10 +17,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from conftest import REPO, free_port
 
-from dpagent.save_manifest import write_manifest
-from dpagent.snapshot_files import read_snapshot, write_snapshot
-from dpstate import snapshot as S
-from dpstate.state import Tracked
+from dpcommon.save_manifest import write_manifest
+from dpcommon.snapshot_files import read_snapshot, write_snapshot
+from dpstate.snapshot import packing as S
+from dpstate.snapshot.state import Tracked
 from helpers.cli import run
 from helpers.e2e import TRAIN, TRAIN_ARGS, dprun, the_save
 
@@ -88,7 +88,7 @@ def save_sharded_step(save_dir: Path, step: int = 3) -> Path:
     from torch.distributed.tensor import distribute_tensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dpstate.torch_private import clear_dtensor_caches
+    from dpstate.groups.torch_private import clear_dtensor_caches
 
     folder = save_dir / f"step-{step}"
     placements = _placements()

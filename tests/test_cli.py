@@ -247,9 +247,10 @@ def test_a_snapshot_budget_outside_0_to_1_is_refused_up_front(spec, inputs):
                                   "auto:99.9%", "auto:0.0001%", "auto:0", "auto:1", "auto:0%", "auto:100%",
                                   "auto:1.5", "auto:500%", "auto:00.5", "auto:1.0"])
 def test_the_cli_takes_the_snapshot_budgets_that_workers_take(spec):
-    """What dprun accepts, every worker's dpstate.interval accepts too (and what the workers refuse, dprun does)."""
-    from dprun.checks_cli import snapshot_interval_problem
-    from dpstate.interval import SnapshotPolicy
+    """What dprun accepts, every worker's dpstate.steps.interval accepts too (and what the workers refuse, dprun
+    does)."""
+    from dprun.launcher.option_checks import snapshot_interval_problem
+    from dpstate.steps.interval import SnapshotPolicy
 
     try:
         SnapshotPolicy(spec, budget="")
@@ -283,7 +284,7 @@ def test_job_sizes_have_upper_bounds(args, want, inputs):
 
 
 def test_the_size_bounds_let_the_largest_jobs_through():
-    from dprun.checks_cli import MAX_LOCAL_NODES, MAX_NODES, MAX_NPROC_PER_NODE, counts_problem
+    from dprun.launcher.option_checks import MAX_LOCAL_NODES, MAX_NODES, MAX_NPROC_PER_NODE, counts_problem
 
     assert counts_problem(MAX_LOCAL_NODES - 2, 2, 4, standalone=True) is None  # 256 x 4 = 1024 workers
     assert counts_problem(1, 0, MAX_NPROC_PER_NODE, standalone=True) is None
@@ -371,7 +372,7 @@ def test_options_that_cannot_work_here_or_together_are_refused_up_front(args, wa
 
 
 def test_a_local_address_of_this_machine_passes():
-    from dprun.checks_cli import local_addr_problem
+    from dprun.launcher.option_checks import local_addr_problem
 
     assert local_addr_problem("127.0.0.1") is None and local_addr_problem("localhost") is None
     assert local_addr_problem(None) is None

@@ -1,4 +1,4 @@
-"""dprun's command line made into its job's options (dprun.run_options.options_from_args), in this process and
+"""dprun's command line made into its job's options (dprun.launcher.run_options.options_from_args), in this process and
 with no process started: good input gives a frozen JobOptions and the notices to print; each bad input an
 OptionsError holding its one line. (test_cli runs the same through the command line.)"""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dprun.job import JobOptions, _worker_settings
-from dprun.run_options import OptionsError, RunArgs, options_from_args
+from dprun.launcher.job import JobOptions, _worker_settings
+from dprun.launcher.run_options import OptionsError, RunArgs, options_from_args
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -66,7 +66,7 @@ def test_snapshot_settings_reach_the_workers_through_the_options_not_this_enviro
     job, _ = options(files, snapshot_interval=" AUTO:2% ", snapshot_check="FULL")
     assert dict(os.environ) == before
     assert (job.snapshot_interval, job.snapshot_check) == ("auto:2%", "full")
-    settings = _worker_settings(job)  # what dprun.job adds to its agents' (and so their workers') environment
+    settings = _worker_settings(job)  # what dprun.launcher.job adds to its agents' (and so their workers') environment
     assert settings["DP_SNAPSHOT_INTERVAL"] == "auto:2%" and settings["DP_SNAPSHOT_CHECK"] == "full"
     plain, _ = options(files)
     assert "DP_SNAPSHOT_INTERVAL" not in _worker_settings(plain)  # not given: the workers' own, or every step

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 
-from dpagent import protocol as p
-from dprun.controller import ConnectionDropped, NodeGone, Received, Tick
-from dprun.faults import parse_fault
-from dprun.ledger import ReplicaLedger
+from dpcommon import protocol as p
+from dprun.controller.state_machine import ConnectionDropped, NodeGone, Received, Tick
+from dprun.controller.faults import parse_fault
+from dprun.controller.ledger import ReplicaLedger
 from helpers.controller_harness import Harness, finished_but_rank_1_lingers, formed, spec
 
 
@@ -801,7 +801,7 @@ def test_a_plan_goes_down_the_grid_to_the_newest_step_every_rank_has_a_copy_of()
 def test_spares_are_told_the_snapshot_sizes_to_make_room_for_and_only_when_they_grow():
     """Standby: the largest stored snapshot of each local rank (with headroom), to every spare, when a snapshot
     outgrows it; a spare that registers later hears it after its Welcome; active nodes never do."""
-    from dprun.spare_sizing import with_headroom
+    from dprun.controller.spare_sizing import with_headroom
 
     h = Harness(spec(nproc_per_node=2))
     h.register("a", rank=0, nproc=2)
@@ -825,7 +825,7 @@ def test_spares_are_told_the_snapshot_sizes_to_make_room_for_and_only_when_they_
 
 @pytest.mark.parametrize("nbytes", [0, 1, 1000, (1 << 20) - 1, 1 << 20, 108_123_456, 5 << 30, 80 << 30])
 def test_headroom_covers_a_slightly_larger_snapshot_in_whole_mib(nbytes):
-    from dprun.spare_sizing import MAX_HEADROOM, ROUND_BYTES, with_headroom
+    from dprun.controller.spare_sizing import MAX_HEADROOM, ROUND_BYTES, with_headroom
 
     room = with_headroom(nbytes)
     headroom = min(nbytes // 64, MAX_HEADROOM)

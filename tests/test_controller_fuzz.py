@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dpagent import protocol as p
-from dprun.controller import NodeGone, Tick
+from dpcommon import protocol as p
+from dprun.controller.state_machine import NodeGone, Tick
 from helpers.controller_harness import Harness, formed, spec
 
 NAMES = st.sampled_from(["a", "b", "s", "x", "", "tcp://a:1", "tcp://b:1", "tcp://s:1", "init"])

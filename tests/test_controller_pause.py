@@ -3,8 +3,8 @@ the shell feeds Paused(seconds); no node is failed for that silence, and a job t
 
 from __future__ import annotations
 
-from dpagent import protocol as p
-from dprun.controller import NodeGone, Paused, Tick
+from dpcommon import protocol as p
+from dprun.controller.state_machine import NodeGone, Paused, Tick
 from helpers.controller_harness import finished_but_rank_1_lingers, formed, spec
 
 

@@ -1,5 +1,5 @@
-"""The controller's explicit phases (dprun.phase): the transition table refuses what it does not list, and random
-fault schedules drive the simulated controller through the table's paths, each transition checked as it is taken.
+"""The controller's explicit phases (dprun.controller.phase): the transition table refuses what it does not list, and
+random fault schedules drive the simulated controller through the table's paths, each transition checked as it is taken.
 """
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import collections
 
 import pytest
 
-import dprun.controller
-from dprun.nodes import Role
-from dprun.phase import TRANSITIONS, IllegalTransition, Phase, check_transition
+import dprun.controller.state_machine
+from dprun.controller.nodes import Role
+from dprun.controller.phase import TRANSITIONS, IllegalTransition, Phase, check_transition
 from dprun.sim.runner import run_schedule
 from dprun.sim.schedule import random_schedule
 
@@ -44,7 +44,7 @@ def test_random_fault_schedules_take_the_recovery_paths_of_the_table(monkeypatch
         taken[current, new] += 1
         return check_transition(current, new)
 
-    monkeypatch.setattr(dprun.controller, "check_transition", recording)
+    monkeypatch.setattr(dprun.controller.state_machine, "check_transition", recording)
     for seed in range(200):
         run_schedule(random_schedule(seed))
     expected = {(Phase.FORMING, Phase.TRAINING), (Phase.TRAINING, Phase.DECIDING),

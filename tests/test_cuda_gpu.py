@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpagent import protocol as P
-from dpstate import snapshot as S
-from dpstate.abort import AbortSignal
-from dpstate.pgroup import GroupManager
-from dpstate.replication import Replicator
-from dpstate.state import Tracked
+from dpcommon import protocol as P
+from dpstate.snapshot import packing as S
+from dpstate.steps.abort import AbortSignal
+from dpstate.groups.pgroup import GroupManager
+from dpstate.replication.replicator import Replicator
+from dpstate.snapshot.state import Tracked
 from helpers.fake_agents import TOKEN
 
 pytestmark = [

@@ -9,10 +9,10 @@ import types
 import pytest
 import torch
 
-from dpagent import protocol as P
-from dpstate import snapshot as S
-from dpstate.abort import AbortSignal
-from dpstate.replication import Replicator
+from dpcommon import protocol as P
+from dpstate.snapshot import packing as S
+from dpstate.steps.abort import AbortSignal
+from dpstate.replication.replicator import Replicator
 from helpers.fake_agents import TOKEN, FakeAgents
 
 pytestmark = pytest.mark.timeout(60)
@@ -98,7 +98,7 @@ def test_cuda_capture_path_waits_for_the_step_copies_on_the_side_stream_then_che
 
 
 def test_nccl_is_the_default_backend_with_cuda(monkeypatch):
-    from dpstate.pgroup import default_backend
+    from dpstate.groups.pgroup import default_backend
 
     monkeypatch.delenv("DP_BACKEND", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -136,7 +136,7 @@ class _FakeCudart:
 
 
 def _stand_in_cudart(monkeypatch, error: int = 0) -> _FakeCudart:
-    from dpstate import shared
+    from dpstate.snapshot import shared
 
     cudart = _FakeCudart(error)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -151,8 +151,8 @@ def test_with_cuda_snapshot_buffers_are_shared_with_the_agent_and_page_locked(mo
     not 4); the buffer is unregistered when it is dropped, before its memory is unmapped."""
     import gc
 
-    from dpstate import shared
-    from dpstate.fetch import Slot
+    from dpstate.snapshot import shared
+    from dpstate.replication.fetch import Slot
 
     cudart = _stand_in_cudart(monkeypatch)
     monkeypatch.setenv("DP_LOCAL_REPLICA", "tcp://127.0.0.1:9")  # a node agent (never sent to: nothing captured)
@@ -174,8 +174,8 @@ def test_with_cuda_snapshot_buffers_are_shared_with_the_agent_and_page_locked(mo
 def test_where_cuda_will_not_page_lock_a_shared_buffer_snapshots_stay_private(monkeypatch):
     """A driver that refuses cudaHostRegister: the probe says so, the Replicator keeps private pinned buffers
     (sent whole, as before); a refusal later, for one big buffer, leaves that slot private for good."""
-    from dpstate import shared
-    from dpstate.fetch import Slot
+    from dpstate.snapshot import shared
+    from dpstate.replication.fetch import Slot
 
     _stand_in_cudart(monkeypatch, error=2)  # cudaErrorMemoryAllocation
     monkeypatch.setenv("DP_LOCAL_REPLICA", "tcp://127.0.0.1:9")

@@ -1,4 +1,5 @@
-"""The dashboard's view model (dprun.jobview) and its rendering (dprun.dashboard): pure, fast, no processes.
+"""The dashboard's view model (dprun.monitor.jobview) and its rendering (dprun.monitor.dashboard): pure, fast, no
+processes.
 
 Events are the ones the controller publishes; frames are rendered into a recording rich Console of a given size.
 """
@@ -10,12 +11,12 @@ import dataclasses
 import pytest
 from rich.console import Console
 
-from dpagent import protocol as p
-from dprun.controller import Controller, JobSpec, Received
-from dprun.dashboard import render, select_rows
-from dprun.jobview import JobView, total_steps_from_args
-from dprun.phase import Phase
-from dprun.report import final_summary, incidents
+from dpcommon import protocol as p
+from dprun.controller.state_machine import Controller, JobSpec, Received
+from dprun.monitor.dashboard import render, select_rows
+from dprun.monitor.jobview import JobView, total_steps_from_args
+from dprun.controller.phase import Phase
+from dprun.monitor.report import final_summary, incidents
 from helpers.events import T0, hot_swap_events
 
 pytestmark = pytest.mark.timeout(30)

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from dpagent import protocol as P
-from dpagent.checksum import CHECKSUM_BLOCK, block_digests
+from dpcommon import protocol as P
+from dpcommon.checksum import CHECKSUM_BLOCK, block_digests
 from dpagent.dedup import LocalCopies, Offer, assemble, decide
-from dpstate import snapshot as S
-from dpstate.abort import AbortSignal
-from dpstate.replication import Replicator, ReplicationError
-from dpstate.shared import HEADER_BYTES, SharedBuffer
-from dpstate.state import Tracked
+from dpstate.snapshot import packing as S
+from dpstate.steps.abort import AbortSignal
+from dpstate.replication.replicator import Replicator, ReplicationError
+from dpstate.snapshot.shared import HEADER_BYTES, SharedBuffer
+from dpstate.snapshot.state import Tracked
 from helpers.fake_agents import TOKEN
 from helpers.replication import data_parallel_state, replicators
 
@@ -184,7 +184,7 @@ def test_assemble_joins_runs_of_local_blocks_into_chunks_of_at_most_chunk_bytes(
 def test_random_differences_are_always_reassembled_to_the_peers_bytes_and_checksum():
     """Property: whatever blocks differ (none, some, all; any tail), the held frames are the peer's bytes,
     the checksum over them is the peer's, and no frame but the last breaks a checksum block."""
-    from dpagent.checksum import checksum, checksum_chunks
+    from dpcommon.checksum import checksum, checksum_chunks
 
     rng = np.random.default_rng(7)
     copies = LocalCopies(lambda: [os.getpid()])

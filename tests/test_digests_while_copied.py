@@ -1,4 +1,4 @@
-"""The snapshot checksum computed while the snapshot is still being copied (dpagent.checksum.BlockDigester):
+"""The snapshot checksum computed while the snapshot is still being copied (dpcommon.checksum.BlockDigester):
 any order of progress, any thread count, with or without a check plan, gives the one-pass checksum exactly,
 and a capture that uses it stays restorable."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from dpagent.checksum import CHECKSUM_BLOCK, BlockDigester, CheckPlan, checksum_and_digests, digest_threads
-from dpstate import snapshot as S
+from dpcommon.checksum import CHECKSUM_BLOCK, BlockDigester, CheckPlan, checksum_and_digests, digest_threads
+from dpstate.snapshot import packing as S
 
 pytestmark = pytest.mark.timeout(60)
 META = b'{"format": "test"}'

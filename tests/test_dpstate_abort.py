@@ -129,7 +129,7 @@ def test_frozen_or_killed_peers_then_new_groups(procs, tcp_store):
         for worker in (survivor, frozen, standby):
             deterministic, plain = worker.expect("LAYOUTS")[1:]
             assert deterministic == "True"
-            assert plain == "False"  # why the deterministic hook exists (see dpstate/ddp.py)
+            assert plain == "False"  # why the deterministic hook exists (see dpstate/groups/ddp.py)
         for worker in (survivor, frozen, standby):
             worker.tell("exit")
         codes = {name: w.proc.wait(timeout=20) for name, w in

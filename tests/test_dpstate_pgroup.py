@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 RANK = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
-    from dpstate.abort import AbortSignal
-    from dpstate.pgroup import GroupManager, PeerConnectError
+    from dpstate.steps.abort import AbortSignal
+    from dpstate.groups.pgroup import GroupManager, PeerConnectError
     endpoint, rank, generations = sys.argv[1], int(sys.argv[2]), [int(g) for g in sys.argv[3].split(",")]
     groups, abort = GroupManager(backend="gloo", timeout_s=60), AbortSignal()
     for generation in generations:
@@ -54,8 +54,8 @@ def test_a_traceback_after_several_generations_has_one_rank_prefix(procs, store)
     """torch wraps sys.excepthook in every init_process_group: GroupManager keeps one "[rankN]: " layer."""
     script = textwrap.dedent("""
         import sys
-        from dpstate.abort import AbortSignal
-        from dpstate.pgroup import GroupManager
+        from dpstate.steps.abort import AbortSignal
+        from dpstate.groups.pgroup import GroupManager
         groups = GroupManager(backend="gloo", timeout_s=60)
         for generation in (1, 2, 3):
             groups.build(generation, sys.argv[1], 0, 1, AbortSignal())
@@ -76,8 +76,8 @@ def test_the_gloo_rendezvous_keys_keep_their_size_as_the_world_grows(procs, stor
     user set (0) is kept: generation 3 goes back to the keys that grow."""
     script = textwrap.dedent("""
         import os, sys, torch, torch.distributed as dist
-        from dpstate.abort import AbortSignal
-        from dpstate.pgroup import GroupManager
+        from dpstate.steps.abort import AbortSignal
+        from dpstate.groups.pgroup import GroupManager
         endpoint, rank = sys.argv[1], int(sys.argv[2])
         groups, abort = GroupManager(backend="gloo", timeout_s=60), AbortSignal()
         for generation, world in ((1, 2), (2, 3), (3, 3)):
@@ -134,7 +134,7 @@ def test_the_ranks_waiting_for_each_other_poll_the_store_within_a_budget_at_any_
     """Every waiting rank polls the job's one store: 20 ms apart at most in a small job; in a large one the
     interval grows so that all of them together stay within ARRIVAL_POLLS_PER_S (4,096 ranks every 20 ms: 200,000
     a second, past what one store serves)."""
-    from dpstate.pgroup import ARRIVAL_POLLS_PER_S, GroupManager
+    from dpstate.groups.pgroup import ARRIVAL_POLLS_PER_S, GroupManager
 
     for world, longest in ((8, 0.02), (100, 0.02), (4096, 4096 / ARRIVAL_POLLS_PER_S)):
         groups, sleeps = GroupManager(backend="gloo"), _Sleeps()

@@ -12,15 +12,15 @@ import pytest
 import torch
 import zmq
 
-from dpagent import protocol as P
-from dpagent.replica_store import intact
-from dpstate import snapshot as S
-from dpstate import holders
-from dpstate.abort import Aborted, AbortSignal, classify
-from dpstate.holders import GONE_AFTER_S, HolderGone
-from dpstate.prefetch import Prefetch
-from dpstate.replication import ReplicationError
-from dpstate.state import Tracked
+from dpcommon import protocol as P
+from dpcommon.replica_store import intact
+from dpstate.snapshot import packing as S
+from dpstate.replication import holders
+from dpstate.steps.abort import Aborted, AbortSignal, classify
+from dpstate.replication.holders import GONE_AFTER_S, HolderGone
+from dpstate.replication.prefetch import Prefetch
+from dpstate.replication.replicator import ReplicationError
+from dpstate.snapshot.state import Tracked
 from conftest import free_port, rss_shmem
 from helpers.e2e import wait_for
 from helpers.fake_agents import TOKEN
@@ -210,9 +210,9 @@ def test_a_local_snapshot_written_to_a_file_is_not_overwritten_by_training_that_
 
 EXIT_MID_CAPTURE = """
 import threading, torch
-from dpagent import protocol as P
-from dpstate.abort import AbortSignal
-from dpstate.replication import Replicator
+from dpcommon import protocol as P
+from dpstate.steps.abort import AbortSignal
+from dpstate.replication.replicator import Replicator
 started = threading.Event()
 
 def shared_keys():  # called by the replicator's thread as its capture starts: a second of torch calls
@@ -351,7 +351,7 @@ def test_a_holder_that_never_answered_yet_is_waited_for(monkeypatch):
 
 
 def test_a_prefetch_serves_the_restore_it_was_started_for_and_nothing_else(replica):
-    """A promoted spare fetches its restore snapshot while its script builds the model (dpstate.prefetch):
+    """A promoted spare fetches its restore snapshot while its script builds the model (dpstate.replication.prefetch):
     the restore of that generation, rank and step takes the very slot; any other plan gets nothing and the
     slot is given back; a fetch that fails or hangs leaves nothing behind and stops at the abort."""
     _, _, tracked = state()
@@ -389,11 +389,11 @@ def test_a_prefetch_serves_the_restore_it_was_started_for_and_nothing_else(repli
 
 @pytest.mark.parametrize("share", [False, True], ids=["private-buffers", "shared-with-the-agent"])
 def test_a_spare_makes_room_while_idle_and_its_restore_and_next_capture_write_there(replica, monkeypatch, share):
-    """Standby: a spare's worker reserves its ring while idle and faults it in (dpstate.standby), so that after
+    """Standby: a spare's worker reserves its ring while idle and faults it in (dpstate.snapshot.standby), so that after
     a failure its restore's fetch and its first capture write to that very memory, not to fresh pages; once a
     slot is in use, reserving ahead touches nothing."""
-    from dprun.spare_sizing import with_headroom
-    from dpstate.replication import NSLOTS
+    from dprun.controller.spare_sizing import with_headroom
+    from dpstate.replication.replicator import NSLOTS
 
     if share:
         monkeypatch.setenv("DP_LOCAL_REPLICA", replica.replica_endpoint)  # the holder plays the spare's agent too
@@ -425,7 +425,7 @@ def test_a_spare_makes_room_while_idle_and_its_restore_and_next_capture_write_th
 
 
 def test_standby_makes_room_for_its_local_ranks_size_on_a_thread_and_only_for_a_larger_one():
-    from dpstate.standby import RestoreRoom
+    from dpstate.snapshot.standby import RestoreRoom
 
     rep = replicator()
     standby = RestoreRoom(rep, local_rank=1)
@@ -442,7 +442,7 @@ def test_standby_makes_room_for_its_local_ranks_size_on_a_thread_and_only_for_a_
 
 
 def test_on_a_kernel_without_the_populate_advice_a_buffer_is_faulted_in_by_zeroing(monkeypatch):
-    from dpstate import shared
+    from dpstate.snapshot import shared
 
     monkeypatch.setattr(shared, "MADV_POPULATE_WRITE", 12345)  # unknown advice: EINVAL, as before Linux 5.14
     buffer = shared.SharedBuffer(4 << 20)

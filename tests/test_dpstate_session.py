@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from dpagent import protocol as P
+from dpcommon import protocol as P
 from conftest import REPO, free_port
 from helpers.fake_agents import FakeAgents, reconfigure, store_master, worker_env
 

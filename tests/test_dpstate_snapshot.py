@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpstate import snapshot as S
-from dpstate.state import Tracked
+from dpstate.snapshot import packing as S
+from dpstate.snapshot.state import Tracked
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "examples"))
@@ -189,7 +189,7 @@ def test_copy_into_never_writes_past_its_buffer():
 
 
 def test_copy_into_skips_only_a_tensor_that_is_exactly_its_place():
-    """A tensor that an optimizer step wrote into its place (dpstate.landing) is not copied; one that merely
+    """A tensor that an optimizer step wrote into its place (dpstate.snapshot.landing) is not copied; one that merely
     starts there (a transposed view, a shorter one) is, since its bytes are not the place's."""
     tensors = [torch.arange(6.0).view(2, 3), torch.arange(4.0)]
     specs, nbytes = S.layout(tensors)

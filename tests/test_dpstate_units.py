@@ -16,13 +16,13 @@ import torch.distributed as dist
 import zmq
 
 import dpstate
-from dpagent import protocol as P
-from dpstate.abort import ABORT_MARKER, Aborted, AbortSignal, classify, describe
-from dpstate.holders import HolderGone
-from dpstate.control import Control
-from dpstate.metrics import MAX_METRIC_BYTES, MAX_METRICS_BYTES, sendable_metrics
-from dpstate.session import Job, Step
-from dpstate.uncaught import hint_unwrapped_steps
+from dpcommon import protocol as P
+from dpstate.steps.abort import ABORT_MARKER, Aborted, AbortSignal, classify, describe
+from dpstate.replication.holders import HolderGone
+from dpstate.steps.agent_link import Control
+from dpstate.steps.metrics import MAX_METRIC_BYTES, MAX_METRICS_BYTES, sendable_metrics
+from dpstate.steps.session import Job, Step
+from dpstate.steps.uncaught import hint_unwrapped_steps
 from helpers.fake_agents import TOKEN
 
 pytestmark = pytest.mark.timeout(30)
@@ -111,7 +111,7 @@ def test_classify_tells_aborts_and_peer_errors_from_bugs():
     assert classify(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), sig) is None
     gone = HolderGone("tcp://127.0.0.1:5000", 3, 7)
     assert classify(gone, sig) == "peer"
-    wrapped = RuntimeError(f"Unable to cast {gone} to Tensor")  # through a DDP comm hook's future (dpstate.ddp)
+    wrapped = RuntimeError(f"Unable to cast {gone} to Tensor")  # through a DDP comm hook's future (dpstate.groups.ddp)
     assert classify(wrapped, sig) == "peer"
     assert describe(wrapped) == str(gone) == describe(gone).removeprefix("HolderGone: ")
     assert describe(ValueError("bad shape")) == "ValueError: bad shape"
@@ -144,7 +144,7 @@ def test_a_script_error_that_reads_like_a_peer_s_is_the_script_s_unless_torch_or
     assert classify(_raised_from("/home/me/train.py", RuntimeError(text)), sig) is None
     assert classify(_raised_from("/home/me/train.py", ConnectionError(text)), sig) is None
     assert classify(_raised_from(IN_TORCH, RuntimeError(text)), sig) == "peer"
-    in_dpstate = os.path.join(os.path.dirname(dpstate.__file__), "watch.py")
+    in_dpstate = os.path.join(os.path.dirname(dpstate.__file__), "steps", "watch.py")
     assert classify(_raised_from(in_dpstate, RuntimeError(text)), sig) == "peer"
     assert classify(_raised_from("/home/me/train.py", dist.DistNetworkError(text)), sig) == "peer"  # its type
 
@@ -181,7 +181,7 @@ def test_step_swallows_only_reconfiguration_and_peer_failures():
 def test_big_metrics_are_dropped_with_one_warning_per_name(capsys, monkeypatch):
     """A Progress must reach the agent (body limit 1 MiB) whatever step.log() was given: a metric over
     MAX_METRIC_BYTES as JSON is dropped, all of them if together over MAX_METRICS_BYTES; each name said once."""
-    monkeypatch.setattr("dpstate.metrics._warned_metrics", set())
+    monkeypatch.setattr("dpstate.steps.metrics._warned_metrics", set())
     logged = {"loss": torch.tensor(1.5), "lr": 3e-4, "tokens": 10, "nan": float("nan"), "ok": True, "none": None,
               "name": "run-1", "vec": torch.tensor([1.0, 2.0]), "obj": object(),
               "big": list(range(200000)), "text": "x" * 5000, "huge": torch.zeros(1000)}
@@ -206,7 +206,7 @@ def test_big_metrics_are_dropped_with_one_warning_per_name(capsys, monkeypatch):
 
 def test_standalone_job_is_world_one_and_lets_errors_through(monkeypatch):
     monkeypatch.delenv("DP_AGENT_ENDPOINT", raising=False)
-    monkeypatch.setattr(dpstate.joining, "_job", None)
+    monkeypatch.setattr(dpstate.steps.joining, "_job", None)
     job = dpstate.init()
     try:
         assert (job.rank, job.world_size, job.generation, job.backend) == (0, 1, 0, "gloo")
@@ -369,7 +369,7 @@ def test_control_hello_reconfigure_outbox_and_stop(agent):
 def test_a_progress_with_an_oversized_metric_still_reaches_the_agent_with_its_step(agent, monkeypatch):
     endpoint, router = agent
     codec = P.Codec(TOKEN)
-    monkeypatch.setattr("dpstate.metrics._warned_metrics", set())
+    monkeypatch.setattr("dpstate.steps.metrics._warned_metrics", set())
     control = Control(endpoint, TOKEN, "n7", 0, AbortSignal()).start()
     try:
         assert isinstance(_recv(router, codec)[1], P.Hello)
@@ -389,7 +389,7 @@ def test_a_spare_waits_in_init_and_a_stop_ends_it_with_its_code(agent, monkeypat
     for key, value in {"DP_AGENT_ENDPOINT": endpoint, "DP_JOB_TOKEN": TOKEN, "DP_NODE_ID": "spare1",
                        "DP_ROLE": "spare", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(dpstate.joining, "_job", None)
+    monkeypatch.setattr(dpstate.steps.joining, "_job", None)
 
     def agent_side():
         ident, hello = _recv(router, codec)
@@ -405,7 +405,7 @@ def test_a_spare_waits_in_init_and_a_stop_ends_it_with_its_code(agent, monkeypat
         assert exc.value.code == 0
     finally:
         thread.join(10)
-        job = dpstate.joining._job
+        job = dpstate.steps.joining._job
         if job is not None:
             job._control.close(linger_s=0.2)
 
@@ -511,11 +511,12 @@ def test_a_spare_job_makes_room_on_standby_and_reports_it_in_its_status():
 # ----------------------------------------------------------------------------- saving own copies
 
 class _Ring:
-    """A worker's ring of local snapshots, as dpstate.replication.Replicator shows them to dpstate.saving."""
+    """A worker's ring of local snapshots, as dpstate.replication.replicator.Replicator shows them to
+    dpstate.replication.saving."""
 
     def __init__(self, snapshots: dict[int, bytes]):
-        from dpagent.checksum import checksum_chunks
-        from dpstate.fetch import Slot
+        from dpcommon.checksum import checksum_chunks
+        from dpstate.replication.fetch import Slot
         self.slots = {step: Slot(buffer=torch.frombuffer(bytearray(data), dtype=torch.uint8), step=step,
                                  meta=b"{}", nbytes=len(data), checksum=checksum_chunks(b"{}", [data]))
                       for step, data in snapshots.items()}
@@ -529,8 +530,8 @@ class _Ring:
 
 
 def test_a_worker_asked_for_every_step_it_holds_writes_each_into_its_step_folder(tmp_path):
-    from dpagent.snapshot_files import rank_file, read_snapshot, step_folder
-    from dpstate.saving import save_local
+    from dpcommon.snapshot_files import rank_file, read_snapshot, step_folder
+    from dpstate.replication.saving import save_local
     ring, sent = _Ring({10: b"a" * 64, 11: b"b" * 64}), []
     save_local(ring, P.SaveSnapshots(str(tmp_path), P.NO_RANK, [3], local=True), 3, "n1", sent.append)
     assert sent == [P.SnapshotFiles("n1", P.NO_RANK, {"3": ""}, steps=[10, 11])]

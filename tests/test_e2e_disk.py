@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import REPO, Processes
-from dpagent.save_manifest import complete_steps
+from dpcommon.save_manifest import complete_steps
 from helpers.e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from conftest import free_port
-from dpagent import protocol as p
+from dpcommon import protocol as p
 from helpers.cgroups import counter_in, in_cgroup, memory_cgroup
 from helpers.e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
 from helpers.multi_node import multi_node_job
@@ -401,8 +401,8 @@ def test_a_node_with_another_token_is_refused_at_once_and_one_nobody_answers_exi
 @pytest.mark.timeout(60)
 def test_a_node_started_with_another_nnodes_is_refused_at_once_and_both_ends_say_why(procs, tmp_path):
     """The right token but --nnodes 3 where the head has 2: as a spare it would leave the head waiting for an
-    active node until --rdzv-timeout. The controller refuses it at its Register (dprun.admission); it exits 2,
-    its agent's line saying which flag to make the same, the head's log naming the refused node."""
+    active node until --rdzv-timeout. The controller refuses it at its Register (dprun.controller.admission); it exits
+    2, its agent's line saying which flag to make the same, the head's log naming the refused node."""
     endpoint, events, head, _ = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "0")
     member = procs.dprun("--rdzv-endpoint", endpoint, "--node-rank", "2", "--token-file", tmp_path / "token",
                          "--nnodes", "3", "--rdzv-timeout", "40", TRAIN, "--steps", "5", *TRAIN_ARGS, cwd=tmp_path,

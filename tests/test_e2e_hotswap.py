@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from conftest import rss_shmem
-from dpstate.warmheap import heap_rss
+from dpstate.snapshot.warmheap import heap_rss
 from helpers.cli import in_process
 from helpers.e2e import TRAIN, TRAIN_ARGS, dprun, read_events, wait_for
 from helpers.multi_node import multi_node_job
@@ -113,8 +113,8 @@ def test_a_whole_node_lost_at_once_is_caught_by_its_peers_not_by_the_heartbeat_t
     """Every process of node rank 1 (dprun, agent, worker) stopped, then killed: none can say a word, as when a
     node's processes are killed whole. Its kernel closes their connections: the controller's socket monitor
     sees one close and probes every node, failing the silent one (about 1 s). Its peer, waiting at the snapshot
-    gate for the acks of the replica store that died with it, would tell too (dpstate.holders: a PeerError, then
-    the same probe; about 2 s). Before both, only --heartbeat-timeout (here 60 s) noticed, unless the kill found
+    gate for the acks of the replica store that died with it, would tell too (dpstate.replication.holders: a PeerError,
+    then the same probe; about 2 s). Before both, only --heartbeat-timeout (here 60 s) noticed, unless the kill found
     the peer in a collective (about half the runs; Gloo's error then tells it). The gate's wait alone:
     test_dpstate_replication.py's test_a_holder_whose_process_died_fails_the_wait_for_its_ack_within_seconds."""
     head, victim, spare, events, summary = _multi_node_job(procs, tmp_path, "--heartbeat-timeout", "60")
@@ -205,7 +205,7 @@ def test_a_spare_restores_into_memory_it_made_room_in_while_idle(procs, tmp_path
         return buffers if ready and rss_shmem(spare) >= sum(buffers.values()) - (64 << 10) else None
 
     reserved = wait_for(room_made, timeout=30, what="the spare's worker to reserve and fault in 2 snapshot buffers")
-    # and its main thread the heap its first step will allocate from (dpstate.warmheap)
+    # and its main thread the heap its first step will allocate from (dpstate.snapshot.warmheap)
     wait_for(lambda: heap_rss(spare) >= heap, timeout=30, what="the spare's worker to fault in its heap")
 
     def room_on_the_dashboard():

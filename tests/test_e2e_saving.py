@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from conftest import gone
-from dpagent.save_manifest import complete_steps
-from dprun.slurm import controller_lost_notice
+from dpcommon.save_manifest import complete_steps
+from dprun.slurm.rendezvous import controller_lost_notice
 from helpers.e2e import TRAIN, TRAIN_ARGS, dprun, read_events, the_save, wait_for
 from helpers.multi_node import multi_node_job
 
@@ -187,7 +187,7 @@ def test_nodes_that_lose_the_controller_write_their_copies_and_the_job_resumes_f
     """The first node (the controller's) dies with its agent and worker: node 1's agent, silent controller
     past the heartbeat timeout, writes the copy of rank 0 it holds and has its worker write rank 1's own, then
     exits 3; `--resume-from` the --save-dir picks the newest step every rank has and ends bitwise alike. In a
-    Slurm job but not an srun step its last line says to scancel the job (in a step, dprun.slurm_orphan ends it:
+    Slurm job but not an srun step its last line says to scancel the job (in a step, dprun.slurm.orphaned_job ends it:
     tests/test_slurm_cluster.py)."""
     saved = tmp_path / "saved"
     script = [TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import dprun
-from dprun.events import EventSink, describe, write_line
+from dprun.monitor.events import EventSink, describe, write_line
 from helpers.e2e import TRAIN, TRAIN_ARGS
 
 PUBLISHED = re.compile(r'publish\("([a-z_]+)"|\{"event": "([a-z_]+)"')  # (_publish or Outbox.publish)
@@ -23,7 +23,7 @@ def test_every_event_kind_published_has_a_line_in_words_not_the_generic_key_valu
     sources = [path.read_text() for path in Path(dprun.__file__).parent.rglob("*.py")]
     kinds = {a or b for text in sources for a, b in PUBLISHED.findall(text)}
     assert {"node_failed", "waiting_for_spare", "message_dropped"} <= kinds, kinds  # the pattern finds both forms
-    said = Path(dprun.__file__).with_name("events.py").read_text()
+    said = Path(dprun.__file__).parent.joinpath("monitor", "events.py").read_text()
     assert sorted(kind for kind in kinds if f'kind == "{kind}"' not in said) == []
 
 
@@ -105,7 +105,7 @@ def test_a_console_line_is_one_write_so_an_agents_line_cannot_land_inside_it_whe
 
 
 def test_a_diverging_loss_leaves_valid_json_in_the_events_file_and_in_the_reports_json(tmp_path, capsys):
-    from dprun.report import run_report
+    from dprun.monitor.report import run_report
 
     def strict(line: str):
         return json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))

@@ -1,4 +1,4 @@
-"""The controller's fault-firing part (dprun.fault_firing), driven alone: it is handed the job's progress and
+"""The controller's fault-firing part (dprun.controller.fault_firing), driven alone: it is handed the job's progress and
 layout and returns the actions; a freeze is remembered for the wake-node that follows it."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import typing
 
 import pytest
 
-from dpagent import protocol as p
-from dprun.controller_io import Publish, Send, WakeNode
-from dprun.fault_firing import FaultFiring, JobNow
-from dprun.faults import KINDS, FaultPlan, parse_fault
+from dpcommon import protocol as p
+from dprun.controller.vocabulary import Publish, Send, WakeNode
+from dprun.controller.fault_firing import FaultFiring, JobNow
+from dprun.controller.faults import KINDS, FaultPlan, parse_fault
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""The snapshot gate (dpstate.gate) with a real Replicator: where optimizer steps do not land in the snapshot
+"""The snapshot gate (dpstate.steps.gate) with a real Replicator: where optimizer steps do not land in the snapshot
 buffers it waits for a snapshot's capture at every step and for its acks only at the next snapshot step, so a
 replication slower than a step overlaps the steps between snapshots; a holder that never answers shows which."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 import zmq
 
-from dpstate.abort import Aborted, AbortSignal
-from dpstate.gate import STALL_STEPS, SnapshotGate, defers_acks
-from dpstate.interval import SnapshotPolicy
+from dpstate.steps.abort import Aborted, AbortSignal
+from dpstate.steps.gate import STALL_STEPS, SnapshotGate, defers_acks
+from dpstate.steps.interval import SnapshotPolicy
 from helpers.replication import replicator, state
 
 pytestmark = pytest.mark.timeout(60)

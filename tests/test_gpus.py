@@ -1,4 +1,4 @@
-"""dprun.gpus: which GPUs each local node sees when several nodes share one host (NCCL wants one GPU per
+"""dprun.launcher.gpus: which GPUs each local node sees when several nodes share one host (NCCL wants one GPU per
 rank), and the worker side's refusal to treat NCCL's "Duplicate GPU detected" as a peer failure."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from dpstate.abort import classify
-from dpstate.pgroup import GpuPlacementError
-from dprun.gpus import plan_local_gpus
+from dpstate.steps.abort import classify
+from dpstate.groups.pgroup import GpuPlacementError
+from dprun.launcher.gpus import plan_local_gpus
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -60,7 +60,7 @@ def test_nccl_duplicate_gpu_is_not_taken_for_a_peer_failure():
 def test_hidden_cuda_is_known_without_importing_torch():
     """CUDA_VISIBLE_DEVICES empty: no GPU, said without torch's import (seconds on the path to every job's
     start, where CI and these tests run)."""
-    code = ("import sys; from dprun.gpus import visible_gpus; "
+    code = ("import sys; from dprun.launcher.gpus import visible_gpus; "
             "assert visible_gpus() == [] and 'torch' not in sys.modules, sorted(sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "CUDA_VISIBLE_DEVICES": " "},
                           capture_output=True, text=True, timeout=8)

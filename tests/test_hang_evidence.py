@@ -1,12 +1,12 @@
-"""The controller's hang evidence (dprun.hang_evidence), alone: which ranks wait on their peers, which are stuck,
-and ranks left apart by different step counts, from workers' statuses as heartbeats carry them."""
+"""The controller's hang evidence (dprun.controller.hang_evidence), alone: which ranks wait on their peers, which are
+stuck, and ranks left apart by different step counts, from workers' statuses as heartbeats carry them."""
 
 from __future__ import annotations
 
 import pytest
 
-from dpagent import protocol as p
-from dprun.hang_evidence import HangEvidence, Placed
+from dpcommon import protocol as p
+from dprun.controller.hang_evidence import HangEvidence, Placed
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpagent import protocol as p
+from dpcommon import protocol as p
 from dpagent.restart import HeldExits
 
 pytestmark = pytest.mark.timeout(30)

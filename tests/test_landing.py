@@ -1,5 +1,5 @@
-"""Landing (dpstate.landing, dpstate.optim.AdamW): an optimizer step writes its result into the next snapshot's
-buffer, so that the capture copies nothing, while the previous snapshot stays intact; results stay torch's,
+"""Landing (dpstate.snapshot.landing, dpstate.snapshot.optim.AdamW): an optimizer step writes its result into the next
+snapshot's buffer, so that the capture copies nothing, while the previous snapshot stays intact; results stay torch's,
 bit for bit. Replicators here send to a real replica store (dpagent's ReplicaServer) over loopback."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import dpstate
-from dpagent import protocol as P
-from dpstate import snapshot as S
-from dpstate.abort import AbortSignal
-from dpstate.replication import Replicator
-from dpstate.state import Tracked
+from dpcommon import protocol as P
+from dpstate.snapshot import packing as S
+from dpstate.steps.abort import AbortSignal
+from dpstate.replication.replicator import Replicator
+from dpstate.snapshot.state import Tracked
 from helpers.fake_agents import TOKEN
 
 pytestmark = pytest.mark.timeout(60)
@@ -161,7 +161,7 @@ def test_between_snapshots_the_state_stays_in_the_scratch_buffer_and_the_snapsho
 
 
 def test_go_home_leaves_the_buffers_and_the_state_is_unchanged(replica):
-    """A reconfiguration (dpstate.session) sends the state back to its own memory before the buffers are
+    """A reconfiguration (dpstate.steps.session) sends the state back to its own memory before the buffers are
     reused; a buffer written afterwards leaves the model alone."""
     rep = sender(replica)
     for step, m, opt, tracked in train(rep, 4, lr=3e-3):

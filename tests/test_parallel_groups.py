@@ -21,9 +21,9 @@ from conftest import REPO
 WAITER = textwrap.dedent("""
     import os, signal, sys, threading, time, torch, torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial, Replicate
-    from dpstate.abort import AbortSignal
-    from dpstate.mesh import MeshLayout
-    from dpstate.pgroup import GroupManager
+    from dpstate.steps.abort import AbortSignal
+    from dpstate.groups.mesh import MeshLayout
+    from dpstate.groups.pgroup import GroupManager
     endpoint, rank, sever = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "sever"
     groups, abort = GroupManager(backend="gloo", timeout_s=60), AbortSignal()
     abort.add_callback(groups.on_abort)
@@ -95,11 +95,11 @@ GENERATIONS = textwrap.dedent("""
     from torch import nn
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from dpstate.abort import AbortSignal
-    from dpstate.mesh import MeshLayout
-    from dpstate.parallel import Parts, StalePartsError
-    from dpstate.pgroup import GroupManager
-    from dpstate.state import Tracked
+    from dpstate.steps.abort import AbortSignal
+    from dpstate.groups.mesh import MeshLayout
+    from dpstate.groups.parallel import Parts, StalePartsError
+    from dpstate.groups.pgroup import GroupManager
+    from dpstate.snapshot.state import Tracked
     torch.manual_seed(1)  # the state trained in generation 1 differs from a fresh build's
 
     def build(mesh):

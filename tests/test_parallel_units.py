@@ -11,12 +11,12 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from dpagent import protocol as p
-from dprun.dashboard import replica_lines
-from dprun.jobview import JobView
-from dprun.report import print_report
-from dpstate.mesh import MeshLayout
-from dpstate.parallel import Parts, StalePartsError
+from dpcommon import protocol as p
+from dprun.monitor.dashboard import replica_lines
+from dprun.monitor.jobview import JobView
+from dprun.monitor.report import print_report
+from dpstate.groups.mesh import MeshLayout
+from dpstate.groups.parallel import Parts, StalePartsError
 from helpers.controller_harness import formed
 
 
@@ -123,7 +123,7 @@ def test_the_pinned_torch_has_the_private_names_we_use():
     import torch.distributed as dist
     import torch.distributed.tensor  # noqa: F401  (the caches exist once DTensor is imported)
 
-    from dpstate import torch_private
+    from dpstate.groups import torch_private
 
     torch_private.clear_dtensor_caches()
     before = dist.distributed_c10d._world.group_count
@@ -135,7 +135,7 @@ def test_the_pinned_torch_has_the_private_names_we_use():
 def test_mesh_groups_are_named_by_layout_a_name_never_changes_its_ranks_and_caches_follow_the_rank(monkeypatch):
     import torch.distributed as dist
 
-    from dpstate import torch_private
+    from dpstate.groups import torch_private
 
     world = dist.distributed_c10d._world
     before = world.group_count
@@ -186,7 +186,7 @@ def test_an_error_that_pipelining_wraps_is_classified_by_what_it_wraps():
     collective's error: a peer's failure all the same (it once ended a survivor's script)."""
     import torch.distributed as dist
 
-    from dpstate.abort import classify, describe
+    from dpstate.steps.abort import classify, describe
 
     try:
         try:

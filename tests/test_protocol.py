@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpagent import protocol as p
+from dpcommon import protocol as p
 from dpagent.worker_link import FORWARDED
 
 TEXT = st.text(max_size=40)

@@ -10,12 +10,12 @@ from typing import Any, Callable
 import pytest
 import zmq
 
-from dpagent import protocol as P
-from dpagent.channel import Channel
-from dpagent.checksum import checksum, checksum_chunks
+from dpcommon import protocol as P
+from dpcommon.channel import Channel
+from dpcommon.checksum import checksum, checksum_chunks
 from dpagent.loop_events import EventPipe
 from dpagent.replica_server import RelabelChecked, RelabelChecker, ReplicaServer
-from dpagent.replica_store import ReplicaStore
+from dpcommon.replica_store import ReplicaStore
 
 pytestmark = pytest.mark.timeout(30)
 

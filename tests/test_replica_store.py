@@ -8,8 +8,8 @@ import zlib
 import pytest
 import zmq
 
-from dpagent.protocol import PutSnapshot
-from dpagent.replica_store import ReplicaStore
+from dpcommon.protocol import PutSnapshot
+from dpcommon.replica_store import ReplicaStore
 
 
 def put(rank=0, step=0, generation=0, meta=b"meta", data=b"data", checksum=None, nbytes=None):
@@ -111,8 +111,8 @@ def test_zero_copy_frames_are_kept_as_given():
 def test_corrupt_all_breaks_every_checksum_so_a_fetch_can_tell():
     import zlib
 
-    from dpagent.protocol import PutSnapshot
-    from dpagent.replica_store import ReplicaStore
+    from dpcommon.protocol import PutSnapshot
+    from dpcommon.replica_store import ReplicaStore
 
     store = ReplicaStore()
     meta, data = b"meta", bytes(range(256)) * 4
@@ -124,7 +124,7 @@ def test_corrupt_all_breaks_every_checksum_so_a_fetch_can_tell():
 
 
 def test_a_held_copy_is_relabelled_for_a_new_generation_only_if_it_is_intact():
-    from dpagent.checksum import checksum
+    from dpcommon.checksum import checksum
 
     store = ReplicaStore(keep=3)
     for step in (4, 5, 6):

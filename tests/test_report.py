@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dprun.report import run_report
+from dprun.monitor.report import run_report
 from helpers.cli import in_process
 from helpers.events import T0, hot_swap_events
 

@@ -1,11 +1,11 @@
-"""The controller's side of a job's state on disk (dprun.files): a stopping job has the nodes that hold its newest
-complete step write it before it ends; a resumed job has them read it back before its first generation."""
+"""The controller's side of a job's state on disk (dprun.controller.files): a stopping job has the nodes that hold its
+newest complete step write it before it ends; a resumed job has them read it back before its first generation."""
 
 from __future__ import annotations
 
-from dpagent import protocol as p
-from dprun.controller import NodeGone, Shutdown, Tick
-from dprun.events import describe
+from dpcommon import protocol as p
+from dprun.controller.state_machine import NodeGone, Shutdown, Tick
+from dprun.monitor.events import describe
 from helpers.controller_harness import Harness, formed, spec
 
 

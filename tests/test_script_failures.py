@@ -1,13 +1,13 @@
 """The training script's own failures in the controller. One that follows the work, not the machine
-(dprun.repeats): an error that strikes a second node at the same step ends the job saying so, instead of
+(dprun.controller.repeats): an error that strikes a second node at the same step ends the job saying so, instead of
 spending every spare on it; one-off errors still recover. A rank that exits 0 early is told from one that
 finished."""
 
 from __future__ import annotations
 
-from dpagent import protocol as p
-from dprun.repeats import RepeatedFailures, signature
-from dprun.controller import Tick
+from dpcommon import protocol as p
+from dprun.controller.repeats import RepeatedFailures, signature
+from dprun.controller.state_machine import Tick
 from helpers.controller_harness import Harness, formed, spec
 
 BUG = "[rank1]: ValueError: bad batch at step 5"

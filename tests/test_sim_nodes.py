@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from dpagent.protocol import PutSnapshot
-from dpagent.replica_store import ReplicaStore
+from dpcommon.protocol import PutSnapshot
+from dpcommon.replica_store import ReplicaStore
 from dprun.sim.cluster import SimNode
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from dpagent import protocol as p
-from dprun.ledger import ReplicaLedger, RestorePlan
+from dpcommon import protocol as p
+from dprun.controller.ledger import ReplicaLedger, RestorePlan
 from dprun.sim.invariants import InvariantViolation
 from dprun.sim.runner import run_schedule
 from dprun.sim.schedule import Fault, Schedule, random_schedule
@@ -300,7 +300,7 @@ def test_a_full_disk_fails_every_background_save_saying_so_once_and_training_goe
 def test_a_save_said_whole_that_is_not_is_caught(monkeypatch):
     """The checks can fail: a controller that takes every background save for written says step S is saved
     while the full disk holds none of its files (invariant 9)."""
-    from dprun.background_saves import BackgroundSaves
+    from dprun.controller.background_saves import BackgroundSaves
 
     real_end = BackgroundSaves._end
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dprun.slurm import BASE_PORT, expand_hostlist, from_environment, outside_step
+from dprun.slurm.rendezvous import BASE_PORT, expand_hostlist, from_environment, outside_step
 
 
 def test_expand_hostlist_handles_ranges_padding_and_plain_names():

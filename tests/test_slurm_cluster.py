@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from conftest import REPO, Processes, free_port
-from dpagent.save_manifest import newest_saved
+from dpcommon.save_manifest import newest_saved
 from helpers.e2e import TRAIN, TRAIN_ARGS, dprun, read_events, the_save, wait_for
 from helpers.slurm_cluster import SlurmCluster, unavailable
 

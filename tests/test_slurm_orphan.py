@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from dprun.slurm_orphan import (LEADER_PATIENCE_S, PROBE_EVERY_S, SAVE_PATIENCE_S, JobRecord, Orphan, next_move, settle,
-                                slurm_patience)
+from dprun.slurm.orphaned_job import (LEADER_PATIENCE_S, PROBE_EVERY_S, SAVE_PATIENCE_S, JobRecord, Orphan, next_move,
+                                      settle, slurm_patience)
 
 RECORD = ("JobId=5 JobName=train.sbatch UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901755 Nice=0 "
           "Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 "
@@ -114,7 +114,7 @@ def settle_with(slurm: Slurm, save_dir, mode: str = "cancel", patience=None) -> 
 
 
 def test_the_job_is_cancelled_once_slurm_took_the_batch_host_out(monkeypatch, tmp_path):
-    monkeypatch.setattr("dprun.slurm_orphan.POLL_S", 0.0)
+    monkeypatch.setattr("dprun.slurm.orphaned_job.POLL_S", 0.0)
     slurm = Slurm(RECORD.replace("NodeList=n[2-3]", "NodeList=n[1-3]"), RECORD, refuse=("srun",))  # dead, not seen
     said = settle_with(slurm, tmp_path)
     assert slurm.commands[-1] == "scancel 5" and sum(c.startswith("scontrol show job") for c in slurm.commands) == 2
@@ -139,7 +139,7 @@ def test_requeue_and_its_fallback_when_slurm_refuses(tmp_path):
 
 
 def test_a_node_that_has_not_saved_is_waited_for(monkeypatch, tmp_path):
-    monkeypatch.setattr("dprun.slurm_orphan.POLL_S", 0.0)
+    monkeypatch.setattr("dprun.slurm.orphaned_job.POLL_S", 0.0)
     orphan = Orphan("5", 0, STEP.step_nodes, "n2", str(tmp_path))
     slurm = Slurm(RECORD)
     said = settle(orphan, "cancel", threading.Event(), run=slurm, clock=Clock(), patience=60.0)
@@ -157,7 +157,7 @@ def test_a_live_batch_host_that_answers_is_left_to_end_the_job_at_the_first_poll
 def test_a_batch_host_that_does_not_answer_is_waited_for_and_slurms_timeout_sets_the_patience(monkeypatch, tmp_path):
     """Where no command runs on it (dead, though Slurm has not seen it yet; or a site without `srun --overlap`),
     the node left asks again every PROBE_EVERY_S and leaves once Slurm would have taken a dead node out."""
-    monkeypatch.setattr("dprun.slurm_orphan.POLL_S", 0.0)
+    monkeypatch.setattr("dprun.slurm.orphaned_job.POLL_S", 0.0)
     silent = Slurm(RECORD.replace("NodeList=n[2-3]", "NodeList=n[1-3]"), refuse=("srun",))
     assert "`scancel 5`, then submit again" in settle_with(silent, tmp_path)
     assert slurm_patience(silent) == 2 * 5 + 120  # SlurmdTimeout = 5 sec
@@ -184,7 +184,7 @@ def test_a_signal_ends_the_wait():
     assert settle(STEP, "cancel", halted, run=slurm, patience=10.0) == "" and slurm.commands == []
 
 
-POLL = 2.0  # as dprun.slurm_orphan.POLL_S
+POLL = 2.0  # as dprun.slurm.orphaned_job.POLL_S
 
 
 def simulate(seed: int) -> tuple[list[tuple[float, str]], dict[str, tuple[float, str]], dict]:

@@ -1,4 +1,4 @@
-"""Snapshot files (dpagent.snapshot_files): what a stopping job writes and a resumed one reads, checked whole."""
+"""Snapshot files (dpcommon.snapshot_files): what a stopping job writes and a resumed one reads, checked whole."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import sys
 import numpy as np
 import pytest
 
-from dpagent.checksum import CHECKSUM_BLOCK, CheckPlan, checksum_chunks
+from dpcommon.checksum import CHECKSUM_BLOCK, CheckPlan, checksum_chunks
 from dpagent.dedup import LocalCopy
-from dpagent.protocol import PutSnapshot, SnapshotStored, chunk_views
-from dpagent.replica_store import ReplicaStore
+from dpcommon.protocol import PutSnapshot, SnapshotStored, chunk_views
+from dpcommon.replica_store import ReplicaStore
 from dpagent.lost_save import LostSave, save_store
-from dpagent.protocol import SnapshotFiles
-from dpagent.snapshot_files import (
+from dpcommon.protocol import SnapshotFiles
+from dpcommon.snapshot_files import (
     rank_file, read_files, read_snapshot, save_held, step_folder, store_loaded,
     write_snapshot,
 )
@@ -58,7 +58,7 @@ def test_a_copy_whose_local_buffer_is_written_while_it_is_saved_leaves_no_file(t
     again while the file is written (training that goes on): the file could mix two steps, so it is removed and
     the answer says why (the controller then asks the next source)."""
     data = os.urandom(3 * CHECKSUM_BLOCK)
-    counter = np.ones(1, dtype=np.uint64)  # the buffer's write counter, as dpstate.shared keeps it
+    counter = np.ones(1, dtype=np.uint64)  # the buffer's write counter, as dpstate.snapshot.shared keeps it
 
     class RewrittenAsRead:  # a chunk of the worker's buffer: once armed, the worker writes it as it is read
         armed = False
@@ -88,7 +88,7 @@ def test_a_background_save_copies_out_only_what_refers_to_a_worker_s_buffer_and_
     file reads back bit for bit. A buffer written again before its copy-out is done leaves no file."""
     import mmap
 
-    from dpagent.snapshot_files import CopyRoom, copy_out, write_copies
+    from dpcommon.snapshot_files import CopyRoom, copy_out, write_copies
 
     received = os.urandom(2 * CHECKSUM_BLOCK)
     worker = mmap.mmap(-1, 3 * CHECKSUM_BLOCK)
@@ -159,7 +159,7 @@ def test_a_flipped_byte_in_a_block_the_snapshots_check_plan_leaves_unchecked_is_
 @pytest.mark.parametrize("before", ["no check", "crc32"])
 def test_files_of_before_are_still_read_and_checked(tmp_path, before):
     """The oldest files had only the snapshot's checksum; later ones a zlib.crc32 over the payload; now "check"
-    (the snapshot's checksum with every block digested: dpagent.checksum.checksums_both)."""
+    (the snapshot's checksum with every block digested: dpcommon.checksum.checksums_both)."""
     import zlib
 
     data = os.urandom(2 * CHECKSUM_BLOCK + 5)
@@ -200,7 +200,7 @@ def test_a_file_the_disk_cannot_take_is_not_left_half_written(tmp_path):
     in the --save-dir and keep the disk full for the older step tried next."""
     script = (
         "import errno, resource, signal, sys\n"
-        "from dpagent.snapshot_files import write_snapshot\n"
+        "from dpcommon.snapshot_files import write_snapshot\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))\n"
         "try:\n"

@@ -11,11 +11,11 @@ import statistics
 import pytest
 import torch
 
-from dpagent import protocol as P
-from dpstate import snapshot as S
-from dpstate.abort import AbortSignal
-from dpstate.interval import POLICY_NAME, SnapshotPolicy, interquartile_mean, interquartile_mean_error
-from dpstate.replication import Replicator
+from dpcommon import protocol as P
+from dpstate.snapshot import packing as S
+from dpstate.steps.abort import AbortSignal
+from dpstate.steps.interval import POLICY_NAME, SnapshotPolicy, interquartile_mean, interquartile_mean_error
+from dpstate.replication.replicator import Replicator
 from helpers.cli import in_process
 from helpers.e2e import dprun
 from helpers.fake_agents import TOKEN
@@ -134,7 +134,7 @@ def test_auto_interval_shrinks_to_young_daly_once_failures_come_often():
 def test_a_deferring_gate_lets_auto_overlap_a_replication_slower_than_a_step():
     """The H100's 4 GB: a snapshot acked 40 steps after the next gate. Gates that wait at the next step pay
     those 40 steps per snapshot (interval 4,000 and more); gates that wait at the next snapshot step overlap
-    them with the steps between (dpstate.gate), so 41 steps keep a contention of 0.2 % of a step in budget."""
+    them with the steps between (dpstate.steps.gate), so 41 steps keep a contention of 0.2 % of a step in budget."""
     blocking = SnapshotPolicy("auto")
     assert blocking.decide(40.002, step=36, step_s=0.067, lag_steps=40.0) == 4001  # the lag is in its cost
     assert blocking.lag_steps == 0.0 and blocking.max_lost_steps == 4002
@@ -224,7 +224,7 @@ def test_auto_decision_travels_in_the_state_and_a_rollback_before_it_measures_ag
 
 
 def test_auto_policy_is_tracked_so_snapshots_carry_it(monkeypatch):
-    from dpstate.state import Tracked
+    from dpstate.snapshot.state import Tracked
 
     p = SnapshotPolicy("auto")
     tracked = Tracked()

@@ -1,4 +1,4 @@
-"""dpstate.warmheap: a spare faults in the heap its first step will use. warm_heap() changes how the C library
+"""dpstate.snapshot.warmheap: a spare faults in the heap its first step will use. warm_heap() changes how the C library
 manages a whole process, so it runs in a child process here; the e2e test of it is in test_e2e_hotswap.py."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from dpstate import warmheap
+from dpstate.snapshot import warmheap
 
 pytestmark = pytest.mark.timeout(60)
 
 CHILD = """
 import torch
-from dpstate.warmheap import heap_rss, warm_heap
+from dpstate.snapshot.warmheap import heap_rss, warm_heap
 
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096

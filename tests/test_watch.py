@@ -1,4 +1,4 @@
-"""dpstate.watch.FutureWatcher: follow-ups run once a backend future completes, and the polling backs off
+"""dpstate.steps.watch.FutureWatcher: follow-ups run once a backend future completes, and the polling backs off
 while nothing completes (it used to cost ~10 % of a core through every backward) but not after a new watch."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpstate.watch import FutureWatcher
+from dpstate.steps.watch import FutureWatcher
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -106,10 +106,10 @@ def _write_record(folder: Path, name: str, pid: int, started: float | None = Non
 @pytest.mark.slow  # starts a python process
 def test_a_record_written_by_a_live_dprun_counts_and_stops_counting_once_it_is_killed(tmp_path, monkeypatch):
     """The record is written by StatusFeed.register in a real process; after its kill -9 the record is stale."""
-    from dprun.status import running_jobs
+    from dprun.monitor.status import running_jobs
 
     monkeypatch.setenv("DPRUN_STATE_DIR", str(tmp_path))
-    code = ("import sys, time; from dprun.status import StatusFeed; feed = StatusFeed('127.0.0.1'); "
+    code = ("import sys, time; from dprun.monitor.status import StatusFeed; feed = StatusFeed('127.0.0.1'); "
             "feed.register('sub', ['train.py']); print('ready', flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -128,7 +128,7 @@ def test_a_record_whose_pid_is_now_a_thread_or_a_later_process_does_not_count(tm
 
     import psutil
 
-    from dprun.status import running_jobs
+    from dprun.monitor.status import running_jobs
 
     monkeypatch.setenv("DPRUN_STATE_DIR", str(tmp_path))
     me = psutil.Process()
@@ -158,7 +158,7 @@ def test_a_record_whose_pid_is_now_a_thread_or_a_later_process_does_not_count(tm
 
 @pytest.mark.slow  # starts python processes
 def test_a_record_without_a_start_time_counts_only_while_its_pid_runs_dprun(tmp_path, monkeypatch):
-    from dprun.status import running_jobs
+    from dprun.monitor.status import running_jobs
 
     monkeypatch.setenv("DPRUN_STATE_DIR", str(tmp_path))
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -179,7 +179,7 @@ def test_dprun_status_json_is_valid_json_when_the_model_holds_nan_and_infinity(c
     """A diverging loss and a rate over no time reach `dprun status --json` as null, not NaN / Infinity."""
     import json
 
-    from dprun.status import StatusFeed, attach
+    from dprun.monitor.status import StatusFeed, attach
 
     feed = StatusFeed("127.0.0.1")
     stop = threading.Event()

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpagent.replica_store import KEEP_STEPS as KEEP_REPLICA  # the store's own rule, not a copy of it
+from dpcommon.replica_store import KEEP_STEPS as KEEP_REPLICA  # the store's own rule, not a copy of it
 
-KEEP_LOCAL = 2  # as dpstate.replication.NSLOTS
+KEEP_LOCAL = 2  # as dpstate.replication.replicator.NSLOTS
 
 Put = tuple[int, int, int]  # (rank, step, generation) of a snapshot sent to a holder
 

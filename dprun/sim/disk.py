@@ -1,5 +1,5 @@
 """The simulated job's --save-dir: snapshot files and manifest parts that outlive every node (as
-dpagent.snapshot_files and dpagent.save_manifest write, read and prune them).
+dpcommon.snapshot_files and dpcommon.save_manifest write, read and prune them).
 
 A file holds the state of its rank at the step its copy was of: in the simulator's terms the step itself
 (training is deterministic: a rank's state at step S is the same in every timeline), so a file is right when
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from dpagent.snapshot_files import CANNOT_WRITE
+from dpcommon.snapshot_files import CANNOT_WRITE
 
 NO_SPACE = "[Errno 28] No space left on device"
 

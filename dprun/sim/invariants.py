@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import re
 
-from dpagent import protocol as p
-from dprun.controller import ANY_GENERATION, Finish, Publish, Received, Send
-from dprun.nodes import ACTIVE, FAILED
-from dprun.phase import Phase
-from dprun.repeats import without_rank_prefix
+from dpcommon import protocol as p
+from dprun.controller.state_machine import ANY_GENERATION, Finish, Publish, Received, Send
+from dprun.controller.nodes import ACTIVE, FAILED
+from dprun.controller.phase import Phase
+from dprun.controller.repeats import without_rank_prefix
 
 
 class InvariantViolation(AssertionError):
@@ -104,7 +104,7 @@ class Checker:
 
     def _bug_ends_the_job(self, world, event, actions) -> None:
         """Invariant 6: the exit of a second node raising the script's bug (not a one-off error) ends the job at
-        once (dprun.repeats): no more spares go to it."""
+        once (dprun.controller.repeats): no more spares go to it."""
         line = without_rank_prefix(event.msg.detail)
         if event.msg.exitcode != 1 or not any(e.detail == line and not e.once for e in world.errors):
             return
@@ -270,7 +270,7 @@ def judge_outcome(world) -> str:
         if not any(w.phase == "done" and w.state == world.steps for n in world.nodes.values() for w in n.workers):
             raise InvariantViolation(f"ended as finished before the last step: {finish.message}")
         return "failed-at-exit"
-    if "a spare cannot fix it" in finish.message:  # dprun.repeats: named so only if 2 nodes raised it
+    if "a spare cannot fix it" in finish.message:  # dprun.controller.repeats: named so only if 2 nodes raised it
         nodes_of: dict[str, set] = {}
         for node_id, detail in world.raised:
             nodes_of.setdefault(without_rank_prefix(detail), set()).add(node_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from dprun.controller import JobSpec
+from dprun.controller.state_machine import JobSpec
 
 # dpstate's fetch gives up on a store that sends nothing after 60 s (Replicator.fetch): 12 of dprun's default 5 s
 # heartbeat timeouts; the same ratio to the simulated job's 2 s

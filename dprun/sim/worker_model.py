@@ -4,7 +4,7 @@ sent to replica stores and acked, exits. Methods of World (world.py), which keep
 
 from __future__ import annotations
 
-from dpagent import protocol as p
+from dpcommon import protocol as p
 
 from .cluster import KEEP_LOCAL, Put, SimNode
 
@@ -202,7 +202,7 @@ class WorkerSide:
     def _worker_step(self, node: SimNode, local: int, generation: int) -> None:
         """Forward/backward done: enter the all-reduce of step state+1, once past the snapshot gate (dpstate's
         Job._gate: its newest snapshot acked; so no rank applies step S+1 before every rank's S is held). A
-        deferring gate (dpstate.gate) waits only where step state+1 is itself snapshotted; its capture is
+        deferring gate (dpstate.steps.gate) waits only where step state+1 is itself snapshotted; its capture is
         instant here."""
         if self._frozen(node, self._worker_step, node, local, generation):
             return

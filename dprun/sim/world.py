@@ -12,8 +12,9 @@ import itertools
 import random
 from typing import Any, Callable
 
-from dpagent import protocol as p
-from dprun.controller import ConnectionDropped, Controller, Finish, JobSpec, NodeGone, Publish, Received, Send, Tick
+from dpcommon import protocol as p
+from dprun.controller.state_machine import (ConnectionDropped, Controller, Finish, JobSpec, NodeGone, Publish, Received,
+                                            Send, Tick)
 
 from .disk import SimDisk
 from .cluster import ScriptError, SimNode, SimWorker
@@ -33,7 +34,7 @@ class World(WorkerSide):
         self.spec, self.steps, self.rng = spec, steps, rng
         self.interval = interval  # snapshots at step 0 and every multiple of it ...
         self.measure_until = measure_until  # ... after an auto-like measuring window (see snapshotted)
-        self.defer = defer  # the gate waits for acks at snapshot steps only (dpstate.gate: no landing)
+        self.defer = defer  # the gate waits for acks at snapshot steps only (dpstate.steps.gate: no landing)
         self.fetch_timeout = fetch_timeout  # a restore gives up on a store that sends nothing (FETCH_TIMEOUT_S)
         self.now = 0.0
         self.queue: list = []
@@ -166,8 +167,8 @@ class World(WorkerSide):
             self._load_files(node, msg)
 
     def _save_files(self, node: SimNode, msg: p.SaveSnapshots) -> dict[str, str]:
-        """As dpagent.snapshot_files.save_held (from the store; a damaged copy is not saved) or, with `local`,
-        dpstate.saving (each worker of those ranks from its local ring), onto the disk."""
+        """As dpcommon.snapshot_files.save_held (from the store; a damaged copy is not saved) or, with `local`,
+        dpstate.replication.saving (each worker of those ranks from its local ring), onto the disk."""
         results, copies = {}, {}
         for rank in msg.ranks:
             if msg.local:

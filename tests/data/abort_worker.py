@@ -25,9 +25,9 @@ def abort_worker(port: int, rank: int, generation: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from dpstate.abort import AbortSignal, classify
-    from dpstate.ddp import DataParallel
-    from dpstate.pgroup import GroupManager
+    from dpstate.steps.abort import AbortSignal, classify
+    from dpstate.groups.ddp import DataParallel
+    from dpstate.groups.pgroup import GroupManager
 
     abort = AbortSignal()
     commands: queue.SimpleQueue = queue.SimpleQueue()

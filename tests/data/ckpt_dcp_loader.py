@@ -29,8 +29,8 @@ from parallel_gpt import build_parts
 from train_gpt import load_text
 from train_gpt_3d import DIMS, parse_args
 
-from dpagent.snapshot_files import read_snapshot
-from dpstate import snapshot as S
+from dpcommon.snapshot_files import read_snapshot
+from dpstate.snapshot import packing as S
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import zmq  # noqa: E402
 
-from dpagent.protocol import (  # noqa: E402
+from dpcommon.protocol import (  # noqa: E402
     NO_RANK, Codec, Hello, Progress, ProtocolError, Reconfigure, SaveSnapshots, SnapshotFiles, Standby, Stop,
 )
 

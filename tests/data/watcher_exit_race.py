@@ -9,7 +9,7 @@ import time
 sys.path.insert(0, sys.argv[1])
 import torch  # noqa: E402
 
-from dpstate.watch import WATCHER  # noqa: E402
+from dpstate.steps.watch import WATCHER  # noqa: E402
 
 if sys.argv[2:] == ["unclosed"]:
     atexit.unregister(WATCHER.close)

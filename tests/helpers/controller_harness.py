@@ -3,8 +3,8 @@ JobSpec of the tests, and the job states several test modules start from (formed
 
 from __future__ import annotations
 
-from dpagent import protocol as p
-from dprun.controller import Controller, Finish, JobSpec, Publish, Received, Send, Tick
+from dpcommon import protocol as p
+from dprun.controller.state_machine import Controller, Finish, JobSpec, Publish, Received, Send, Tick
 
 
 def spec(**kw) -> JobSpec:

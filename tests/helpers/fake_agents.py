@@ -13,7 +13,7 @@ from typing import Any, Callable
 import zmq
 
 from conftest import REPO
-from dpagent import protocol as P
+from dpcommon import protocol as P
 
 TOKEN = "dpstate-test-token"
 
@@ -39,9 +39,9 @@ class FakeAgents:
     """Plays the agents of several one-worker nodes and one replica store, in a background thread."""
 
     def __init__(self, rundir: Path, node_ids: list[str], local_pids: Callable[[], Any] = tuple):
-        from dpagent.channel import Channel
+        from dpcommon.channel import Channel
         from dpagent.replica_server import ReplicaServer
-        from dpagent.replica_store import ReplicaStore
+        from dpcommon.replica_store import ReplicaStore
 
         self.ctx = zmq.Context()
         self.codec = P.Codec(TOKEN)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from dpagent import protocol as P
-from dpstate.abort import AbortSignal
-from dpstate.replication import Replicator
-from dpstate.state import Tracked
+from dpcommon import protocol as P
+from dpstate.steps.abort import AbortSignal
+from dpstate.replication.replicator import Replicator
+from dpstate.snapshot.state import Tracked
 from helpers.fake_agents import TOKEN
 
 

@@ -1,0 +1,155 @@
+"""Which replica store holds which rank's snapshot at which step, and the restore step that follows.
+
+Pure logic used by the controller when it reconstructs a generation (DESIGN.md, protocol step 3).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from dpcommon.replica_store import KEEP_STEPS as KEEP_PER_HOLDER  # what each replica store keeps per rank
+KEEP_SNAPSHOT_STEPS = 64  # newest distinct snapshot steps remembered (survivor floors look a few steps back)
+INIT = "init"  # restore source: keep the freshly initialised state (a rank that never had a snapshot)
+
+
+@dataclass
+class RestorePlan:
+    step: int
+    sources: dict[int, str] = field(default_factory=dict)  # rank -> holder node id, "" (own local copy) or INIT
+    lost: list[int] = field(default_factory=list)  # ranks whose state is gone
+
+
+class ReplicaLedger:
+    def __init__(self, keep: int = KEEP_PER_HOLDER):
+        self.keep = keep
+        self.held: dict[int, dict[str, list[int]]] = {}  # rank -> holder -> newest steps, ascending
+        self.newest_ever: dict[int, int] = {}  # rank -> newest step ever replicated (bounded by its live state)
+        self.snapshot_steps: list[int] = [0]  # steps any rank was snapshotted at, ascending (the interval's grid)
+
+    def stored(self, rank: int, step: int, holder: str) -> None:
+        steps = self.held.setdefault(rank, {}).setdefault(holder, [])
+        if step not in steps:
+            steps.append(step)
+            steps.sort()
+            del steps[: -self.keep]
+        self.newest_ever[rank] = max(step, self.newest_ever.get(rank, -1))
+        self.snapshot_taken(step)
+
+    def snapshot_taken(self, step: int) -> None:
+        """A rank said it snapshots `step` (Progress): a step on the grid even if no replica report of it
+        ever arrives (its holder died with the reports in flight)."""
+        if step not in self.snapshot_steps:
+            bisect.insort(self.snapshot_steps, step)
+            del self.snapshot_steps[:-KEEP_SNAPSHOT_STEPS]
+
+    def snapshot_step_at_or_before(self, step: int) -> int:
+        """The newest step at or before `step` that snapshots were taken at (every rank snapshots the same
+        steps: every N, or auto's interval decided together), as far as any report tells; 0 if none."""
+        i = bisect.bisect_right(self.snapshot_steps, step)
+        return self.snapshot_steps[i - 1] if i else 0
+
+    def holder_lost(self, holder: str) -> None:
+        for by_holder in self.held.values():
+            by_holder.pop(holder, None)
+
+    def rollback(self, step: int) -> None:
+        """All ranks go back to `step`: copies of later steps no longer bound anyone's live state."""
+        for steps in self._step_lists():
+            steps[:] = [s for s in steps if s <= step]
+        for rank in self.held:
+            if self.newest_ever.get(rank, -1) > step:
+                self.newest_ever[rank] = step
+        self.snapshot_steps[:] = [s for s in self.snapshot_steps if s <= step] or [0]
+
+    def forget(self, step: int) -> None:
+        """No copy of `step` is to be counted on any more (a save of it failed: its copies damaged, or moved
+        past by workers that trained on): plans pass it by, for an older step or a newer one reported since."""
+        for steps in self._step_lists():
+            if step in steps:
+                steps.remove(step)
+        self.snapshot_steps[:] = [s for s in self.snapshot_steps if s != step] or [0]
+
+    def _step_lists(self) -> list[list[int]]:
+        """Every list of steps a holder holds of a rank (to be edited in place)."""
+        return [steps for by_holder in self.held.values() for steps in by_holder.values()]
+
+    def newest_live(self, rank: int) -> int | None:
+        steps = [s for held in self.held.get(rank, {}).values() for s in held]
+        return max(steps) if steps else None
+
+    def newest_held_by(self, rank: int, holder: str) -> int:
+        """The newest step of `rank` that `holder` reported it stores (-1: none)."""
+        return max(self.held.get(rank, {}).get(holder, []), default=-1)
+
+    def holders_of(self, rank: int, step: int) -> list[str]:
+        return [holder for holder, steps in sorted(self.held.get(rank, {}).items()) if step in steps]
+
+    def holder_of(self, rank: int, step: int) -> str | None:
+        holders = self.holders_of(rank, step)
+        return holders[0] if holders else None
+
+    def discard(self, rank: int, step: int, holder: str) -> bool:
+        """That copy turned out missing or corrupt. False if it was not listed (nothing changes)."""
+        steps = self.held.get(rank, {}).get(holder)
+        if steps and step in steps:
+            steps.remove(step)
+            return True
+        return False
+
+    def plan(self, world_size: int, failed_ranks: set[int], floors: dict[int, int] | None = None,
+             no_local: dict[int, int] | None = None) -> RestorePlan:
+        """The newest step every rank can come back to; failed nodes must already be `holder_lost`.
+
+        A failed rank comes back from a live replica; one that never had a snapshot comes back from its
+        fresh initial state at step 0; one whose every copy is gone is lost. A surviving rank is bounded
+        by its newest replicated step, or by `floors` (a step it is known to hold locally) where higher:
+        replica reports from a holder that died with them can be lost. It comes back from a replica that
+        holds the step, else from its local copy, unless it said it has none at or before `no_local[rank]`.
+        Where some rank has no copy of the newest such step (copies found bad, a survivor's ring passed),
+        the plan goes down the snapshot grid to the newest step that every rank has a copy of.
+        """
+        floors, no_local = floors or {}, no_local or {}
+        bounds: dict[int, int] = {}
+        lost = []
+        for rank in range(world_size):
+            if rank in failed_ranks:
+                live = self.newest_live(rank)
+                if live is not None:
+                    bounds[rank] = live
+                elif rank in self.newest_ever:
+                    lost.append(rank)
+                else:
+                    bounds[rank] = 0
+            else:
+                bounds[rank] = max(self.newest_ever.get(rank, 0), floors.get(rank, 0), 0)
+        if lost:
+            return RestorePlan(step=-1, lost=lost)
+        newest = min(bounds.values()) if bounds else 0
+        first_lost: list[int] | None = None
+        for step in [newest, *(s for s in reversed(self.snapshot_steps) if s < newest)]:
+            sources, lost = self._sources_at(step, world_size, failed_ranks, no_local)
+            if not lost:
+                return RestorePlan(step=step, sources=sources)
+            first_lost = lost if first_lost is None else first_lost
+        return RestorePlan(step=-1, lost=first_lost or [])
+
+    def _sources_at(self, step: int, world_size: int, failed_ranks: set[int],
+                    no_local: dict[int, int]) -> tuple[dict[int, str], list[int]]:
+        """Where each rank's copy of `step` comes from, and the ranks that have none."""
+        sources: dict[int, str] = {}
+        lost = []
+        for rank in range(world_size):
+            holder = self.holder_of(rank, step)
+            if rank in failed_ranks:
+                if holder is not None:
+                    sources[rank] = holder
+                elif step == 0 and rank not in self.newest_ever:
+                    sources[rank] = INIT
+                else:
+                    lost.append(rank)
+            elif holder is None and step <= no_local.get(rank, -1):
+                lost.append(rank)
+            else:
+                sources[rank] = holder or ""
+        return sources, lost

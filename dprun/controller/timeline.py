@@ -1,0 +1,171 @@
+"""The training's timeline as the controller records it: the generation and its layout, the steps ranks made in
+it, the ranks a new node has still to restore, and the copies reported late for an older generation.
+
+A part that the controller composes and hands to its other parts (reconstruction, files, endgame): it owns these
+records and answers questions of them; the ledger and the node table it is handed when it needs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpcommon import protocol as p
+
+from .vocabulary import JobSpec, Send
+from .ledger import INIT, ReplicaLedger
+from .nodes import ACTIVE, SPARE, Node, NodeTable
+
+PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
+
+
+@dataclass
+class Timeline:
+    nproc: int  # ranks per node
+    world_size: int
+    last_progress_at: float  # when the newest step last grew (hang detection)
+    training_since: float | None = None  # when the first generation started
+    generation: int = -1  # -1 while the first generation forms
+    layout: list[str] = field(default_factory=list)  # node rank -> node id
+    holders: dict[int, list[str]] = field(default_factory=dict)  # node rank -> nodes holding its replicas
+    max_step: int = 0
+    stepped: bool = False  # a step was made in this generation: start-up and restores are not hangs
+    rank_step: dict[int, int] = field(default_factory=dict)  # newest step each rank reported in this generation
+    peaks: dict[int, int] = field(default_factory=dict)  # generation -> its newest step, once a newer was planned
+    trained_generation: int = -1  # the newest generation that any rank made a step in
+    late_copies: list[tuple[int, int, str]] = field(default_factory=list)  # (rank, step, holder) of an older one
+    unrestored: set[int] = field(default_factory=set)  # ranks handed to a new node that has not restored them yet
+    restores_answered: set[int] = field(default_factory=set)  # ranks that said restored or failed to, this generation
+    last_progress_event: float = float("-inf")  # when a "progress" event was last said
+    progress_said: int = 0  # the step it named
+
+    def form(self, layout: list[str], table: NodeTable) -> None:
+        """The first generation's layout (node ids by node rank)."""
+        self.layout, self.generation = layout, 0
+        for node_rank, node_id in enumerate(layout):
+            table.nodes[node_id].node_rank = node_rank
+
+    def ranks_of(self, node_rank: int) -> range:
+        return range(node_rank * self.nproc, (node_rank + 1) * self.nproc)
+
+    def rank_of(self, node: Node, local_rank: int) -> int:
+        """The global rank of a node's local worker: NO_RANK where the node holds no node rank (a spare)."""
+        return self.ranks_of(node.node_rank)[local_rank] if node.node_rank >= 0 else p.NO_RANK
+
+    def node_of_rank(self, rank: int) -> str:
+        return self.layout[rank // self.nproc]
+
+    def replica_holders(self, node_rank: int, replicas: int, spares: list[str]) -> list[str]:
+        """Node rank r's snapshots live on node ranks r+1 .. r+replicas (a ring); a single node uses spares."""
+        n = len(self.layout)
+        if n > 1:
+            count = min(replicas, n - 1)
+            return [self.layout[(node_rank + k) % n] for k in range(1, count + 1)]
+        return spares[:replicas] or [self.layout[node_rank]]
+
+    def progressed(self, rank: int, step: int, now: float) -> None:
+        """A rank reported `step` (Progress)."""
+        self.rank_step[rank] = max(self.rank_step.get(rank, 0), step)
+        if step > self.max_step or not self.stepped:
+            self.max_step = max(self.max_step, step)
+            self.last_progress_at = now
+            self.stepped = True
+
+    def progress_note_due(self, now: float) -> bool:
+        """A "progress" event is due (at most one a second), naming the newest step."""
+        if now - self.last_progress_event < PROGRESS_EVERY_S:
+            return False
+        self.last_progress_event, self.progress_said = now, self.max_step
+        return True
+
+    def began(self, step: int, now: float) -> None:
+        """A new generation was planned, every rank going back to `step`."""
+        self.generation += 1
+        self.restores_answered = set()
+        self.last_progress_at, self.stepped = now, False
+        self.peaks[self.generation - 1] = self.max_step
+        self.rank_step = dict.fromkeys(range(self.world_size), max(step, 0))
+        self.max_step = step
+
+    def reconfigures(self, spec: JobSpec, table: NodeTable, ledger: ReplicaLedger, restore_step: int,
+                     sources: dict[int, str], reason: str) -> list[Send]:
+        """This generation's Reconfigure to every node of the layout (its replica holders recorded)."""
+        spares = [node.node_id for node in table.with_role(SPARE)]
+        self.holders = {r: self.replica_holders(r, spec.replicas, spares) for r in range(len(self.layout))}
+        endpoint = lambda node_id: table.nodes[node_id].replica_endpoint  # noqa: E731
+        sends = []
+        for node_rank, node_id in enumerate(self.layout):
+            restore_from: dict[str, str] = {}
+            restore_also: dict[str, list[str]] = {}
+            for rank in self.ranks_of(node_rank):
+                source = sources.get(rank, "")
+                others = [h for h in ledger.holders_of(rank, restore_step) if h != source]
+                restore_from[str(rank)] = endpoint(source) if source not in ("", INIT) else source
+                if others and source != INIT:
+                    restore_also[str(rank)] = [endpoint(h) for h in others]
+            sends.append(Send(node_id, p.Reconfigure(
+                generation=self.generation, node_rank=node_rank, nnodes=spec.nnodes,
+                nproc_per_node=spec.nproc_per_node, world_size=spec.world_size,
+                restore_step=restore_step, store_endpoint=spec.store_endpoint,
+                replica_to=endpoint(self.holders[node_rank][0]), restore_from=restore_from, reason=reason,
+                replica_also=[endpoint(h) for h in self.holders[node_rank][1:]], restore_also=restore_also,
+                restart_workers=spec.restart_mode,
+            )))
+        return sends
+
+    def survivor_floors(self, ledger: ReplicaLedger) -> dict[int, int]:
+        """A step that each surviving rank still holds locally, from what ranks reported.
+
+        Every rank passes the snapshot gate (dpstate's Job._gate) before the last collective of a step, so
+        Progress(P) from any rank means every rank's snapshots before P are acked, and every rank is at P-1
+        or later. A worker keeps its newest 2 snapshots, captures every step it submits before it reports
+        it (Progress), even when a reconfiguration comes, and is at most a step past what it reported. So
+        it holds the snapshot at or before what it reported, and the one at or before P-1: the floor is the
+        newer of the two. Snapshots are taken at the same steps on every rank (the grid: Progress says which
+        steps are snapshotted, as do replica reports): these hold whatever the replica reports say (those
+        from a holder that died with them can be lost in flight: a grid known only from them could lag, and send
+        a survivor to a step its ring had dropped).
+        """
+        top = max(self.rank_step.values(), default=0)
+        return {rank: ledger.snapshot_step_at_or_before(max(self.rank_step.get(rank, 0), top - 1, 0))
+                for rank in range(self.world_size)}
+
+    def late_copy(self, msg: Any) -> bool:
+        """A copy stored for an older generation, reported late (its sender's put was in flight when a failure
+        began a new one), is still taken in while no generation since has trained: it is of the one timeline
+        that did, and the store made room for it, so the ledger must know what the store now holds (else an
+        older copy counted on may be gone, the newer one unknown, and the state said lost)."""
+        return isinstance(msg, p.SnapshotStored) and self.trained_generation <= msg.generation < self.generation
+
+    def first_step(self, ledger: ReplicaLedger, restore_step: int) -> None:
+        """This generation trains from `restore_step` on: the late copies of steps past it are of an abandoned
+        timeline (the stores drop them as this generation's copies come), and the ledger forgets them too."""
+        self.trained_generation = self.generation
+        for rank, step, holder in self.late_copies:
+            if step > restore_step:
+                ledger.discard(rank, step, holder)
+        self.late_copies = []
+
+    def copy_stored(self, ledger: ReplicaLedger, msg: p.SnapshotStored, holder: str) -> None:
+        """`holder` stored a copy (SnapshotStored), of this generation or a late one of an older generation."""
+        if msg.generation != self.generation:
+            self.late_copies.append((msg.rank, msg.step, holder))
+        else:
+            self._late_copies_superseded(ledger, msg.rank, msg.step, holder)
+        ledger.stored(msg.rank, msg.step, holder)
+
+    def _late_copies_superseded(self, ledger: ReplicaLedger, rank: int, step: int, holder: str) -> None:
+        """`holder` stored this generation's copy of `rank` at `step` (the restored step sent again, most often):
+        its store dropped the older generations' copies of that rank at or past it (ReplicaStore.add), late ones
+        too, before this generation trained (else a second failure could plan a late copy that the holder no
+        longer holds)."""
+        superseded = [copy for copy in self.late_copies if copy[0] == rank and copy[2] == holder and copy[1] >= step]
+        for copy in superseded:
+            self.late_copies.remove(copy)
+            if copy[1] > step:
+                ledger.discard(*copy)
+
+    def all_still_restoring(self, ranks: list[int], table: NodeTable) -> bool:
+        """Is every one of `ranks` one that a live node was handed and has neither restored nor failed to yet?"""
+        return all(rank in self.unrestored and rank not in self.restores_answered
+                   and table.nodes[self.node_of_rank(rank)].role == ACTIVE for rank in ranks)

@@ -1,0 +1,71 @@
+"""The controller's state as the operator sees it: a frozen view that the controller publishes (Controller.view),
+so that the dashboard, the status feed and `dprun status` read no controller internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from .nodes import ACTIVE, Node, Role
+from .phase import Phase
+
+if TYPE_CHECKING:
+    from .state_machine import Controller
+
+
+@dataclass(frozen=True)
+class NodeView:
+    host: str
+    pid: int
+    role: Role
+    node_rank: int
+    age: float  # seconds since it was last heard
+    cause: str  # why it failed
+    last_step: int  # the newest step any of its ranks reported
+    room: int  # bytes its workers reserved for snapshots (a spare's, while idle)
+    holder: str = ""  # an active node: the nodes holding its replicas, "+"-joined
+    replicated: int | None = None  # ... and the newest step of which they hold every one of its ranks
+
+
+@dataclass(frozen=True)
+class ControllerView:
+    job_id: str
+    nproc_per_node: int
+    world_size: int
+    generation: int
+    phase: Phase
+    nodes: Mapping[str, NodeView]
+    restore_point: int | None  # the newest step every rank could go back to from the replicas, if any
+
+
+def view_of(controller: Controller, now: float) -> ControllerView:
+    """`controller` (a dprun.controller.state_machine.Controller) as a ControllerView at `now` (its monotonic clock)."""
+    spec, timeline = controller.spec, controller.timeline
+    layout = timeline.layout
+    nproc = spec.nproc_per_node
+    held = controller.ledger.held
+    nodes = {node_id: _node_view(node, layout, timeline.holders, held, nproc, now)
+             for node_id, node in controller.table.nodes.items()}
+    restore_point = None
+    if held and layout and not spec.restart_mode:
+        newest = [max((s for steps in held.get(rank, {}).values() for s in steps), default=-1)
+                  for rank in range(len(layout) * nproc)]
+        restore_point = min(newest) if min(newest) >= 0 else None
+    return ControllerView(job_id=spec.job_id, nproc_per_node=nproc, world_size=spec.world_size,
+                          generation=timeline.generation, phase=controller.phase, nodes=nodes,
+                          restore_point=restore_point)
+
+
+def _node_view(node: Node, layout: list[str], holders: dict[int, list[str]], held: dict, nproc: int,
+               now: float) -> NodeView:
+    holder, replicated = "", None
+    rank = node.node_rank
+    if node.role == ACTIVE and 0 <= rank < len(layout) and layout[rank] == node.node_id:
+        holding = holders.get(rank, [])
+        newest = [max([s for h in holding for s in held.get(r, {}).get(h, [])] or [-1])
+                  for r in range(rank * nproc, (rank + 1) * nproc)]
+        holder, replicated = "+".join(holding), (min(newest) if min(newest) >= 0 else None)
+    return NodeView(host=node.host, pid=node.pid, role=node.role, node_rank=node.node_rank,
+                    age=round(max(0.0, now - node.last_heard), 3), cause=node.cause, last_step=node.last_step,
+                    room=sum(status.room for status in node.workers.values()), holder=holder, replicated=replicated)

@@ -1,0 +1,204 @@
+"""Pulling one snapshot back from a replica store: FetchSnapshot, then SnapshotData and its SnapshotChunk
+messages, each chunk copied into a Slot (a host buffer for one snapshot) while the next is on its way.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from dpcommon import protocol as P
+from dpcommon.checksum import BlockDigester, CheckPlan
+from dpcommon.memory import huge_page_buffer
+
+from dpstate.snapshot import packing as S
+from dpstate.steps.abort import AbortSignal
+from dpstate.snapshot.shared import PageLockError, SharedBuffer
+
+
+FETCHED = ("fetched",)  # Slot.layout of a fetched snapshot: the next capture into that slot zeroes it first
+
+
+class ReplicationError(RuntimeError):
+    """The replica holder refused a snapshot (after retries), or a fetched snapshot is missing or corrupt."""
+
+
+@dataclass
+class Slot:
+    """One host buffer holding (at most) one complete snapshot."""
+
+    buffer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    step: int = -1  # -1: empty or being written
+    meta: bytes = b""
+    nbytes: int = 0
+    checksum: int = 0
+    capture_s: float = 0.0
+    shared: SharedBuffer | None = None  # the buffer's memory, when the node's agent may map it
+    digests: Any = None  # dpcommon.checksum.block_digests of the data, when captured into a shared buffer
+    plan: CheckPlan | None = None  # which blocks its checksum digests (None: all)
+    layout: Any = ()  # the tensor specs last captured here (FETCHED: a fetched snapshot's; (): new memory)
+    share_refused: bool = False  # CUDA would not page-lock a shared buffer: private pinned ones from then on
+    live: bool = False  # the optimizer's state lies in it (dpstate.snapshot.landing): written by the step, not a copy
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.buffer[: self.nbytes]
+
+    def reserve(self, nbytes: int, pin: bool, share: bool = False) -> None:
+        """Make room for `nbytes` about to be written (a shared buffer counts the write: see dpstate.snapshot.shared).
+        Shared and pinned: a page-locked shared buffer, or a private pinned one where CUDA refuses that."""
+        self.step, self.digests, self.plan = -1, None, None
+        share = share and not self.share_refused
+        if self.buffer.numel() < nbytes or (self.shared is not None) != share:
+            self.release()  # drop the old one first (peak memory)
+            if share:
+                try:
+                    self.shared = SharedBuffer(max(nbytes, 1), page_locked=pin)
+                except PageLockError as exc:
+                    print(f"dpstate: {exc}; this buffer is a private pinned one (its snapshots are sent whole)",
+                          file=sys.stderr, flush=True)
+                    self.share_refused = True
+            if self.shared is not None:
+                self.buffer = self.shared.tensor
+            elif pin:
+                self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+            else:  # written at once from end to end: huge pages fault it in faster (a restore's fetch)
+                self.buffer = torch.frombuffer(huge_page_buffer(nbytes), dtype=torch.uint8)
+        if self.shared is not None:
+            self.shared.begin_write()
+
+    def prefault(self) -> None:
+        """Fault the buffer's memory in now (a spare's, made room in while idle), so that writing it later
+        costs no page faults; a page-locked buffer is resident already."""
+        if self.shared is not None:
+            self.shared.populate()
+        elif not self.buffer.is_pinned():
+            self.buffer.zero_()
+
+    def seal(self, meta: Any, nbytes: int, plan: CheckPlan | None, digester: BlockDigester | None = None) -> int:
+        """The checksum of meta + the buffer's first `nbytes` with `plan` (the meta's), from `digester`'s digests
+        where it made them while the buffer was copied; a shared buffer keeps the block digests too (the same
+        pass), which its node's agent is told."""
+        if digester is not None:
+            crc, digests = digester.checksum(meta)
+        else:
+            crc, digests = S.checksum_and_digests(meta, self.buffer[:nbytes], plan)
+        self.plan = plan
+        self.digests = digests if self.shared is not None else None
+        return crc
+
+    def prepare_layout(self, specs: list, nbytes: int) -> None:
+        """Before a capture with `specs`: where the buffer last held another layout, zero it, so that the
+        padding between tensors is the same on every rank (data parallel blocks are compared and trusted
+        whole; a block whose padding kept another layout's bytes would differ)."""
+        if self.layout and self.layout != specs:
+            self.buffer[:nbytes].zero_()
+        self.layout = specs
+
+    def release(self) -> None:
+        """Empty, its memory given back."""
+        self.step, self.nbytes, self.shared, self.digests, self.plan, self.layout = -1, 0, None, None, None, ()
+        self.live = False
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
+def receive_snapshot(ctx: zmq.Context, codec: P.Codec, abort: AbortSignal, endpoint: str, rank: int, step: int,
+                     timeout: float, reserve: Callable[[int], Slot]) -> tuple[Slot, P.SnapshotData]:
+    """Ask the store at `endpoint` for rank's snapshot of `step` and receive it into reserve(data size) (its
+    meta and size set, its step and checksum left to the caller, who verifies it). ReplicationError: not
+    held, or not received whole in `timeout` s; Aborted when `abort` is triggered meanwhile."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(codec.encode(P.FetchSnapshot(rank=rank, step=step)))
+        deadline = time.monotonic() + timeout
+        while True:
+            _await(sock, abort, deadline, f"no SnapshotData from {endpoint} for rank {rank} step {step} in {timeout} s")
+            head = _recv_head(sock, 5)  # the message's 4 frames, then the meta
+            _drain(sock)
+            try:
+                msg, payload = codec.decode(head)
+            except P.ProtocolError:
+                continue
+            if isinstance(msg, P.SnapshotData) and msg.rank == rank and msg.step == step:
+                break
+        if not msg.found or not payload:
+            raise ReplicationError(f"the replica store at {endpoint} has no snapshot of rank {rank} step {step}")
+        meta = bytes(P.payload_bytes(payload[0]))
+        nbytes = msg.nbytes - len(meta)
+        slot = reserve(max(nbytes, 0))
+        reader = _ChunkReader(sock, codec, msg, abort, deadline, endpoint)
+        if reader.receive_into(slot.buffer[: max(nbytes, 0)]) != nbytes:
+            raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: size mismatch")
+        slot.meta, slot.nbytes = meta, nbytes
+        return slot, msg
+    finally:
+        sock.close(0)
+
+
+def _await(sock: Any, abort: AbortSignal, deadline: float, late: str) -> None:
+    """Wait (abortably) until a message is ready; ReplicationError(late) past `deadline`."""
+    while True:
+        abort.check()
+        if time.monotonic() > deadline:
+            raise ReplicationError(late)
+        if sock.poll(50):
+            return
+
+
+def _recv_head(sock: Any, nframes: int) -> list:
+    """Receive the first `nframes` frames of the next message (fewer if it has fewer); the rest stay queued."""
+    head = [sock.recv(copy=False)]
+    while len(head) < nframes and sock.get(zmq.RCVMORE):
+        head.append(sock.recv(copy=False))
+    return head
+
+
+def _drain(sock: Any) -> None:
+    """Receive and drop the rest of a multipart message."""
+    while sock.get(zmq.RCVMORE):
+        sock.recv(copy=False)
+
+
+@dataclass
+class _ChunkReader:
+    """Receives the SnapshotChunk messages that follow a SnapshotData reply, each while the next is on its way."""
+
+    sock: Any
+    codec: P.Codec
+    reply: P.SnapshotData
+    abort: AbortSignal
+    deadline: float
+    endpoint: str
+
+    def receive_into(self, buffer: torch.Tensor) -> int:
+        """Copy the chunks into `buffer`, back to back. Returns their total size; data that does not fit is
+        dropped (the total then differs from the buffer's size). ReplicationError: one missing, out of
+        order or not in time."""
+        view = buffer.numpy().data  # memoryview(array), which numpy's stubs accept only from Python 3.12 on
+        total = 0
+        for index in range(self.reply.chunks):
+            self._expect(index)
+            while self.sock.get(zmq.RCVMORE):
+                room = view[total:]  # empty once full (or past full)
+                total += self.sock.recv_into(room) if len(room) else len(self.sock.recv(copy=False))
+        return total
+
+    def _expect(self, index: int) -> None:
+        """Receive chunk `index`'s header frames; its payload frame is left for the caller."""
+        what = f"chunk {index} of {self.reply.chunks} of rank {self.reply.rank} step {self.reply.step}"
+        _await(self.sock, self.abort, self.deadline, f"{what} did not come from {self.endpoint} in time")
+        msg: P.Message | P.ProtocolError
+        try:
+            msg, _ = self.codec.decode(_recv_head(self.sock, 4))
+        except P.ProtocolError as exc:
+            msg = exc
+        if msg != P.SnapshotChunk(self.reply.rank, self.reply.step, index):
+            _drain(self.sock)
+            raise ReplicationError(f"{what}: {self.endpoint} sent {msg!r} instead")
