@@ -5,11 +5,13 @@ so a shell or a simulator can drive it), the outbox gathering those actions, and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from dpcommon.protocol import NO_RANK
 
 from .faults import FaultSpec
+
+OnSpareExhausted = Literal["fail", "wait"]  # --on-spare-exhausted
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -28,7 +30,7 @@ class JobSpec:
     faults: tuple[FaultSpec, ...] = ()
     replicas: int = 1  # replica stores holding each node's snapshots (ring: node ranks r+1 .. r+replicas)
     hang_timeout: float = 0.0  # no step anywhere for this long: find the rank that is not waiting on peers
-    on_spare_exhausted: str = "fail"  # or "wait": keep the survivors and wait for a node to join as a spare
+    on_spare_exhausted: OnSpareExhausted = "fail"  # "wait": the survivors wait for a node to join as a spare
     spare_wait_timeout: float = 1800.0
     restart_mode: bool = False  # the script does not use dpstate: recover by restarting every worker
     max_restarts: int = 3  # restart mode: restart recoveries allowed (torchrun's --max-restarts)

@@ -28,6 +28,7 @@ from dpagent.shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, EXIT_REFU
 from dpcommon.save_manifest import newest_saved
 
 from dprun.controller.state_machine import JobSpec, NodeGone
+from dprun.controller.vocabulary import OnSpareExhausted
 from dprun.monitor.events import EventSink, write_line
 from dprun.controller.faults import FaultSpec
 from dprun.monitor.jobview import JobView, total_steps_from_args
@@ -35,6 +36,7 @@ from .gpus import plan_local_gpus, visible_gpus
 from .agent_processes import AgentCommand, LocalAgents, OutputTail
 from .controller_shell import ControllerServer, PortInUse
 from dprun.slurm import orphaned_job
+from dprun.slurm.orphaned_job import OnControllerLost
 from dprun.slurm.rendezvous import SlurmJob, controller_lost_notice
 from dprun.monitor.status import StatusFeed
 
@@ -54,8 +56,8 @@ class JobOptions:
     snapshot_interval: str | None = None  # DP_SNAPSHOT_INTERVAL of the workers (None: theirs, default every step)
     snapshot_check: str | None = None  # DP_SNAPSHOT_CHECK of the workers (None: theirs, default 8)
     hang_timeout: float = 600.0
-    on_spare_exhausted: str = "fail"
-    on_controller_lost: str = "cancel"  # under srun: what to do with the Slurm job once its batch script's node died
+    on_spare_exhausted: OnSpareExhausted = "fail"
+    on_controller_lost: OnControllerLost = "cancel"  # under srun: the Slurm job's fate once its batch host died
     slurm: SlurmJob | None = None  # inside an srun step
     spare_wait_timeout: float = 1800.0
     heartbeat_interval: float = 0.5

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -21,7 +22,9 @@ from dpcommon.save_manifest import resume_steps
 
 from . import option_checks as checks
 from dprun.controller import faults
+from dprun.controller.vocabulary import OnSpareExhausted
 from dprun.slurm import rendezvous as slurm
+from dprun.slurm.orphaned_job import OnControllerLost
 from .job import JobOptions, is_local, parse_endpoint, uses_dpstate
 
 
@@ -183,8 +186,10 @@ def options_from_args(args: RunArgs, env: Mapping[str, str],
         nnodes=nnodes, spares=where.spares, nproc_per_node=nproc_per_node, script=(args.script, *args.script_args),
         events_file=str(args.events_file) if args.events_file else None, faults=fault_specs,
         heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, probe_timeout=args.probe_timeout,
-        hang_timeout=args.hang_timeout, replicas=args.replicas, on_spare_exhausted=args.on_spare_exhausted,
-        on_controller_lost=args.on_controller_lost, slurm=where.slurm, spare_wait_timeout=args.spare_wait_timeout,
+        hang_timeout=args.hang_timeout, replicas=args.replicas,
+        on_spare_exhausted=typing.cast(OnSpareExhausted, args.on_spare_exhausted),  # (checked above)
+        on_controller_lost=typing.cast(OnControllerLost, args.on_controller_lost), slurm=where.slurm,
+        spare_wait_timeout=args.spare_wait_timeout,
         snapshot_interval=snapshot_interval, snapshot_check=snapshot_check, rdzv_timeout=args.rdzv_timeout,
         rdzv_endpoint=None if where.standalone else where.rdzv_endpoint, node_rank=where.node_rank,
         rdzv_id=where.rdzv_id, token=token, local_addr=args.local_addr, no_python=args.no_python,
@@ -243,9 +248,9 @@ def _snapshot_check(text: str | None) -> str | None:
 
 def _recovery_problem(args: RunArgs, restart_mode: bool) -> str | None:
     """When no spare is left, when the controller is lost, and what a script that dprun restarts cannot do."""
-    if args.on_spare_exhausted not in ("fail", "wait"):
+    if args.on_spare_exhausted not in typing.get_args(OnSpareExhausted):
         return f"--on-spare-exhausted must be 'fail' or 'wait', got {args.on_spare_exhausted!r}"
-    if args.on_controller_lost not in ("cancel", "requeue"):
+    if args.on_controller_lost not in typing.get_args(OnControllerLost):
         return f"--on-controller-lost must be 'cancel' or 'requeue', got {args.on_controller_lost!r}"
     if args.on_controller_lost == "requeue" and not args.save_dir:
         return "--on-controller-lost requeue needs --save-dir: the requeued job goes on from what is saved there"

@@ -11,9 +11,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 from .rendezvous import controller_lost_notice, expand_hostlist
+
+OnControllerLost = Literal["cancel", "requeue"]  # --on-controller-lost: what becomes of the Slurm job
 
 POLL_S = 2.0
 SAVE_PATIENCE_S = 360.0  # an agent's save after the controller's loss ends within its save timeout (300 s)
@@ -135,7 +137,7 @@ def slurm_patience(run: Callable[[list[str]], str] = run_slurm) -> float:
     return 2 * (float(match.group(1)) if match else SLURMD_TIMEOUT_S) + 120.0
 
 
-def settle(orphan: Orphan, mode: str, halted: threading.Event, run: Callable[[list[str]], str] = run_slurm,
+def settle(orphan: Orphan, mode: OnControllerLost, halted: threading.Event, run: Callable[[list[str]], str] = run_slurm,
            clock=time.monotonic, patience: float | None = None) -> str:
     """Mark this node saved, wait until next_move says what to do with the job, and do it (`mode`: cancel or
     requeue). Returns the line to print ("" when another node or Slurm ended the run, or `halted` was set: a
