@@ -44,6 +44,9 @@ BY_ANNOTATION = {
     "Activity": ACTIVITY,
     "RestoredFrom": st.sampled_from(typing.get_args(p.RestoredFrom)),
     "Role": st.sampled_from(typing.get_args(p.Role)),
+    "FaultKind": st.sampled_from(typing.get_args(p.FaultKind)),
+    "JobTerms": st.builds(p.JobTerms, nnodes=SMALL, rdzv_id=TEXT, script=st.lists(TEXT, max_size=3)),
+    "dict[str, Any]": st.dictionaries(TEXT, JSONISH, max_size=3),
 }
 SENDERS = st.sampled_from(["a", "b", "s", "x"])
 
