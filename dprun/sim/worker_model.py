@@ -4,15 +4,48 @@ sent to replica stores and acked, exits. Methods of World (world.py), which keep
 
 from __future__ import annotations
 
+import random
+from typing import Callable
+
 from dpcommon import protocol as p
+from dprun.controller.vocabulary import JobSpec
 
 from .cluster import KEEP_LOCAL, Put, SimNode
 
 
 class WorkerSide:
-    """The worker half of World: it needs World's clock (at, now, rng), network (_link_delay, _agent_send,
-    _frozen, node_of), nodes, job (spec, steps, interval, measure_until, fetch_timeout) and bookkeeping (ready,
-    entered, captured, replicated, dropped_by, restored_at, log)."""
+    """The worker half of World, a mixin of it: it reads and writes World's clock, network, nodes, job and
+    bookkeeping, declared here (World sets them) so that the type checker holds both halves to one type each."""
+
+    # the clock
+    now: float
+    rng: random.Random
+    at: Callable[..., None]  # (delay, fn, *args)
+    # the network
+    _link_delay: Callable[[str, str], float]
+    _agent_send: Callable[..., None]  # (node_id, *messages)
+    _frozen: Callable[..., bool]  # (node, fn, *args): True where the node is frozen and the call is kept for later
+    node_of: Callable[[str], SimNode | None]
+    # the nodes and the job
+    nodes: dict[str, SimNode]
+    spec: JobSpec
+    steps: int
+    interval: int
+    measure_until: int
+    defer: bool
+    fetch_timeout: float
+    raise_due: Callable[[SimNode, int], bool]
+    # the bookkeeping the invariants read
+    entered: dict[tuple[int, int | str], set]  # (generation, step or "final") -> ranks in the all-reduce
+    ready: dict[int, set]
+    log: list[str]
+    replicated: set
+    captured: set
+    dropped_by: dict[tuple, tuple]
+    restored_at: dict[tuple[int, int], int]
+    deaths: int
+    members_of: dict[int, list]
+    alive_at: dict[int, int]
 
     def _worker_reconfigure(self, node: SimNode, local: int, msg: p.Reconfigure) -> None:
         if self._frozen(node, self._worker_reconfigure, node, local, msg):

@@ -47,7 +47,7 @@ class World(WorkerSide):
         self.finish: Finish | None = None
         self.events: list[dict] = []
         self.hb_interval = hb_interval
-        self.entered: dict[tuple[int, int], set] = {}  # (generation, step) -> ranks in the all-reduce
+        self.entered: dict[tuple[int, int | str], set] = {}  # (generation, step or "final") -> ranks in the all-reduce
         self.ready: dict[int, set] = {}  # generation -> ranks at the post-restore barrier
         self.log: list[str] = []
         self.replicated: set = set()  # (rank, step) ever stored on a replica: the truth invariants check
