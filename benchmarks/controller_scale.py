@@ -46,9 +46,9 @@ def build(nodes: int, spares: int, nproc: int, wire: Wire):
         node = f"node{i:05d}"
         reg = p.Register(node, f"host{i}", 1000 + i, nproc, i >= nodes, i if i < nodes else -1, f"tcp://h{i}:1")
         wire.send_all(wire.deliver(c, node, wire.frames(reg), 0.0))
-    assert c.generation == 0, "the first generation did not form"
+    assert c.timeline.generation == 0, "the first generation did not form"
     for rank in range(spec.world_size):  # every rank has replicated steps 1..3
-        holder = c.layout[(rank // nproc + 1) % nodes]
+        holder = c.timeline.layout[(rank // nproc + 1) % nodes]
         for step in (1, 2, 3):
             wire.deliver(c, holder, wire.frames(p.SnapshotStored(holder, rank, step, 0)), 0.0)
     return c
@@ -77,18 +77,20 @@ def main(argv=None) -> dict:
         beats = [(n, wire.frames(p.Heartbeat(n, 0))) for n in live]
         heartbeat.append(cpu_ms(lambda: [wire.deliver(c, n, f, now) for n, f in beats]))
         tick.append(cpu_ms(lambda: wire.send_all(c.handle(Tick(), now))))
-        reports = [(c.layout[r // args.nproc], wire.frames(p.Progress(c.layout[r // args.nproc], 0, r, 4)))
+        layout = c.timeline.layout
+        reports = [(layout[r // args.nproc], wire.frames(p.Progress(layout[r // args.nproc], 0, r, 4)))
                    for r in range(c.spec.world_size)]
         progress.append(cpu_ms(lambda: [wire.deliver(c, n, f, now) for n, f in reports]))
-        victim = c.layout[len(c.layout) // 2]
+        victim = c.timeline.layout[len(c.timeline.layout) // 2]
 
         def failure_to_reconfigure():
             wire.send_all(c.handle(NodeGone(victim, "benchmark"), now))
-            pongs = [(n.node_id, wire.frames(p.Pong(n.node_id, c.seq))) for n in c.table.live()]
+            seq = c.reconstruction.seq  # the probe's
+            pongs = [(n.node_id, wire.frames(p.Pong(n.node_id, seq))) for n in c.table.live()]
             sent = 0
             for n, f in pongs:
                 sent += wire.send_all(wire.deliver(c, n, f, now))
-            assert c.generation == 1 and sent >= args.nodes, "no reconfiguration"
+            assert c.timeline.generation == 1 and sent >= args.nodes, "no reconfiguration"
 
         decide.append(cpu_ms(failure_to_reconfigure))
     result = {

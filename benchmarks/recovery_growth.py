@@ -382,14 +382,15 @@ def run_decide(sizes: list[tuple[int, int]], repeat: int) -> list[dict]:
         for _ in range(repeat):
             wire = cs.Wire()
             c = cs.build(nodes, 1, nproc, wire)
-            victim = c.layout[len(c.layout) // 2]
+            victim = c.timeline.layout[len(c.timeline.layout) // 2]
 
             def failure_to_reconfigure(c=c, victim=victim, wire=wire):
                 wire.send_all(c.handle(NodeGone(victim, "benchmark"), 1.0))
-                pongs = [(n.node_id, wire.frames(p.Pong(n.node_id, c.seq))) for n in c.table.live()]
+                seq = c.reconstruction.seq  # the probe's
+                pongs = [(n.node_id, wire.frames(p.Pong(n.node_id, seq))) for n in c.table.live()]
                 for node, frames in pongs:
                     wire.send_all(wire.deliver(c, node, frames, 1.0))
-                assert c.generation == 1, "no reconfiguration"
+                assert c.timeline.generation == 1, "no reconfiguration"
 
             cpu.append(cs.cpu_ms(failure_to_reconfigure) / 1000)
         rows.append({"ranks": nodes * nproc, "nodes": nodes, "nproc": nproc, "decide_cpu_s": C.median(cpu)})
