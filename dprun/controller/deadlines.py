@@ -142,7 +142,6 @@ class Deadlines:
         peers (dprun.controller.hang_evidence). Its clock starts again."""
         stalled = now - self.timeline.last_progress_at
         self.timeline.last_progress_at = now
-        nproc = self.spec.nproc_per_node
-        placed = [Placed(node_id, node_rank * nproc + local, self.table.nodes[node_id].workers.get(str(local)))
-                  for node_rank, node_id in enumerate(self.timeline.layout) for local in range(nproc)]
+        placed = [Placed(node_id, rank, self.table.nodes[node_id].workers.get(str(local)))
+                  for rank, node_id, local in self.timeline.placed()]
         return stalled, self.hangs.culprits(placed, self.timeline.max_step)

@@ -68,8 +68,7 @@ class Endgame:
         does)."""
         assert self.all_finished_at is not None
         spec, nodes = self.spec, self.table.nodes
-        running = [(node_rank * spec.nproc_per_node + local, node_id)
-                   for node_rank, node_id in enumerate(self.timeline.layout) for local in range(spec.nproc_per_node)
+        running = [(rank, node_id) for rank, node_id, local in self.timeline.placed()
                    if local not in nodes[node_id].exited_ok]
         waited = now - self.all_finished_at
         names = ", ".join(f"rank {rank} on {node_id}{self._pid_of(node_id, rank)}" for rank, node_id in running)

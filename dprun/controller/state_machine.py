@@ -235,7 +235,8 @@ class Controller:
             return
         if node.role == SPARE and msg.exitcode == 0:
             return
-        self.members.worker_exit_said(node, msg, timeline.rank_of(node, msg.local_rank))
+        rank = timeline.rank_of(node, msg.local_rank)
+        self.members.worker_exit_said(node, msg, rank)
         how = p.describe_end(msg.exitcode, msg.detail, msg.oom_killed)
         cause = f"worker {msg.local_rank} (pid {msg.pid}) {how}"
         # a crash as it exited on a Python exception counts as the exit 1 of that exception (p.WorkerExited.raised)
@@ -244,7 +245,6 @@ class Controller:
             last_line = p.OOM_KILLED
         same = None
         if not self.spec.restart_mode:  # (restarts are --max-restarts' to count) a spare's script fails alike
-            rank = timeline.rank_of(node, msg.local_rank)
             # (the step it struck after: its own generation's, not one a newer plan already rolled back; or the
             # one its agent heard it make, where it trained on in a generation since replaced)
             step = max(timeline.peaks.get(msg.generation, timeline.max_step), msg.step)

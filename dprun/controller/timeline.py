@@ -52,6 +52,11 @@ class Timeline:
         """The global rank of a node's local worker: NO_RANK where the node holds no node rank (a spare)."""
         return self.ranks_of(node.node_rank)[local_rank] if node.node_rank >= 0 else p.NO_RANK
 
+    def placed(self) -> list[tuple[int, str, int]]:
+        """(rank, node id, local rank) of every rank of the generation, in rank order."""
+        return [(rank, node_id, local) for node_rank, node_id in enumerate(self.layout)
+                for local, rank in enumerate(self.ranks_of(node_rank))]
+
     def node_of_rank(self, rank: int) -> str:
         return self.layout[rank // self.nproc]
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from .nodes import ACTIVE, Node, Role
 from .phase import Phase
+from .timeline import Timeline
 
 if TYPE_CHECKING:
     from .state_machine import Controller
@@ -45,7 +46,7 @@ def view_of(controller: Controller, now: float) -> ControllerView:
     layout = timeline.layout
     nproc = spec.nproc_per_node
     held = controller.ledger.held
-    nodes = {node_id: _node_view(node, layout, timeline.holders, held, nproc, now)
+    nodes = {node_id: _node_view(node, timeline, held, now)
              for node_id, node in controller.table.nodes.items()}
     restore_point = None
     if held and layout and not spec.restart_mode:
@@ -57,14 +58,13 @@ def view_of(controller: Controller, now: float) -> ControllerView:
                           restore_point=restore_point)
 
 
-def _node_view(node: Node, layout: list[str], holders: dict[int, list[str]], held: dict, nproc: int,
-               now: float) -> NodeView:
+def _node_view(node: Node, timeline: Timeline, held: dict, now: float) -> NodeView:
     holder, replicated = "", None
-    rank = node.node_rank
+    rank, layout = node.node_rank, timeline.layout
     if node.role == ACTIVE and 0 <= rank < len(layout) and layout[rank] == node.node_id:
-        holding = holders.get(rank, [])
+        holding = timeline.holders.get(rank, [])
         newest = [max([s for h in holding for s in held.get(r, {}).get(h, [])] or [-1])
-                  for r in range(rank * nproc, (rank + 1) * nproc)]
+                  for r in timeline.ranks_of(rank)]
         holder, replicated = "+".join(holding), (min(newest) if min(newest) >= 0 else None)
     return NodeView(host=node.host, pid=node.pid, role=node.role, node_rank=node.node_rank,
                     age=round(max(0.0, now - node.last_heard), 3), cause=node.cause, last_step=node.last_step,
