@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpcommon.protocol import NO_RANK, Reconfigure, Standby, Welcome
+from dpcommon.protocol import NO_RANK, Reconfigure, Role, Standby, Welcome
 
 
 @dataclass
 class Placement:
     nproc: int  # this node's workers
-    role: str  # "active" or "spare"
+    role: Role
     generation: int = NO_RANK
     job_id: str = ""
     welcome: Welcome | None = None
@@ -25,3 +25,8 @@ class Placement:
         if reconf is None or reconf.node_rank < 0:
             return []
         return list(range(reconf.node_rank * self.nproc, (reconf.node_rank + 1) * self.nproc))
+
+    def rank_of(self, local_rank: int) -> int:
+        """The global rank of a local worker in the current generation (NO_RANK before one, or on a spare)."""
+        ranks = self.own_ranks()
+        return ranks[local_rank] if 0 <= local_rank < len(ranks) else NO_RANK

@@ -16,7 +16,7 @@ from .agent_config import AgentConfig
 from dpcommon.exit_wording import describe_exit
 from .output import CRASHES, exception_name, raised_exception
 from .placement import Placement
-from dpcommon.protocol import NO_RANK, PeerError, Reconfigure, ToController, WorkerExited, WorkerReady
+from dpcommon.protocol import PeerError, Reconfigure, ToController, WorkerExited, WorkerReady
 from .worker_link import WorkerLink
 from .workers import restart_env
 
@@ -121,8 +121,7 @@ class RestartMode:
         rc = self.place.latest
         if not may_be_a_peers_doing(exited, rc.world_size if rc is not None else 0):
             return False
-        rank = rc.node_rank * self.cfg.nproc + exited.local_rank if rc is not None else NO_RANK
-        self.to_controller(PeerError(self.cfg.node_id, self.place.generation, rank,
+        self.to_controller(PeerError(self.cfg.node_id, self.place.generation, self.place.rank_of(exited.local_rank),
                                      f"worker {exited.local_rank} {describe_exit(exited.exitcode)}"))
         self.held_exits.hold(exited, time.monotonic() + welcome.heartbeat_timeout)
         return True
