@@ -10,7 +10,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -133,18 +133,22 @@ def open_ranks(saved: SavedStep) -> dict[int, RankFile]:
     return files
 
 
-def materialized(obj: Any) -> Any:
-    """`obj` with each Lazy read."""
-    if isinstance(obj, Lazy):
-        return obj.read()
+def map_leaves(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """`obj` rebuilt with `leaf` applied to every value that is not a dict, list or tuple (namedtuples are leaves;
+    a state dict's `_metadata` is kept)."""
     if isinstance(obj, dict):
-        out = type(obj)((k, materialized(v)) for k, v in obj.items())
+        out = type(obj)((k, map_leaves(v, leaf)) for k, v in obj.items())
         if hasattr(obj, "_metadata"):
             out._metadata = obj._metadata  # type: ignore[attr-defined]
         return out
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(materialized(v) for v in obj)
-    return obj
+        return type(obj)(map_leaves(v, leaf) for v in obj)
+    return leaf(obj)
+
+
+def materialized(obj: Any) -> Any:
+    """`obj` with each Lazy read."""
+    return map_leaves(obj, lambda v: v.read() if isinstance(v, Lazy) else v)
 
 
 # ----------------------------------------------------------------------------- --format torch
@@ -153,16 +157,7 @@ def materialized(obj: Any) -> Any:
 def plain_numpy(obj: Any) -> Any:
     """`obj` with each numpy array a tensor: torch.load(weights_only=True) refuses numpy arrays (numpy's RNG state
     holds one), and it reads everything else a snapshot holds."""
-    if type(obj).__module__ == "numpy":
-        return torch.from_numpy(obj.copy())
-    if isinstance(obj, dict):
-        out = type(obj)((k, plain_numpy(v)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(plain_numpy(v) for v in obj)
-    return obj
+    return map_leaves(obj, lambda v: torch.from_numpy(v.copy()) if type(v).__module__ == "numpy" else v)
 
 
 def torch_doc(tree: dict, rank: int, world_size: int) -> dict:
