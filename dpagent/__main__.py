@@ -17,7 +17,7 @@ from .agent import Agent, AgentConfig, AgentError
 from dpcommon.memory import reuse_freed_memory
 from .output import OutputSpec, parse_ranks, parse_std
 from .process import LAUNCHER_GONE, set_pdeathsig
-from dpcommon.protocol import NO_RANK, JobTerms
+from dpcommon.protocol import NO_RANK, JobTerms, checked
 from .shutdown import EXIT_USAGE
 from .workers import worker_command
 
@@ -26,12 +26,9 @@ from .workers import worker_command
 def _job_terms(text: str) -> JobTerms:
     """--job-terms as the launcher writes it: {"nnodes": N, "rdzv_id": ID, "script": [ARG, ...]}."""
     try:
-        terms = JobTerms(**json.loads(text))
-    except (ValueError, TypeError) as exc:
+        return checked(JobTerms, json.loads(text))
+    except ValueError as exc:  # (bad JSON, or a ProtocolError)
         raise argparse.ArgumentTypeError(f"not a JSON object of nnodes, rdzv_id and script: {exc}") from None
-    if not (isinstance(terms.nnodes, int) and isinstance(terms.rdzv_id, str) and isinstance(terms.script, list)):
-        raise argparse.ArgumentTypeError("nnodes must be a number, rdzv_id a string and script a list of strings")
-    return terms
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(

@@ -106,6 +106,7 @@ class _BadValue(Exception):
     pass
 
 
+_T = typing.TypeVar("_T")
 Check = Callable[[Any], Any]  # a JSON value -> that value as its field's type (nested dataclasses built)
 _SCALARS: dict[Any, Callable[[Any], bool]] = {
     int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -180,6 +181,13 @@ def _from_body(cls: type, body: Any) -> Any:
         return cls(**values)
     except TypeError as exc:  # a required field is missing
         raise ProtocolError(f"{cls.__name__}: {exc}") from None
+
+
+def checked(cls: type[_T], body: Any) -> _T:
+    """`body`, a JSON object, as a `cls` (a message or a field's dataclass), checked as the codec checks what it
+    decodes; ProtocolError (a ValueError) saying what is wrong."""
+    _checks_of(cls)
+    return typing.cast(_T, _from_body(cls, body))
 
 
 def _body_of(obj: Any) -> dict:
@@ -279,7 +287,7 @@ __all__ = [
     "JobTerms", "Activity", "RestoredFrom", "Role", "FaultKind", "NO_RANK",
     # framing and the codec
     "PROTOCOL_VERSION", "MAGIC", "MAX_BODY_BYTES", "CHUNK_BYTES", "Codec", "ProtocolError", "Refused", "REFUSAL",
-    "REFUSALS", "refusal", "payload_bytes", "chunk_views", "block_views",
+    "REFUSALS", "refusal", "checked", "payload_bytes", "chunk_views", "block_views",
     # the wording of exits, now dpcommon.exit_wording's
     "OOM_KILLED", "OWN_SIGNALS", "describe_exit", "describe_end",
 ]

@@ -172,3 +172,11 @@ def test_the_internals_page_lists_every_message_on_its_channels():
     for receiver, union in by_receiver.items():
         listed = set().union(*(names for route, names in rows.items() if route.endswith(f"-> {receiver}")))
         assert listed == {cls.__name__ for cls in typing.get_args(union)}, receiver
+
+
+def test_a_field_type_is_checked_outside_a_message_as_the_codec_checks_it():
+    assert p.checked(p.JobTerms, {"nnodes": 2, "script": ["a"]}) == p.JobTerms(nnodes=2, script=["a"])
+    for bad, said in [({"nnodes": "2"}, "JobTerms.nnodes"), ({"script": [1]}, "JobTerms.script"),
+                      ({"other": 1}, "unknown field"), ([1], "not an object")]:
+        with pytest.raises(p.ProtocolError, match=said):
+            p.checked(p.JobTerms, bad)
