@@ -14,6 +14,7 @@ cost of receiving (W-1) buckets per rank instead of about 2 (W-1)/W of one (a ri
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import threading
@@ -134,6 +135,7 @@ class DataParallel(nn.Module):
     _ddp_kwargs: dict[str, Any]
     _ddp: nn.parallel.DistributedDataParallel | None  # None until first used in a generation
     _hook_state: AbortableHook | None  # the comm hook state of _ddp
+    narrow: bool  # the job runs narrow: the module alone, its gradients reduced by dpstate.groups.narrow
 
     def __init__(self, module: nn.Module, abort: AbortSignal, deterministic: bool = True,
                  gate: Callable[[], None] | None = None, **ddp_kwargs: Any):
@@ -150,6 +152,7 @@ class DataParallel(nn.Module):
         object.__setattr__(self, "_ddp_kwargs", ddp_kwargs)
         object.__setattr__(self, "_ddp", None)
         object.__setattr__(self, "_hook_state", None)
+        self.narrow = False
         # A survivor learns of a failure while it computes; it stops at the next gradient instead of running
         # the rest of a step whose result is abandoned anyway (the recovery waits for it to join the group).
         # Not on a Stop: a script may still evaluate after its last step while the job ends.
@@ -172,6 +175,8 @@ class DataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._abort.check_superseded()
+        if self.narrow:
+            return self.module(*args, **kwargs)
         ddp = self.ddp
         state = self._hook_state
         assert state is not None  # built along with the DDP
@@ -193,7 +198,7 @@ class DataParallel(nn.Module):
             ddp._has_rebuilt_buckets = True
 
     def no_sync(self):
-        return self.ddp.no_sync()
+        return contextlib.nullcontext() if self.narrow else self.ddp.no_sync()
 
     def drop(self) -> None:
         """Forget the DDP of the old generation: its hooks leave the parameters, pending futures fail."""

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from dpcommon import protocol as P
 from dpstate.snapshot import packing as S
 from .abort import AbortSignal, classify, describe
 from .agent_link import Control
+from dpstate.groups.carried import Carried, PerRank
 from dpstate.groups.ddp import DataParallel, sync_from_rank0
 from .gate import SnapshotGate, defers_acks, stall_message
 from dpstate.groups.pgroup import GroupManager, default_backend, local_device
@@ -35,42 +36,14 @@ from dpstate.replication.saving import save_local
 from dpstate.replication.sources import SnapshotSources, named_sources
 from dpstate.snapshot.standby import RestoreRoom
 from dpstate.snapshot.state import Tracked
+from .data_ranks import DataRanks
+from .step import Step
 from .uncaught import hint_unwrapped_steps
 from .watch import WATCHER
 
+T = TypeVar("T")
 UNTRACKED = ("no model or optimizer is tracked (job.track(model=..., optimizer=...)), so snapshots hold no "
              "training state")
-
-
-class Step:
-    """One training step. `with step:` swallows failures caused by a reconfiguration or a lost peer
-    (the loop then recovers and repeats from the restore step); any other exception propagates."""
-
-    def __init__(self, job: "Job", number: int):
-        self.number = number
-        self.metrics: dict[str, Any] = {}
-        self.failure: BaseException | None = None
-        self.done = False  # its `with` block ended without an exception
-        self._job = job
-
-    def log(self, **metrics: Any) -> None:
-        """Metrics sent with this step's Progress (numbers; tensors are turned into floats)."""
-        self.metrics.update(metrics)
-
-    def __enter__(self) -> "Step":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        self.done = exc is None
-        if exc is None or self._job._standalone or not isinstance(exc, Exception):
-            return False
-        if classify(exc, self._job._abort) is None and not self._job._abort.stopped:
-            return False
-        self.failure = exc
-        return True
-
-    def __repr__(self) -> str:
-        return f"Step({self.number})"
 
 
 class Job:
@@ -95,6 +68,7 @@ class Job:
         self._groups = GroupManager(self.backend)
         self._tracked = Tracked()
         self._proxies: list[DataParallel] = []
+        self._ranks = DataRanks(self._tracked, self._proxies, self._abort)
         self._parts: Parts | None = None  # job.parallelize(): rebuilt with every generation's groups
         self._step_hooks: dict[int, Any] = {}  # id(optimizer) -> its snapshot gate hook (see track)
         self._started = False  # steps() restored or snapshotted a state: the in-memory one is no longer fresh
@@ -133,6 +107,17 @@ class Job:
         # its DDP is over every rank: snapshots share its state (dpstate.snapshot.checks)
         self._tracked.replicate(module)
         return proxy
+
+    def per_rank(self, factory: Callable[[int], T]) -> PerRank[T]:
+        """One object per logical data-parallel rank this process trains, built by factory(rank) (a sampler, a
+        data iterator): this rank's at full width, a lost replica's too while the job runs narrow. Track it
+        (job.track) and index it with the ranks of step.data_ranks()."""
+        return self._ranks.per_rank(factory, self.carried)
+
+    @property
+    def carried(self) -> Carried:
+        """The logical data-parallel ranks this process trains (dpstate.groups.carried)."""
+        return self._ranks.narrow or Carried.full(self.rank, self.world_size)
 
     def parallelize(self, dims: Mapping[str, int], build: Build) -> Parts:
         """A sharded or 3D-parallel job: build(mesh) makes the model, optimizer and pipeline schedule on a
@@ -251,6 +236,14 @@ class Job:
                 gate.step = None
 
     # ------------------------------------------------------------------ per step
+
+    def _micro_batches(self) -> Iterator[int]:
+        """Step.data_ranks() (dpstate.steps.data_ranks)."""
+        return self._ranks.micro_batches(self.carried, None if self._standalone else self._gate)
+
+    def _carry(self, carried: Carried | None, rng: dict[int, dict] | None = None) -> None:
+        """Train the logical ranks of `carried` (None: this rank alone, at full width)."""
+        self._ranks.carry(carried or Carried.full(self.rank, self.world_size), rng or {})
 
     def _gate(self) -> None:
         """The snapshot gate, passed before a collective (the last gradient bucket, all_reduce, barrier): wait

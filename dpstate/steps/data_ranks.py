@@ -1,0 +1,58 @@
+"""What a process trains: the logical data-parallel ranks it carries, the objects kept per rank, and a step's
+micro-batches, one per carried rank (dpstate.groups.carried, dpstate.groups.narrow).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, TypeVar
+
+from dpstate.groups.carried import Carried, PerRank
+from dpstate.groups.ddp import DataParallel
+from dpstate.groups.narrow import NarrowStep, RanksRng
+from dpstate.snapshot.state import Tracked
+
+from .abort import AbortSignal
+
+T = TypeVar("T")
+RANKS_RNG_NAME = "__dpstate_ranks_rng__"  # the name under which the other carried ranks' RNG states are tracked
+
+
+class DataRanks:
+    """The Job's part that knows what it trains; handed the tracked objects and the DataParallel proxies."""
+
+    def __init__(self, tracked: Tracked, proxies: list[DataParallel], abort: AbortSignal):
+        self._tracked, self._proxies, self._abort = tracked, proxies, abort
+        self.narrow: Carried | None = None  # the logical ranks carried while the job runs narrow
+        self._per_rank: list[PerRank] = []
+        self._rng = RanksRng()
+
+    def per_rank(self, factory: Callable[[int], T], carried: Carried) -> PerRank[T]:
+        per = PerRank(factory, carried.ranks)
+        self._per_rank.append(per)
+        return per
+
+    def carry(self, carried: Carried, rng: dict[int, dict]) -> None:
+        """Train the logical ranks of `carried`; `rng`: the RNG states of ranks new to this process."""
+        self.narrow = carried if carried.narrow else None
+        for per in self._per_rank:
+            per.carry(carried.ranks)
+        self._rng.carry(carried, rng)
+        for proxy in self._proxies:
+            proxy.narrow = carried.narrow
+        if carried.narrow:
+            self._tracked.add(**{RANKS_RNG_NAME: self._rng})
+        else:
+            self._tracked.remove(RANKS_RNG_NAME)
+
+    def micro_batches(self, carried: Carried, gate: Callable[[], None] | None) -> Iterator[int]:
+        """At full width this rank alone (DataParallel reduces in its backward); narrow, each carried rank with
+        its own RNG, then their gradients reduced with every other process's."""
+        if not carried.narrow:
+            yield carried.ranks[0]
+            return
+        narrow = NarrowStep([p.module for p in self._proxies], carried, self._abort, gate)
+        for row, rank in enumerate(carried.ranks):
+            with self._rng.as_rank(rank):
+                yield rank
+            narrow.took(row)
+        narrow.reduce()
