@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps)))))
     )
     job = dpstate.init()
-    batches = Batches(tokens, args.block_size, args.batch_size, args.seed, job.rank)
+    # one data stream per data-parallel rank: this rank's, and a lost replica's too while the job runs narrow
+    batches = job.per_rank(lambda rank: Batches(tokens, args.block_size, args.batch_size, args.seed, rank))
     ddp_model = job.data_parallel(model)
     job.track(model=model, optimizer=opt, scheduler=sched, data=batches)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -299,16 +300,19 @@ def main(argv: list[str] | None = None) -> int:
             if args.kill_at_step == step.number and job.rank == args.kill_rank and first_incarnation:
                 timings.write(event="kill", step=step.number, rank=job.rank)
                 os.kill(os.getpid(), signal.SIGKILL)
-            x, y = batches.next()
-            loss = ddp_model(x.to(job.device), y.to(job.device))
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            losses = []
+            for rank in step.data_ranks():
+                x, y = batches[rank].next()
+                loss = ddp_model(x.to(job.device), y.to(job.device))
+                loss.backward()
+                losses.append(loss.item())
             opt_started = time.perf_counter()
             opt.step()
             opt_s = time.perf_counter() - opt_started  # for benchmarks/overhead.py: what landing adds to it
             sched.step()
-            loss_value = loss.item()
-            step.log(loss=loss_value, tokens=x.numel() * job.world_size)
+            loss_value = losses[0]  # this rank's own
+            step.log(loss=loss_value, tokens=x.numel() * job.carried.logical_world)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if step.failure is None:

@@ -80,7 +80,7 @@ def test_per_rank_objects_follow_the_ranks_carried_and_their_state_goes_with_the
     assert built == [1, 2] and per[1].at == 5
     per[2].at = 9
     saved = per.state_dict()
-    assert saved == {"ranks": {"1": {"at": 5}, "2": {"at": 9}}}
+    assert saved == {"per_rank": {"1": {"at": 5}, "2": {"at": 9}}}
     other = PerRank(_Position, [2])
     other.load_state_dict(saved)
     assert other[2].at == 9 and list(other) == [2]

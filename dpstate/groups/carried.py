@@ -76,10 +76,10 @@ class PerRank(Generic[T]):
         return iter(self._objects)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ranks": {str(r): _state_of(obj) for r, obj in self._objects.items()}}
+        return {"per_rank": {str(r): _state_of(obj) for r, obj in self._objects.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["ranks"]
+        saved = state["per_rank"]
         missing = [r for r in self._objects if str(r) not in saved]
         if missing:
             raise KeyError(f"the state of logical ranks {missing} is not in it (it holds {sorted(saved)})")

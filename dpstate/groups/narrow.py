@@ -54,10 +54,10 @@ class RanksRng:
             set_rng_state(own)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ranks": {str(r): s for r, s in self.states.items()}}
+        return {"per_rank": {str(r): s for r, s in self.states.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["ranks"]
+        saved = state["per_rank"]
         missing = [r for r in self.states if str(r) not in saved]
         if missing:
             raise KeyError(f"the RNG state of logical ranks {missing} is not in it (it holds {sorted(saved)})")
