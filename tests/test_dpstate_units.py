@@ -407,7 +407,7 @@ def test_a_spare_waits_in_init_and_a_stop_ends_it_with_its_code(agent, monkeypat
         thread.join(10)
         job = dpstate.steps.joining._job
         if job is not None:
-            job._control.close(linger_s=0.2)
+            job._agent.control.close(linger_s=0.2)
 
 
 def test_no_reconfigure_after_a_peer_error_exits_with_a_clear_message(agent, monkeypatch):
@@ -460,8 +460,8 @@ def test_restore_sources_local_init_fresh_and_missing():
     job._apply(_reconf(0, "init"))
     initial = model.weight.detach().clone()
     assert job._restore(_reconf(0, "init"))[0] == "init"  # a spare keeps its fresh state as step 0
-    job._replicator.wait_acked(timeout=5)
-    assert job._replicator.local_steps() == [0]
+    job._agent.replicator.wait_acked(timeout=5)
+    assert job._agent.replicator.local_steps() == [0]
     job._started = True
     # a process that trained never pretends to be fresh: step 0 comes back from its own copy, bit for bit
     model(torch.ones(1, 3)).sum().backward()
@@ -473,24 +473,24 @@ def test_restore_sources_local_init_fresh_and_missing():
         model(torch.ones(1, 3)).sum().backward()
         opt.step()
         if step < 3:
-            job._replicator.submit(step, job._tracked.capture(step))
-            job._replicator.wait_acked(timeout=5)
+            job._agent.replicator.submit(step, job._tracked.capture(step))
+            job._agent.replicator.wait_acked(timeout=5)
         weights[step] = model.weight.detach().clone()
-    assert job._replicator.local_steps() == [1, 2]  # the ring holds NSLOTS (2)
+    assert job._agent.replicator.local_steps() == [1, 2]  # the ring holds NSLOTS (2)
     model(torch.ones(1, 3)).sum().backward()  # live state at step 3, partly through step 4's backward
 
     assert job._restore(_reconf(1, ""))[0] == "local"
     assert torch.equal(model.weight, weights[1]) and model.weight.grad is None
     assert opt.state_dict()["state"][0]["step"].item() == 1
-    assert job._replicator.local_steps() == [1]  # the abandoned later steps are forgotten
+    assert job._agent.replicator.local_steps() == [1]  # the abandoned later steps are forgotten
     with pytest.raises(dpstate.ReplicationError, match="holds no snapshot of step 3"):
         job._restore(_reconf(3, ""))
     # no store named and no local copy: reported, so that the plan knows this rank cannot come back to it
-    assert [(m.step, m.source) for m in job._control.sent if isinstance(m, P.RestoreFailed)] == [(3, "")]
+    assert [(m.step, m.source) for m in job._agent.control.sent if isinstance(m, P.RestoreFailed)] == [(3, "")]
     # step 0 has left the ring: a process that trained cannot keep its "initial" state as step 0
     with pytest.raises(RuntimeError, match="cannot keep its initial state"):
         job._restore(_reconf(0, "init"))
-    job._replicator.forget_after(-1)
+    job._agent.replicator.forget_after(-1)
     with pytest.raises(RuntimeError, match="cannot keep its initial state"):
         job._restore(_reconf(0, "init"))
 
@@ -501,10 +501,10 @@ def test_a_spare_job_makes_room_on_standby_and_reports_it_in_its_status():
     control = _Control()
     control.standby = P.Standby([3 << 20])  # came before the Job wired its handler
     job = Job(control, AbortSignal(), None)
-    job._room.join(timeout=10)
+    job._agent.room.join(timeout=10)
     assert job._status().room == 2 * (3 << 20)
     control.on_standby(P.Standby([5 << 20]))
-    job._room.join(timeout=10)
+    job._agent.room.join(timeout=10)
     assert job._status().room == 2 * (5 << 20)
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import torch
@@ -46,11 +47,22 @@ UNTRACKED = ("no model or optimizer is tracked (job.track(model=..., optimizer=.
              "training state")
 
 
+@dataclass
+class UnderAgent:
+    """What a worker under an agent has and a standalone one lacks."""
+
+    control: Control
+    replicator: Replicator
+    gate: SnapshotGate
+    sources: SnapshotSources
+    room: RestoreRoom
+
+
 class Job:
     """What dpstate.init() returns: identity of this rank in the current generation and the training helpers."""
 
     def __init__(self, control: Control | None, abort: AbortSignal, ctx: zmq.Context | None):
-        self._control, self._abort, self._ctx = control, abort, ctx
+        self._abort = abort
         self._standalone = control is None
         if not self._standalone:
             hint_unwrapped_steps(lambda: self.rank, abort)
@@ -75,23 +87,28 @@ class Job:
         self._rebuild_s = 0.0
         self._last_step = 0  # the newest step completed in this generation's timeline
         self._step_started = 0.0  # perf_counter when the step in progress began
-        replicator = None if control is None else Replicator(control.codec, 0, abort, ctx)
-        self._replicator = replicator  # (this and the two below: None standalone, and used only under an agent)
-        self._snapshot_gate = None if replicator is None else SnapshotGate(replicator)
-        self._sources = None if replicator is None else SnapshotSources(replicator, self.node_id, self._send)
-        if replicator is not None:
+        self.activity: P.Activity = "idle"  # what it does now, for its WorkerStatus
+        self._under: UnderAgent | None = None
+        if control is not None:
+            replicator = Replicator(control.codec, 0, abort, ctx)
+            self._under = UnderAgent(control, replicator, SnapshotGate(replicator),
+                                     SnapshotSources(replicator, self.node_id, self._send),
+                                     RestoreRoom(replicator, self.local_rank))  # a spare makes room to restore
             replicator.on_divergence = self._diverged  # (told to the controller: protocol.Diverged)
             if replicator.policy.mode == "auto":
                 self._tracked.add(**{POLICY_NAME: replicator.policy})  # its decision travels in snapshots
-        self.activity: P.Activity = "idle"  # what it does now, for its WorkerStatus
-        if control is not None and replicator is not None:
             abort.add_callback(self._groups.on_abort)
             control.status = self._status
-            self._room = RestoreRoom(replicator, self.local_rank)  # a spare makes room for its restore
-            control.on_standby = self._room.on_message
+            control.on_standby = self._under.room.on_message
             control.on_save = lambda msg: save_local(replicator, msg, self.rank, self.node_id, self._send)
             if control.standby is not None:  # came first
                 control.on_standby(control.standby)
+
+    @property
+    def _agent(self) -> UnderAgent:
+        """The parts a worker under an agent has (every caller runs only under one)."""
+        assert self._under is not None, "dpstate: called in a standalone job"
+        return self._under
 
     def __repr__(self) -> str:
         return (f"Job(rank={self.rank}, world_size={self.world_size}, node_rank={self.node_rank}, "
@@ -167,12 +184,12 @@ class Job:
     @property
     def last_capture_s(self) -> float:
         """Seconds the newest snapshot took to capture (copy + checksum), in the background thread."""
-        return self._replicator.last_capture_s if self._replicator else 0.0
+        return self._under.replicator.last_capture_s if self._under else 0.0
 
     @property
     def snapshot_policy(self) -> SnapshotPolicy | None:
         """Which steps are snapshotted (DP_SNAPSHOT_INTERVAL); None when not under dprun (no snapshots)."""
-        return self._replicator.policy if self._replicator else None
+        return self._under.replicator.policy if self._under else None
 
     def steps(self, total_steps: int) -> Iterator[Step]:
         """Yields Step(restore_step + 1) .. Step(total_steps); returns after the final barrier of the job."""
@@ -187,8 +204,7 @@ class Job:
                           "restores no optimizer state (momentum, Adam's moments) and drifts from its peers; and "
                           "only a tracked optimizer's step is sure to wait for the snapshot taken meanwhile",
                           stacklevel=2)
-        control, replicator, gate = self._control, self._replicator, self._snapshot_gate
-        assert control is not None and replicator is not None and gate is not None  # (not standalone)
+        control, replicator, gate = self._agent.control, self._agent.replicator, self._agent.gate
         if control.finished:  # (its RankFinished is sent: the job counts the rank done and waits for its exit)
             raise RuntimeError(
                 f"dpstate: job.steps() called again after a loop that ran to its end (step {self._last_step}): call "
@@ -251,11 +267,11 @@ class Job:
         steps land). Every rank passes it before the last collective of its step, so no capture of snapshot
         S' reuses a buffer before every rank's snapshot before it is held by its replicas: a restore goes back
         at most one snapshot, and workers and holders keep 2 copies (DESIGN.md; dpstate.steps.gate)."""
-        if self._snapshot_gate is None or not self._snapshot_gate.pending:
+        if self._under is None or not self._under.gate.pending:
             return
         activity, self.activity = self.activity, "snapshot"
         try:
-            self._snapshot_gate.wait()
+            self._under.gate.wait()
         finally:
             self.activity = activity
 
@@ -263,8 +279,7 @@ class Job:
         """A step whose collectives did not pass the gate (no data_parallel, all_reduce or barrier of ours in
         it) passes it here, then, where acks are due, meets the other ranks at a barrier, which is what makes
         the gate global. A dpstate.AdamW is then told where its step lands (dpstate.snapshot.landing)."""
-        gate, replicator = self._snapshot_gate, self._replicator
-        assert gate is not None and replicator is not None  # (hooked only under an agent)
+        gate, replicator = self._agent.gate, self._agent.replicator  # (hooked only under an agent)
         if gate.pending:
             if self.world_size > 1 and gate.acks_due():
                 self.barrier()
@@ -275,8 +290,7 @@ class Job:
             optimizer.landing = replicator.land()
 
     def _after_step(self, step: Step) -> None:
-        replicator, gate = self._replicator, self._snapshot_gate
-        assert replicator is not None and gate is not None  # (steps() under an agent)
+        replicator, gate = self._agent.replicator, self._agent.gate
         policy = replicator.policy
         if policy.after_step(step.number, gate.step_clock(policy), self.generation):  # auto: all ranks decide here
             local = torch.tensor(policy.local_measurements(), dtype=torch.float64, device=self.device)
@@ -295,8 +309,7 @@ class Job:
     def _left_loop(self, step: Step) -> None:
         """The script broke out of job.steps() after `step`: report the step if it completed, with no snapshot
         and no collective (its peers may not have left with it), so that the job's last step is not one short."""
-        assert self._control is not None  # (steps() under an agent)
-        if not step.done or step.failure is not None or self._abort.is_set() or self._control.finished:
+        if not step.done or step.failure is not None or self._abort.is_set() or self._agent.control.finished:
             return
         self._last_step = step.number
         self._report(step, snapshot=False)
@@ -309,8 +322,7 @@ class Job:
     def _finish(self, last: int) -> None:
         self.activity = "finishing"  # at the final barrier: a peer still training past `last` never comes
         self.barrier()  # past the snapshot gate: every rank's last snapshot is held
-        assert self._control is not None  # (steps() under an agent)
-        self._control.finished = True
+        self._agent.control.finished = True
         self._send(P.RankFinished(node_id=self.node_id, generation=self.generation, rank=self.rank, step=last))
         self.activity = "idle"
 
@@ -320,15 +332,13 @@ class Job:
                               blocks=blocks[:16]))
 
     def _send(self, msg: Any) -> None:
-        assert self._control is not None  # (only under an agent is anything sent)
-        self._control.send(msg)
+        self._agent.control.send(msg)
 
     # ------------------------------------------------------------------ generations
 
     def _recover(self, error: BaseException | None, newer_than: int, restore: bool = True) -> None:
         """Enter the newest generation > newer_than; after a failure, report it and wait for one (bounded)."""
-        control = self._control
-        assert control is not None  # (a recovery is under an agent)
+        control = self._agent.control
         self.activity = "recovering"
         while True:
             if self._abort.stopped:
@@ -357,8 +367,7 @@ class Job:
                 error, newer_than = exc, reconf.generation
 
     def _enter(self, reconf: P.Reconfigure, restore: bool) -> None:
-        replicator, sources = self._replicator, self._sources
-        assert replicator is not None and sources is not None  # (a generation is entered under an agent)
+        replicator, sources = self._agent.replicator, self._agent.sources
         for optimizer in self._tracked.objects.values():  # out of the snapshot buffers, which recovery reuses
             if isinstance(optimizer, AdamW):
                 optimizer.go_home()
@@ -435,8 +444,7 @@ class Job:
     def _restore(self, reconf: P.Reconfigure) -> tuple[P.RestoredFrom, Slot | None]:
         """Bring the tracked state to reconf.restore_step; returns where it came from and the snapshot
         restored, if any (to be replicated again for this generation)."""
-        step, rep, sources = reconf.restore_step, self._replicator, self._sources
-        assert rep is not None and sources is not None  # (a generation is entered under an agent)
+        step, rep, sources = reconf.restore_step, self._agent.replicator, self._agent.sources
         source = reconf.restore_from.get(str(self.rank), "")
         if step >= 0 and self._started and not rep.policy.enabled:
             raise RuntimeError(f"dpstate: rank {self.rank} cannot be restored to step {step}: snapshots are off "
@@ -472,12 +480,12 @@ class Job:
         return where, slot
 
     def _status(self) -> P.WorkerStatus | None:
-        if self._control is None:
+        if self._under is None:
             return None
         activity = self.activity
         if activity == "compute" and WATCHER.pending:
             activity = "collective"  # the step waits on its peers (an all-reduce is in flight)
-        slots, nbytes = self._room.prepared
+        slots, nbytes = self._under.room.prepared
         return P.WorkerStatus(node_id=self.node_id, local_rank=self.local_rank, rank=self.rank,
                               generation=self.generation, step=self._last_step, activity=activity,
                               room=slots * nbytes)
