@@ -19,6 +19,7 @@ shrinks it to 2 nodes x 2 (pp 2 dp 1 tp 2) and fewer steps: a smoke run of the c
 2. mesh_rebuild: 8 processes (no training) with dpstate.groups.pgroup.GroupManager over one TCPStore rebuild the
    default group and the pp x dp x tp mesh for generations 1..N; each generation timed on each rank from
    destroy() to the end of a first all-reduce on each mesh dim's group (ranks start it after a store barrier).
+   --quick: the quick layout's 4 processes (pp 2 dp 1 tp 2), which checks the path at half the process starts.
 3. overhead: the 3D job (no spare, no failure) with --snapshot-interval off, 1 and auto (auto:0.01; decided
    early: DP_SNAPSHOT_AUTO_STEPS), interleaved, --overhead-reps times. Step times: the `step N ... ms/step` lines
    that train_gpt_3d.py prints with --log-every 1 (its reporting rank: the first of the last stage; each the wall
@@ -354,8 +355,8 @@ def node_rss(res: C.RunResult, nnodes: int) -> dict:
 
 
 def run_mesh(args, work: C.Workdir, failures: C.Failures) -> dict:
-    world = 8
-    dims = {"pp": 2, "dp": 2, "tp": 2}
+    dims = {"pp": 2, "dp": 2, "tp": 2} if not args.quick else {k: args.lay[k] for k in ("pp", "dp", "tp")}
+    world = dims["pp"] * dims["dp"] * dims["tp"]
     folder = work.new("mesh-rebuild")
     res = C.run("mesh_rebuild", [sys.executable, __file__, "--mesh-group", str(world), str(args.generations),
                                  json.dumps(dims)], folder=folder, env=ENV, timeout=args.timeout)
@@ -585,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
             print("3D rebuild steps, slowest survivor each (s): " + ", ".join(f"{k} {C.fmt(v, '.2f')}"
                                                                           for k, v in steps.items()))
     if mesh:
-        print(f"mesh rebuild ({mesh['ranks']} ranks, pp 2 dp 2 tp 2): per generation (slowest rank) median "
+        dims = " ".join(f"{k} {v}" for k, v in mesh["layout"].items())
+        print(f"mesh rebuild ({mesh['ranks']} ranks, {dims}): per generation (slowest rank) median "
               f"{mesh['median_s']:.3f} s, max {mesh['max_s']:.3f} s (target <= {TARGET_MESH_S} s); phases "
               + ", ".join(f"{k} {v:.3f}" for k, v in mesh["phases_median_of_max_s"].items()))
     if overhead:

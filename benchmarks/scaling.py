@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="10,100,1000,4000", help="state sizes per node, MB (part 1)")
     ap.add_argument("--recovery-sizes", default="10,100,500", help="state sizes for real recoveries, MB (part 2)")
     ap.add_argument("--reps", type=int, default=4, help="per size; the first is reported apart (cold)")
+    ap.add_argument("--recovery-steps", type=int, default=30,
+                    help="steps of each recovery run (part 2), the node killed halfway")
     ap.add_argument("--quick", action="store_true", help="10 and 50 MB only, one recovery: about a minute")
     ap.add_argument("--device", default="cpu", help="where part 1's live state is: cpu, or cuda (a GPU job's)")
     ap.add_argument("--json", default=None)
@@ -314,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         tcp = C.median(r["tcp_GBps"] for r in rows)  # None without a row of part 1: no bandwidth measured
         for mb in rec_sizes:
-            rec = part2(mb, work, steps=30, kill_at=15, timeout=args.timeout, failures=failures)
+            rec = part2(mb, work, steps=args.recovery_steps, kill_at=args.recovery_steps // 2, timeout=args.timeout,
+                        failures=failures)
             if rec is None:
                 continue
             rec["restore_at_tcp_s"] = mb * 1e6 / (tcp * 1e9) if tcp else None

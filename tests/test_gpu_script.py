@@ -188,7 +188,8 @@ def test_without_a_gpu_the_preflight_fails_and_every_other_stage_is_skipped(proc
 @pytest.mark.timeout(900)
 def test_the_dry_run_goes_through_every_stage_on_the_cpu(procs, tmp_path):
     """Every stage's command with tiny sizes on the CPU (about a minute on a quiet host): each ends ok with the
-    figures it should have, the targets are there (marked as a dry run's), nothing is left running."""
+    figures it should have, the targets are there (marked as a dry run's), nothing is left running. Its pipeline
+    stage is also the smoke run of scaling.py's part 1 (10 MB, 2 repetitions), checked here in full."""
     out = tmp_path / "out"
     code, text = gpu_sh(procs, out, "--dry-run", timeout=840, GPU_SH_BUDGET_S="800")
     got = summary_of(out)
@@ -202,6 +203,11 @@ def test_the_dry_run_goes_through_every_stage_on_the_cpu(procs, tmp_path):
         assert json.loads((out / f"{name}.json").read_text())["calibration"], name  # --step-s fitted the rows
     assert stages["cuda_step_67ms"]["figures"]["auto_interval"] >= 1
     assert stages["pipeline"]["figures"]["sizes"][0]["copy_GBps"] > 0
+    # scaling.py's part 1 on the CPU (tests/test_benchmarks.py runs its part 2): every figure of the size's row
+    (row,) = json.loads((out / "pipeline.json").read_text())["sizes"]
+    for key in ("capture_s", "replicate_s", "restore_s", "capture_ratio", "replicate_ratio", "restore_ratio",
+                "replicate_s_cold", "restore_s_cold", "replicate_cold_ratio", "restore_cold_ratio"):
+        assert row[key] > 0, key
     hot = stages["hotswap"]["figures"]
     assert hot["total_s"] > 0 and hot["final_step"] == 16 and hot["spare_promoted"] and hot["trained_on"] == "cpu"
     assert len(got["targets"]) == 5 and all(t["value"] is not None for t in got["targets"])
