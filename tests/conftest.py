@@ -204,6 +204,19 @@ def unbroken(tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="session")
+def saved_3d(tmp_path_factory):
+    """helpers.mesh_jobs.saved_3d_job, run once per session on first use: an 8-rank job that
+    test_e2e_parallel's recovery and test_ckpt_export's DCP export both read (each checks what it needs)."""
+    from helpers.mesh_jobs import saved_3d_job
+
+    procs = Processes()
+    try:
+        return saved_3d_job(procs, tmp_path_factory.mktemp("saved3d"))
+    finally:
+        procs.kill_all()
+
+
 @pytest.fixture
 def store():
     """A TCPStore master on a free loopback port, for workers that build process groups over it."""

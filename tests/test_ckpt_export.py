@@ -23,13 +23,10 @@ from dpstate.snapshot import packing as S
 from dpstate.snapshot.state import Tracked
 from helpers.cli import run
 from helpers.e2e import TRAIN, TRAIN_ARGS, dprun, the_save
+from helpers.mesh_jobs import LAYOUTS, MODEL
 
 # dcp.load in this one process (no_dist): torch says it assumes so
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
-TRAIN_3D = str(REPO / "examples" / "train_gpt_3d.py")
-MODEL_3D = ["--seed", "0", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
-            "--batch-size", "4", "--microbatches", "2", "--log-every", "0"]
-DIMS_3D = ["--pp", "2", "--dp", "2", "--tp", "2"]
 
 
 def saved_tree(folder: Path, rank: int) -> dict:
@@ -243,13 +240,13 @@ def test_a_data_parallel_step_exported_as_torch_resumes_under_torchrun_to_the_un
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # 8 workers and then 8 torchrun ranks: 100 s on an idle 2-core host, 200 s on a busy one
-def test_a_3d_step_exported_as_dcp_loads_into_a_fresh_model_of_the_same_layout_and_whole(procs, tmp_path):
-    stop = dprun(procs, tmp_path, "stop", "--nnodes", "2", "--nproc-per-node", "4", "--spares", "0", "--save-dir",
-                 tmp_path / "saved", "--inject", "kill-node:1@step=4", steps=10, timeout=240, script=TRAIN_3D,
-                 script_args=[*MODEL_3D, *DIMS_3D])
-    assert stop.returncode == 1, stop.stderr[-3000:]
-    folder = Path(the_save(stop.events, stop.stderr[-3000:])["folder"])
+@pytest.mark.timeout(600)  # the shared 8-rank job (if first) and then 8 torchrun ranks: 200 s on a busy 2-core host
+def test_a_3d_step_exported_as_dcp_loads_into_a_fresh_model_of_the_same_layout_and_whole(procs, tmp_path, saved_3d):
+    """The step is one that conftest's saved_3d job (test_e2e_parallel's 3D recovery) saved in the background after
+    its recovery: 4 nodes of 2 ranks, the shards placed by the generation that a spare joined."""
+    (saved,) = [e for e in saved_3d.run.named("state_saved") if e["step"] == 20] or [None]
+    assert saved, saved_3d.run.stderr[-3000:]
+    folder = Path(saved["folder"])
     said = export(folder, tmp_path / "dcp", "dcp")
     assert "8 ranks) as a torch.distributed.checkpoint folder" in said
     assert "'data' differs between ranks: kept per rank as data.rank_R (8 ranks)" in said  # seeded by dp rank
@@ -258,7 +255,7 @@ def test_a_3d_step_exported_as_dcp_loads_into_a_fresh_model_of_the_same_layout_a
     loader = REPO / "tests" / "data" / "ckpt_dcp_loader.py"
     proc = procs.popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--master-addr",
                         "127.0.0.1", "--master-port", str(free_port()), str(loader),
-                        tmp_path / "dcp", folder, results, *MODEL_3D, *DIMS_3D, "--steps", "10"],
+                        tmp_path / "dcp", folder, results, *MODEL, *LAYOUTS["3d"][0], "--steps", "20"],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-4000:]

@@ -370,13 +370,26 @@ def test_bad_messages_to_a_running_job_are_dropped_and_it_finishes_unharmed(proc
     assert json.loads((tmp_path / "summary.json").read_text())["params_sha256"] == sha2
 
 
-@pytest.mark.timeout(60)
-def test_a_node_with_another_token_is_refused_at_once_and_one_nobody_answers_exits_4(procs, tmp_path):
-    """A joining node whose token is not the head's: the controller cannot authenticate it, drops its messages
+@pytest.mark.timeout(150)
+def test_nodes_with_another_token_or_nnodes_are_refused_at_once_and_nodes_given_different_steps_are_warned_of(
+        procs, tmp_path):
+    """One head, waiting for its node rank 1 (--nnodes 2):
+
+    A joining node whose token is not the head's: the controller cannot authenticate it, drops its messages
     and tells it so (an unauthenticated refusal, heeded before a Welcome only); it exits 5 at once, saying to
     give every node the job's token. One whose endpoint has nobody listening gets no Welcome: it ends after
     --rdzv-timeout with exit 4 and a line naming the endpoint, not 3 (which says a controller was lost, and
-    under Slurm sets off the job's settling)."""
+    under Slurm sets off the job's settling).
+
+    The right token but --nnodes 3 where the head has 2: as a spare it would leave the head waiting for an
+    active node until --rdzv-timeout. The controller refuses it at its Register (dprun.controller.admission); it
+    exits 2, its agent's line saying which flag to make the same, the head's log naming the refused node.
+
+    Then node 1 joins, running the script with --steps 14, the head with 30: rank 0 trains on while rank 1 waits
+    at the final barrier. Both wait on a peer, so --hang-timeout (600 s) blamed no one and said "check the
+    network"; now the head warns as node 1 joins, and the job ends within seconds of the hang, naming the ranks
+    that finished and the step counts as the cause.
+    (train_gpt's learning rate schedule follows --steps: the ranks' parameters differ too, and are said to.)"""
     endpoint, events, head, _ = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "0")
     wrong = tmp_path / "wrong-token"
     wrong.write_text("not-the-jobs-secret")
@@ -398,13 +411,6 @@ def test_a_node_with_another_token_is_refused_at_once_and_one_nobody_answers_exi
     assert re.search(f"no Welcome from tcp://{nobody} yet after [0-9.]+s .*giving up in", err), "said as it waited"
     assert head.poll() is None  # the head still waits for a node with the right token
 
-
-@pytest.mark.timeout(60)
-def test_a_node_started_with_another_nnodes_is_refused_at_once_and_both_ends_say_why(procs, tmp_path):
-    """The right token but --nnodes 3 where the head has 2: as a spare it would leave the head waiting for an
-    active node until --rdzv-timeout. The controller refuses it at its Register (dprun.controller.admission); it exits
-    2, its agent's line saying which flag to make the same, the head's log naming the refused node."""
-    endpoint, events, head, _ = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "0")
     member = procs.dprun("--rdzv-endpoint", endpoint, "--node-rank", "2", "--token-file", tmp_path / "token",
                          "--nnodes", "3", "--rdzv-timeout", "40", TRAIN, "--steps", "5", *TRAIN_ARGS, cwd=tmp_path,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -418,15 +424,6 @@ def test_a_node_started_with_another_nnodes_is_refused_at_once_and_both_ends_say
     assert "--nnodes 3" in refused["reason"]
     assert head.poll() is None  # the head still waits for its node rank 1
 
-
-@pytest.mark.timeout(90)
-def test_nodes_given_different_steps_are_warned_of_as_they_join_and_the_hang_at_the_end_says_why(procs, tmp_path):
-    """Node 1 runs the script with --steps 14, the head with 30: rank 0 trains on while rank 1 waits at the
-    final barrier. Both wait on a peer, so --hang-timeout (600 s) blamed no one and said "check the network";
-    now the head warns as node 1 joins, and the job ends within seconds of the hang, naming the ranks that
-    finished and the step counts as the cause.
-    (train_gpt's learning rate schedule follows --steps: the ranks' parameters differ too, and are said to.)"""
-    endpoint, events, head, _ = _multi_node(procs, tmp_path, "--nnodes", "2", "--spares", "0")
     member = procs.dprun("--rdzv-endpoint", endpoint, "--node-rank", "1", "--token-file", tmp_path / "token",
                          "--nnodes", "2", TRAIN, "--steps", "14", *TRAIN_ARGS, cwd=tmp_path,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -8,48 +8,55 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, Processes, free_port
+from conftest import Processes, free_port
 from helpers.e2e import dprun
+from helpers.mesh_jobs import LAYOUTS, MODEL, STEPS, TRAIN_3D, run_layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a layout's first test runs its reference too
-TRAIN_3D = str(REPO / "examples" / "train_gpt_3d.py")
-MODEL = ["--seed", "0", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
-         "--batch-size", "4", "--microbatches", "2", "--log-every", "0"]
-LAYOUTS = {  # name: (dims, the mesh as dprun reports it)
-    "3d": (["--pp", "2", "--dp", "2", "--tp", "2"], "pp=2 x dp=2 x tp=2"),
-    "dp-pp": (["--pp", "2", "--dp", "2"], "pp=2 x dp=2 x tp=1"),
-    "fsdp-tp": (["--dp", "2", "--tp", "2"], "pp=1 x dp=2 x tp=2"),
-}
-STEPS = {"3d": 20, "dp-pp": 16, "fsdp-tp": 16}
 
 
-def run_layout(procs, tmp_path, layout: str, name: str, *options: str, timeout: float = 240):
-    dims, _ = LAYOUTS[layout]
-    return dprun(procs, tmp_path, name, *options, steps=STEPS[layout], timeout=timeout, script=TRAIN_3D,
-                 script_args=[*MODEL, *dims])
+def _torchrun(procs, folder: Path, layout: str) -> dict:
+    """The layout's job under torchrun's env:// group, one host of 4 ranks: job.parallelize builds the same mesh on
+    it (no snapshots, one generation). Its summary."""
+    summary = folder / "torchrun.json"
+    proc = procs.popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), TRAIN_3D,
+                        "--steps", str(STEPS[layout]), *MODEL, *LAYOUTS[layout][0], "--summary", summary],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(summary.read_text())
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """params_sha256 of each layout's failure-free run, run once on first use (a rank's shards depend on its
-    place in the mesh, not on how many workers a node runs)."""
+    place in the mesh, not on how many workers a node runs). fsdp-tp's is the same job under torchrun: each
+    recovered dprun run that ends equal to it also shows that dprun and torchrun train the job alike."""
     known: dict[str, str] = {}
 
     def sha(layout: str) -> str:
         if layout not in known:
             procs = Processes()
+            folder = tmp_path_factory.mktemp(layout)
             try:
-                run = run_layout(procs, tmp_path_factory.mktemp(layout), layout, "reference", "--nnodes", "2",
-                                 "--nproc-per-node", "4" if layout == "3d" else "2")
+                if layout == "fsdp-tp":
+                    summary = _torchrun(procs, folder, layout)
+                else:
+                    run = run_layout(procs, folder, layout, "reference", "--nnodes", "2",
+                                     "--nproc-per-node", "4" if layout == "3d" else "2")
+                    assert run.returncode == 0, run.stderr[-3000:]
+                    assert not run.named("node_failed")
+                    summary = run.summary
             finally:
                 procs.kill_all()
-            assert run.returncode == 0, run.stderr[-3000:]
-            assert run.summary["final_step"] == STEPS[layout] and not run.named("node_failed")
-            known[layout] = run.summary["params_sha256"]
+            assert summary["final_step"] == STEPS[layout], summary
+            known[layout] = summary["params_sha256"]
         return known[layout]
 
     return sha
@@ -65,12 +72,10 @@ def _recovered(run, layout: str, reference, generations: tuple[int, ...] = (1,))
 
 
 def test_a_3d_job_loses_the_node_holding_ranks_4_and_5_and_goes_on_from_its_background_save(procs, tmp_path,
-                                                                                            reference):
-    """Its background saves (one file of shards per rank, written while it trains and recovers) resume too."""
-    saved = tmp_path / "saved"
-    run = run_layout(procs, tmp_path, "3d", "kill", "--nnodes", "4", "--nproc-per-node", "2", "--spares", "1",
-                     "--inject", "kill-node:2@step=6", "--save-dir", str(saved), "--save-every", "5",
-                     "--save-keep", "3")
+                                                                                            reference, saved_3d):
+    """Its background saves (one file of shards per rank, written while it trains and recovers) resume too. The
+    job (conftest's saved_3d) is test_ckpt_export's too, which exports one of its saved steps."""
+    run, saved = saved_3d.run, saved_3d.saved
     done = _recovered(run, "3d", reference)
     (failed,) = run.named("node_failed")
     assert failed["node_rank"] == 2, failed
@@ -83,32 +88,29 @@ def test_a_3d_job_loses_the_node_holding_ranks_4_and_5_and_goes_on_from_its_back
     assert resumed.summary["params_sha256"] == reference("3d"), "the 3D job resumed from disk diverged"
 
 
-@pytest.mark.parametrize("layout", ["dp-pp", "fsdp-tp"])
-def test_each_node_of_a_sharded_job_is_replaced(procs, tmp_path, reference, layout):
-    """Node rank 0 is killed at step 6, then node rank 1 (the node it started on) at step 11: a spare takes the
-    ranks of each in turn, in one job (it was a job per node, each ~40 s, most of it the workers' start).
-    Node rank 1 killed in the first generation: test_the_promoted_spare_killed_during_its_restore_is_replaced_
-    by_the_next (fsdp-tp) and test_two_nodes_lost_together_with_two_replicas (dp-pp)."""
-    run = run_layout(procs, tmp_path, layout, "kill", "--nnodes", "2", "--nproc-per-node", "2", "--spares", "2",
-                     "--inject", "kill-node:0@step=6", "--inject", "kill-node:1@step=11")
-    _recovered(run, layout, reference, generations=(1, 2))
-    assert [(e["node_rank"], e["node"]) for e in run.named("node_failed")] == [(0, "node0"), (1, "node1")]
-    assert sorted(e["spare"] for e in run.named("spare_promoted")) == ["node2", "node3"]
+def test_a_frozen_pipeline_stage_releases_the_stage_waiting_on_it_and_each_node_of_the_job_is_replaced(
+        procs, tmp_path, reference):
+    """Node 1 holds the second stage: the first waits for its gradients in a pipeline recv when it freezes (step
+    6), and is released at once, not at the collective timeout (600 s). Then node rank 0 is killed (step 10),
+    then node rank 1 again, the spare that took the frozen node's ranks (step 13): a spare takes the ranks of
+    each in turn, in one job (a job per fault costs ~40 s on CI, most of it the workers' start)."""
+    run = run_layout(procs, tmp_path, "dp-pp", "freeze-kill", "--nnodes", "2", "--nproc-per-node", "2",
+                     "--spares", "3", "--inject", "freeze-node:1@step=6", "--inject", "kill-node:0@step=10",
+                     "--inject", "kill-node:1@step=13")
+    frozen = _recovered(run, "dp-pp", reference, generations=(1, 2, 3))
+    failed = run.named("node_failed")
+    assert [(e["node_rank"], e["node"]) for e in failed[:2]] == [(1, "node1"), (0, "node0")], failed
+    assert failed[2]["node_rank"] == 1 and failed[2]["node"] not in ("node0", "node1"), failed
+    assert "heartbeat" in failed[0]["cause"], failed
+    assert frozen["phases"]["total_s"] < 30, frozen
+    assert sorted(e["spare"] for e in run.named("spare_promoted")) == ["node2", "node3", "node4"]
 
 
-def test_a_frozen_pipeline_stage_releases_the_stage_waiting_on_it(procs, tmp_path, reference):
-    """Node 1 holds the second stage: the first waits for its gradients in a pipeline recv when it freezes."""
-    run = run_layout(procs, tmp_path, "dp-pp", "freeze-pp", "--nnodes", "2", "--nproc-per-node", "2",
-                     "--spares", "1", "--inject", "freeze-node:1@step=6")
-    done = _recovered(run, "dp-pp", reference)
-    (failed,) = run.named("node_failed")
-    assert failed["node"] == "node1" and "heartbeat" in failed["cause"], failed
-    assert done["phases"]["total_s"] < 30, done  # released at once, not at the collective timeout (600 s)
-
-
-def test_a_frozen_tensor_parallel_peer_releases_the_rank_waiting_on_it(procs, tmp_path, reference):
+def test_a_frozen_tensor_parallel_peer_releases_the_rank_waiting_on_it_and_the_job_ends_as_under_torchrun(
+        procs, tmp_path, reference):
     """One worker per node: each tensor parallel group spans two nodes (dprun warns), and rank 0 waits in an
-    all-reduce with rank 1 on the node that freezes."""
+    all-reduce with rank 1 on the node that freezes. The run ends with the parameters of the same job, failure-free,
+    under torchrun (fsdp-tp's `reference`; as do this file's other fsdp-tp runs)."""
     run = run_layout(procs, tmp_path, "fsdp-tp", "freeze-tp", "--nnodes", "4", "--nproc-per-node", "1",
                      "--spares", "1", "--inject", "freeze-node:1@step=6")
     done = _recovered(run, "fsdp-tp", reference)
@@ -124,23 +126,18 @@ def test_two_nodes_lost_together_with_two_replicas(procs, tmp_path, reference):
     assert {e["node_rank"] for e in run.named("node_failed")} == {1, 2}
 
 
-def test_the_promoted_spare_killed_during_its_restore_is_replaced_by_the_next(procs, tmp_path, reference):
+def test_the_promoted_spare_killed_during_its_restore_is_replaced_by_the_next_and_each_node_is_replaced(
+        procs, tmp_path, reference):
+    """Node rank 1 is killed at step 6 and the spare promoted in its place as it restores; the next spare takes
+    over. Then node rank 0 is killed (step 11): a spare takes the ranks of each node in turn, in one job."""
     run = run_layout(procs, tmp_path, "fsdp-tp", "promote", "--nnodes", "2", "--nproc-per-node", "2",
-                     "--spares", "2", "--inject", "kill-node:1@step=6", "--inject", "kill-node:1@during-recovery")
-    _recovered(run, "fsdp-tp", reference, generations=(2,))
-    assert sorted(e["spare"] for e in run.named("spare_promoted")) == ["node2", "node3"]
-
-
-def test_the_same_job_under_torchrun_ends_as_under_dprun(procs, tmp_path, reference):
-    """torchrun's env:// group: job.parallelize builds the same mesh on it (no snapshots, one generation)."""
-    summary = tmp_path / "torchrun.json"
-    proc = procs.popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), TRAIN_3D,
-                        "--steps", str(STEPS["fsdp-tp"]), *MODEL, *LAYOUTS["fsdp-tp"][0], "--summary", summary],
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    assert json.loads(summary.read_text())["params_sha256"] == reference("fsdp-tp")
+                     "--spares", "3", "--inject", "kill-node:1@step=6", "--inject", "kill-node:1@during-recovery",
+                     "--inject", "kill-node:0@step=11")
+    _recovered(run, "fsdp-tp", reference, generations=(2, 3))
+    failed = [(e["node_rank"], e["node"]) for e in run.named("node_failed")]
+    assert failed[0] == (1, "node1") and failed[1][0] == 1 and failed[2] == (0, "node0"), failed
+    assert len(failed) == 3 and failed[1][1] not in ("node0", "node1"), failed
+    assert sorted(e["spare"] for e in run.named("spare_promoted")) == ["node2", "node3", "node4"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")

@@ -32,8 +32,11 @@ def sha(unbroken) -> str:
     return unbroken(2, STEPS).summary["params_sha256"]
 
 
-def _resumed(procs, tmp_path, folder: str, sha: str):
-    run = dprun(procs, tmp_path, "resume", "--nnodes", "2", "--spares", "0", "--resume-from", folder, steps=STEPS)
+def _resumed(procs, tmp_path, folder: str, sha: str, *options: str, name: str = "resume"):
+    """`dprun --nnodes 2 --resume-from FOLDER` (OPTIONS, or no spare), which must go on from the saved step and end
+    with the parameters of the run that never stopped."""
+    options = options or ("--spares", "0")
+    run = dprun(procs, tmp_path, name, "--nnodes", "2", *options, "--resume-from", folder, steps=STEPS)
     assert run.returncode == 0, run.stderr[-3000:]
     (started,) = run.named("job_started")
     first = min(e["step"] for e in run.named("progress"))
@@ -44,6 +47,7 @@ def _resumed(procs, tmp_path, folder: str, sha: str):
 
 
 def test_a_job_out_of_spares_saves_its_state_and_a_resumed_job_ends_where_an_unbroken_one_does(procs, tmp_path, sha):
+    """The resumed job loses a node as it starts, and still ends so: the one resumed job shows both."""
     saved = tmp_path / "saved"
     run = dprun(procs, tmp_path, "stop", "--nnodes", "2", "--spares", "0", "--save-dir", saved,
                 "--inject", "kill-node:1@step=12", steps=STEPS)
@@ -52,38 +56,19 @@ def test_a_job_out_of_spares_saves_its_state_and_a_resumed_job_ends_where_an_unb
     (finished,) = run.named("job_finished")
     assert "no spare left" in finished["message"] and f"is saved in {saving['folder']}" in finished["message"]
     assert [s.step for s in complete_steps(saved, 2)[0]] == [saving["step"]], "one step, every rank's file"
-    _resumed(procs, tmp_path, saving["folder"], sha)
     fewer = saving["step"] - 2  # a typo in --steps, or the save of a longer run: nothing to train, and it says so
     short = dprun(procs, tmp_path, "short", "--nnodes", "2", "--spares", "0", "--resume-from", saving["folder"],
                   steps=fewer)
     assert short.returncode == 0, short.stderr[-3000:]
     assert {e["step"] for e in short.named("progress")} <= {saving["step"]}, "no step trained"
-    # node 1 lost as training starts, before a snapshot of its own could reach node 0: node 0 read its file too
-    # (as its replica holder), and the spare is restored from that copy; before, the job ended "state lost"
-    lost = dprun(procs, tmp_path, "lost", "--nnodes", "2", "--spares", "1", "--resume-from", saving["folder"],
-                 "--inject", "kill-node:1@t=0", steps=STEPS)
-    assert lost.returncode == 0, lost.stderr[-3000:]
+    # the resumed job, whose node 1 is lost as training starts, before a snapshot of its own could reach node 0:
+    # node 0 read its file too (as its replica holder), and the spare is restored from that copy; before, the job
+    # ended "state lost"
+    lost = _resumed(procs, tmp_path, saving["folder"], sha, "--spares", "1", "--inject", "kill-node:1@t=0",
+                    name="lost")
     (recovered,) = lost.named("recovery_complete")
     assert recovered["restore_step"] >= saving["step"] and lost.summary["params_sha256"] == sha
     assert f"goes on from step {saving['step']}, past the {fewer} steps asked for" in short.stderr, short.stderr
-
-
-def test_sigterm_saves_the_state_before_the_job_stops(procs, tmp_path, sha):
-    """As Slurm's time limit or scancel would: the job stops with 128 + 15, its state saved on the way."""
-    events = tmp_path / "term.events.jsonl"
-    proc = procs.dprun("--nnodes", "2", "--spares", "0", "--no-tui", "--save-dir", tmp_path / "saved",
-                       "--events-file", events, TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1",
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= 8 for e in read_events(events)), 90,
-             "step 8")
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=90)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "dprun: job stopped: dprun received SIGTERM" in err, err[-3000:]
-    saving = the_save(read_events(events), err[-3000:])
-    # "progress" names the furthest rank's step; the save is the newest step every rank's snapshot holds
-    assert 7 <= saving["step"] < STEPS
-    _resumed(procs, tmp_path, saving["folder"], sha)
 
 
 def _one_node_signalled_at(procs, tmp_path, save_dir: Path, sig: int, step: int) -> tuple[int, str, str, list]:
@@ -140,10 +125,13 @@ def test_a_copy_found_damaged_is_saved_from_the_rank_s_own_worker_instead(procs,
     _resumed(procs, tmp_path, saving["folder"], sha)
 
 
-def test_a_node_that_falls_silent_during_the_save_is_given_up_and_its_copy_written_elsewhere(procs, tmp_path, sha):
-    """Node 1 (whose store holds rank 0's copies) freezes whole just as the job gets SIGTERM: the save asks it
-    for rank 0's file, hears nothing for the heartbeat timeout (5 s), gives it up and has rank 0's own worker
-    write it instead; before, the save waited for the files' deadline (600 s), past Slurm's SIGKILL."""
+def test_sigterm_saves_the_state_before_the_job_stops_and_a_node_that_falls_silent_during_the_save_is_given_up(
+        procs, tmp_path, sha):
+    """As Slurm's time limit or scancel would: the job stops with 128 + 15, its state saved on the way. Node 1
+    (whose store holds rank 0's copies) freezes whole just as the job gets SIGTERM: the save asks it for rank 0's
+    file, hears nothing for the heartbeat timeout (5 s), gives it up and has rank 0's own worker write it instead;
+    before, the save waited for the files' deadline (600 s), past Slurm's SIGKILL. The resumed run ends bitwise
+    alike."""
     events = tmp_path / "silent.events.jsonl"
     proc = procs.dprun("--nnodes", "2", "--spares", "0", "--no-tui", "--save-dir", tmp_path / "saved",
                        "--events-file", events, TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.1",
@@ -155,7 +143,11 @@ def test_a_node_that_falls_silent_during_the_save_is_given_up_and_its_copy_writt
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "dprun: job stopped: dprun received SIGTERM" in err, err[-3000:]
     (saving,) = [e for e in read_events(events) if e["event"] == "saving_state"]
+    assert the_save(read_events(events), err[-3000:]) == saving
+    # "progress" names the furthest rank's step; the save is the newest step every rank's snapshot holds
+    assert 7 <= saving["step"] < STEPS
     (retried,) = [e for e in read_events(events) if e["event"] == "save_retried"]
     assert (retried["rank"], retried["local"]) == (0, True), retried
     assert f"{node1['node']} failed: no heartbeat for" in retried["why"], retried

@@ -181,7 +181,7 @@ def test_a_rank_that_leaves_the_loop_early_is_named_not_taken_for_a_finished_run
 
 
 def test_every_rank_leaving_the_loop_early_ends_cleanly_at_the_step_it_left_after(procs, tmp_path):
-    run, events = _run(procs, tmp_path, "converged", "--spares", "1")
+    run, events = _run(procs, tmp_path, "converged", "--spares", "0")
     assert run.returncode == 0, run.stderr[-3000:]
     (finished,) = _named(events, "job_finished")
     assert finished["exit_code"] == 0 and not _named(events, "node_failed")
@@ -198,7 +198,7 @@ def test_a_second_steps_loop_after_one_that_ran_to_its_end_is_refused_at_once_no
 
 
 def test_a_worker_that_never_exits_after_training_ends_the_job_at_hang_timeout_blaming_no_node(procs, tmp_path):
-    run, events = _run(procs, tmp_path, "linger", "--spares", "1", "--hang-timeout", "4")
+    run, events = _run(procs, tmp_path, "linger", "--spares", "0", "--hang-timeout", "4")
     assert run.returncode == 1, run.stderr[-3000:]
     (finished,) = _named(events, "job_finished")
     named = re.match(r"training completed \(step 12\), but rank 1 on \S+ \(pid (\d+)\) did not exit within 4 s",
