@@ -6,6 +6,7 @@ with the parameters of the run that never failed."""
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -135,14 +136,16 @@ def test_two_adjacent_nodes_killed_together_are_restored_from_disk(procs, tmp_pa
 
 
 def test_background_saves_on_a_full_disk_are_said_once_and_training_finishes(procs, tmp_path, full_disk, unbroken):
-    """2 nodes are enough here (conftest's failure-free run of that shape serves test_e2e_faults and
-    test_e2e_saving too)."""
+    """Every background save fails with ENOSPC: the job says so once (not per step), trains on and ends
+    bitwise as the failure-free run, saying that no step was saved whole."""
     reference = unbroken(2, STEPS).summary["params_sha256"]
     run = dprun(procs, tmp_path, "full", "--nnodes", "2", "--spares", "0", "--save-dir", full_disk / "saved",
                 "--save-every", "5", steps=STEPS)
     assert run.returncode == 0, run.stderr[-3000:]
     failed = run.named("save_failed")
     assert len(failed) >= 3 and all("No space left on device" in e["why"] for e in failed), failed
-    assert run.stdout.count("the background save of step") == 1, run.stdout[-3000:]
+    # (a save still being written when the next is due is said too, in words of its own)
+    said = re.findall(r"the background save of step \d+ in \S+ failed \(training goes on\)", run.stdout)
+    assert len(said) == 1, run.stdout[-3000:]
     assert "no step was saved whole on disk" in run.named("job_finished")[0]["message"]
     assert run.summary["params_sha256"] == reference
