@@ -8,9 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import free_port
 from dpstate.groups.carried import Carried, PerRank
+from dpstate.snapshot.rank_parts import as_own, carried_by, rank_part, with_part
+from dpstate.snapshot.state import Tracked, rng_state, set_rng_state
+from dpstate.steps.abort import AbortSignal
+from dpstate.steps.data_ranks import DataRanks
 
 WORKER = str(Path(__file__).parent / "data" / "narrow_worker.py")
 
@@ -88,3 +93,72 @@ def test_per_rank_objects_follow_the_ranks_carried_and_their_state_goes_with_the
         other[1]
     with pytest.raises(KeyError, match="logical ranks \\[3\\] is not in it"):
         PerRank(_Position, [3]).load_state_dict(saved)
+
+
+def _process(assignment: list[list[int]], p: int, positions: dict[int, int], seeds: dict[int, int]):
+    """A process's tracked state training assignment[p]: per-rank positions, and each rank's RNG seeded."""
+    tracked = Tracked()
+    ranks = DataRanks(tracked, [], AbortSignal())
+    carried = Carried.assigned(assignment, p)
+    data = ranks.per_rank(_Position, carried)
+    tracked.add(data=data)
+    ranks.carry(carried, {r: _seeded(seeds[r]) for r in carried.ranks[1:] if r in seeds})
+    for r in carried.ranks:
+        data[r].at = positions.get(r, 0)
+    if carried.ranks[0] in seeds:
+        set_rng_state(_seeded(seeds[carried.ranks[0]]))
+    return tracked, ranks, data
+
+
+def _seeded(seed: int) -> dict:
+    own = rng_state()
+    torch.manual_seed(seed)
+    state = rng_state()
+    set_rng_state(own)
+    return state
+
+
+def _draw(state: dict) -> float:
+    own = rng_state()
+    set_rng_state(state)
+    value = torch.rand(1).item()
+    set_rng_state(own)
+    return value
+
+
+def test_a_rank_moves_between_snapshots_with_its_data_position_and_its_rng():
+    """Shrink: process 0 of width 3 adopts rank 2 from the snapshot of the process that trained it; grow: a
+    new process takes rank 2 as its own from process 0's narrow snapshot. Each time rank 2's data position and
+    RNG come along, and the snapshots say which ranks they hold."""
+    tree_0 = _process([[0], [1], [2]], 0, {0: 10}, {0: 100})[0].capture(5)
+    tree_2 = _process([[0], [1], [2]], 2, {2: 12}, {2: 102})[0].capture(5)
+    assert carried_by(tree_2) == [2] and rank_part(tree_2, 2)["objects"] == {"data": {"at": 12}}
+    with pytest.raises(KeyError, match="holds logical ranks \\[2\\], not 0"):
+        rank_part(tree_2, 0)
+
+    tracked, ranks, data = _process([[0, 2], [1]], 0, {}, {})  # after the shrink, before its restore
+    merged = with_part(tree_0, 2, rank_part(tree_2, 2))
+    assert carried_by(merged) == [0, 2] and carried_by(tree_0) == [0]  # (the copy is a new tree)
+    tracked.restore(merged)
+    assert (data[0].at, data[2].at) == (10, 12)
+    assert torch.rand(1).item() == _draw(_seeded(100))  # its own RNG is rank 0's
+    with ranks._rng.as_rank(2):
+        assert torch.rand(1).item() == _draw(_seeded(102))  # and rank 2's is rank 2's, advanced there
+    narrow_tree = tracked.capture(6)
+    assert carried_by(narrow_tree) == [0, 2]
+
+    tracked, ranks, data = _process([[0], [1], [2]], 2, {}, {})  # a joining process, rank 2 its own
+    tracked.restore(as_own(narrow_tree, 2))
+    assert data[2].at == 12 and list(data) == [2]
+    torch.manual_seed(102)
+    torch.rand(1)
+    second = torch.rand(1).item()
+    tracked.restore(as_own(narrow_tree, 2))
+    assert torch.rand(1).item() == second  # rank 2's stream goes on from its draw in the narrow process
+
+
+def test_a_new_rank_without_its_rng_restored_says_so():
+    _, ranks, _ = _process([[0, 1]], 0, {}, {})
+    with pytest.raises(RuntimeError, match="RNG state of logical rank 1, new to this process, was not restored"):
+        with ranks._rng.as_rank(1):
+            pass

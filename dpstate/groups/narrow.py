@@ -30,14 +30,12 @@ class RanksRng:
     tracked so that they travel in snapshots; empty at full width."""
 
     def __init__(self) -> None:
-        self.states: dict[int, dict] = {}
+        self.states: dict[int, dict | None] = {}  # None: new here, until restored
 
     def carry(self, carried: Carried, given: dict[int, dict]) -> None:
-        """Keep the states of the other ranks of `carried`: `given` for new ones, ours for the rest."""
-        missing = [r for r in carried.ranks[1:] if r not in self.states and r not in given]
-        if missing:
-            raise ValueError(f"dpstate: no RNG state for logical ranks {missing}, new to this process")
-        self.states = {r: given.get(r, self.states.get(r)) for r in carried.ranks[1:]}  # type: ignore[misc]
+        """Keep the states of the other ranks of `carried`: `given` for new ones (else their restore's), ours
+        for the rest."""
+        self.states = {r: given.get(r, self.states.get(r)) for r in carried.ranks[1:]}
 
     @contextlib.contextmanager
     def as_rank(self, rank: int) -> Iterator[None]:
@@ -45,8 +43,11 @@ class RanksRng:
         if rank not in self.states:
             yield
             return
+        state = self.states[rank]
+        if state is None:
+            raise RuntimeError(f"dpstate: the RNG state of logical rank {rank}, new to this process, was not restored")
         own = rng_state()
-        set_rng_state(self.states[rank])
+        set_rng_state(state)
         try:
             yield
         finally:

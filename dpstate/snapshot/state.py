@@ -85,6 +85,7 @@ class Tracked:
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
         self.replicated: list[nn.Module] = []  # modules trained data parallel (job.data_parallel)
+        self.ranks: tuple[int, ...] = ()  # the logical ranks the process trains, its own first
         # optimizer name -> (the ids of its parameters, their names): named_parameters() walks every module,
         # on every capture otherwise; the ids say when the optimizer holds other parameters
         self._param_names: dict[str, tuple[tuple, list]] = {}
@@ -144,8 +145,11 @@ class Tracked:
                 shards[name] = record
         layout = {"modules": [n for n, o in self.objects.items() if isinstance(o, nn.Module)],
                   "optimizers": self.param_names(), "shards": shards}
-        return {"step": step, "state": states, "rng": rng_state(), "threads": torch.get_num_threads(),
+        tree = {"step": step, "state": states, "rng": rng_state(), "threads": torch.get_num_threads(),
                 "layout": layout}
+        if self.ranks:
+            tree["ranks"] = list(self.ranks)  # (dpstate.snapshot.rank_parts)
+        return tree
 
     def param_names(self) -> dict[str, list]:
         """For each tracked optimizer, [module name, parameter name] of each of its parameters in the order of

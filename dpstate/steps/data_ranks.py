@@ -9,12 +9,12 @@ from typing import Callable, Iterator, TypeVar
 from dpstate.groups.carried import Carried, PerRank
 from dpstate.groups.ddp import DataParallel
 from dpstate.groups.narrow import NarrowStep, RanksRng
+from dpstate.snapshot.rank_parts import RANKS_RNG_NAME
 from dpstate.snapshot.state import Tracked
 
 from .abort import AbortSignal
 
 T = TypeVar("T")
-RANKS_RNG_NAME = "__dpstate_ranks_rng__"  # the name under which the other carried ranks' RNG states are tracked
 
 
 class DataRanks:
@@ -34,6 +34,7 @@ class DataRanks:
     def carry(self, carried: Carried, rng: dict[int, dict]) -> None:
         """Train the logical ranks of `carried`; `rng`: the RNG states of ranks new to this process."""
         self.narrow = carried if carried.narrow else None
+        self._tracked.ranks = carried.ranks
         for per in self._per_rank:
             per.carry(carried.ranks)
         self._rng.carry(carried, rng)
