@@ -282,7 +282,7 @@ def test_two_adjacent_nodes_lost_with_one_replica_are_restored_from_the_newest_s
     assert (restoring["step"], restoring["folder"]) == (saved[-1]["step"], saved[-1]["folder"]) == (4, "/saved/step-4")
     (done,) = [e for e in world.events if e["event"] == "recovery_complete"]
     assert done["from_disk"] == "/saved/step-4" and done["restore_step"] == 4
-    assert {world.restored_at[(done["generation"], rank)] for rank in range(6)} == {4}
+    assert {world.workers.restored_at[(done["generation"], rank)] for rank in range(6)} == {4}
     assert names.count("node_failed") == 2 and names.count("spare_promoted") == 2
 
 

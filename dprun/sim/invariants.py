@@ -174,7 +174,7 @@ class Checker:
                 raise InvariantViolation(f"invariant 9: generation {generation} said restored from {folder} at "
                                          f"step {event['restore_step']}; it was to restore "
                                          f"{self.from_disk.get(generation)}")
-            restored = {r: world.restored_at.get((generation, r)) for r in range(world.spec.world_size)}
+            restored = {r: world.workers.restored_at.get((generation, r)) for r in range(world.spec.world_size)}
             if set(restored.values()) != {event["restore_step"]}:
                 raise InvariantViolation(f"invariant 9: generation {generation} restored from disk, ranks at "
                                          f"{restored}")
@@ -193,11 +193,11 @@ class Checker:
         for rank_text, source in msg.restore_from.items():
             rank = int(rank_text)
             if source == "init":
-                if step != 0 or any((rank, s) in world.replicated for s in range(1, world.steps + 1)):
+                if step != 0 or any((rank, s) in world.replicated for s in range(1, world.workers.steps + 1)):
                     raise InvariantViolation(f"invariant 3: rank {rank} told to start fresh at step {step}")
                 continue
             if not source:  # a survivor's own copy: captured, not necessarily acked yet (the gate comes later)
-                if (rank, step) not in world.captured:
+                if (rank, step) not in world.workers.captured:
                     raise InvariantViolation(f"invariant 3: rank {rank} restores its own step {step}, never taken")
                 continue
             if (rank, step) not in world.replicated:
@@ -236,7 +236,7 @@ def judge_outcome(world) -> str:
     if finish.exit_code == 0:
         for node_id in world.controller.timeline.layout:
             for worker in world.nodes[node_id].workers:
-                if worker.state != world.steps:
+                if worker.state != world.workers.steps:
                     raise InvariantViolation(f"finished with rank {worker.rank} at step {worker.state}")
         return "completed"
     if "state lost" in finish.message:
@@ -267,7 +267,8 @@ def judge_outcome(world) -> str:
                                      f"{finish.message}")
         return "state-lost"
     if "after other ranks had finished" in finish.message:
-        if not any(w.phase == "done" and w.state == world.steps for n in world.nodes.values() for w in n.workers):
+        last = world.workers.steps
+        if not any(w.phase == "done" and w.state == last for n in world.nodes.values() for w in n.workers):
             raise InvariantViolation(f"ended as finished before the last step: {finish.message}")
         return "failed-at-exit"
     if "a spare cannot fix it" in finish.message:  # dprun.controller.repeats: named so only if 2 nodes raised it

@@ -1,11 +1,11 @@
 """What the simulated cluster's dpstate workers do: restore, lockstep steps behind the snapshot gate, snapshots
-sent to replica stores and acked, exits. Methods of World (world.py), which keeps the clock and the network.
+sent to replica stores and acked, exits. A part of World (world.py), which keeps the clock and the network.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 from dpcommon import protocol as p
 from dprun.controller.vocabulary import JobSpec
@@ -13,42 +13,61 @@ from dprun.controller.vocabulary import JobSpec
 from .cluster import KEEP_LOCAL, Put, SimNode
 
 
-class WorkerSide:
-    """The worker half of World, a mixin of it: it reads and writes World's clock, network, nodes, job and
-    bookkeeping, declared here (World sets them) so that the type checker holds both halves to one type each."""
+class WorkerWorld(Protocol):
+    """What the worker model is handed by the World that runs it: the clock, the network, the nodes, the job
+    and the records of what happened that the invariants read."""
 
-    # the clock
     now: float
     rng: random.Random
-    at: Callable[..., None]  # (delay, fn, *args)
-    # the network
-    _link_delay: Callable[[str, str], float]
-    _agent_send: Callable[..., None]  # (node_id, *messages)
-    _frozen: Callable[..., bool]  # (node, fn, *args): True where the node is frozen and the call is kept for later
-    node_of: Callable[[str], SimNode | None]
-    # the nodes and the job
     nodes: dict[str, SimNode]
     spec: JobSpec
-    steps: int
-    interval: int
-    measure_until: int
-    defer: bool
-    fetch_timeout: float
-    raise_due: Callable[[SimNode, int], bool]
-    # the bookkeeping the invariants read
-    entered: dict[tuple[int, int | str], set]  # (generation, step or "final") -> ranks in the all-reduce
-    ready: dict[int, set]
     log: list[str]
-    replicated: set
-    captured: set
-    dropped_by: dict[tuple, tuple]
-    restored_at: dict[tuple[int, int], int]
-    deaths: int
-    members_of: dict[int, list]
-    alive_at: dict[int, int]
+    replicated: set  # (rank, step) ever stored on a replica
+    dropped_by: dict[tuple, tuple]  # (holder, rank, step) a store dropped -> the put that made it drop it
+    deaths: int  # workers died or nodes killed (neither comes back): what the collectives' checks key on
 
-    def _worker_reconfigure(self, node: SimNode, local: int, msg: p.Reconfigure) -> None:
-        if self._frozen(node, self._worker_reconfigure, node, local, msg):
+    def at(self, dt: float, fn: Callable[..., Any], *args: Any) -> None: ...
+    def link_delay(self, src: str, dst: str) -> float: ...
+    def agent_send(self, node_id: str, *msgs: Any) -> None: ...
+    def node_of(self, endpoint: str) -> SimNode | None: ...
+    def raise_due(self, node: SimNode, local: int) -> bool: ...
+    def record_dropped(self, holder: SimNode, dropped: list[tuple[int, int]], put: Put) -> None: ...
+
+
+def frozen(node: SimNode, fn: Callable[..., Any], *args: Any) -> bool:
+    """A frozen node does nothing; what came due runs when it wakes (TCP keeps the bytes meanwhile)."""
+    if node.frozen and node.alive:
+        node.deferred.append((fn, args))
+        return True
+    return False
+
+
+class WorkerModel:
+    """The simulated workers of every node, handed the World that runs them (WorkerWorld)."""
+
+    def __init__(self, world: WorkerWorld, steps: int, interval: int, measure_until: int, defer: bool,
+                 fetch_timeout: float):
+        self.world = world
+        self.steps = steps
+        self.interval = interval  # snapshots at step 0 and every multiple of it ...
+        self.measure_until = measure_until  # ... after an auto-like measuring window (see snapshotted)
+        self.defer = defer  # the gate waits for acks at snapshot steps only (dpstate.steps.gate: no landing)
+        self.fetch_timeout = fetch_timeout  # a restore gives up on a store that sends nothing (FETCH_TIMEOUT_S)
+        self.entered: dict[tuple[int, int | str], set] = {}  # (generation, step or "final") -> ranks in the all-reduce
+        self.ready: dict[int, set] = {}  # generation -> ranks at the post-restore barrier
+        self.captured: set = set()  # (rank, step) ever snapshotted by the worker of that rank
+        self.restored_at: dict[tuple[int, int], int] = {}  # (generation, rank) -> the step its worker restored
+        # what lets thousands of nodes simulate in seconds: caches the per-event checks depend on
+        self.members_of: dict[int, list] = {}  # generation -> its workers [(node, local, worker)], until one changes
+        self.alive_at: dict[int, int] = {}  # generation -> world.deaths when none of its workers was found dead
+
+    def recheck_collectives(self) -> None:
+        """Something died, or woke: every collective in flight looks at its members again."""
+        for key in list(self.entered):
+            self._check_allreduce(key)
+
+    def reconfigure(self, node: SimNode, local: int, msg: p.Reconfigure) -> None:
+        if frozen(node, self.reconfigure, node, local, msg):
             return
         worker = node.workers[local]
         if not node.running or worker.phase in ("dead", "done") or msg.generation <= worker.generation:
@@ -60,10 +79,10 @@ class WorkerSide:
         worker.rank = msg.node_rank * msg.nproc_per_node + local
         worker.phase = "recovering"
         worker.restore = msg
-        self.at(self.rng.uniform(0.001, 0.03), self._worker_restore, node, local, msg.generation)
+        self.world.at(self.world.rng.uniform(0.001, 0.03), self._worker_restore, node, local, msg.generation)
 
     def _worker_restore(self, node: SimNode, local: int, generation: int) -> None:
-        if self._frozen(node, self._worker_restore, node, local, generation):
+        if frozen(node, self._worker_restore, node, local, generation):
             return
         worker = node.workers[local]
         if not node.running or worker.generation != generation or worker.phase != "recovering":
@@ -90,7 +109,7 @@ class WorkerSide:
         self.ready.setdefault(generation, set()).add(worker.rank)
         worker.made = worker.restore.restore_step
         self.restored_at[(generation, worker.rank)] = worker.state  # (invariants: a restore from disk's step)
-        self._agent_send(node.node_id, p.WorkerReady(node.node_id, generation, worker.rank, 0.01, 0.01, source))
+        self.world.agent_send(node.node_id, p.WorkerReady(node.node_id, generation, worker.rank, 0.01, 0.01, source))
         self._try_release_barrier(generation)
 
     def _fetch(self, node: SimNode, local: int, generation: int, sources: list) -> None:
@@ -107,50 +126,53 @@ class WorkerSide:
         rank, step = worker.rank, msg.restore_step
         while sources:
             source, sources = sources[0], sources[1:]
-            holder = self.node_of(source)
+            holder = self.world.node_of(source)
             if holder is None or not holder.alive:  # no answer: wait out the timeout, or a new plan's abort
-                self.at(self.fetch_timeout, self._fetch_timed_out, node, local, generation, source, sources)
+                self.world.at(self.fetch_timeout, self._fetch_timed_out, node, local, generation, source, sources)
                 return
-            if self._frozen(holder, self._fetch, node, local, generation, [source, *sources]):
+            if frozen(holder, self._fetch, node, local, generation, [source, *sources]):
                 return
             if step in holder.store.get(rank, []):
                 bad = (rank, step) in holder.corrupt  # the frames sent are the copy as it is now
-                self.at(self.rng.uniform(0.01, 0.25), self._fetched, node, local, generation, holder, sources, bad)
+                self.world.at(self.world.rng.uniform(0.01, 0.25), self._fetched, node, local, generation, holder,
+                              sources, bad)
                 return
-            self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, source, "not held"))
+            self.world.agent_send(node.node_id,
+                                  p.RestoreFailed(node.node_id, generation, rank, step, source, "not held"))
         if not msg.restore_from.get(str(rank)) and step not in worker.local:
             # as dpstate: the local copy that the plan counted on (source "") is gone too
-            self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, "", "no local copy"))
+            self.world.agent_send(node.node_id,
+                                  p.RestoreFailed(node.node_id, generation, rank, step, "", "no local copy"))
         worker.phase = "restore-failed"
-        self._agent_send(node.node_id, p.PeerError(node.node_id, generation, rank,
+        self.world.agent_send(node.node_id, p.PeerError(node.node_id, generation, rank,
                                                    f"snapshot of rank {rank} at step {step} not found"))
 
     def _fetch_timed_out(self, node: SimNode, local: int, generation: int, source: str, rest: list) -> None:
         """Nothing came from a dead store in time: reported as a bad copy (as dpstate), the next store tried."""
-        if self._frozen(node, self._fetch_timed_out, node, local, generation, source, rest):
+        if frozen(node, self._fetch_timed_out, node, local, generation, source, rest):
             return
         worker = node.workers[local]
         if not node.running or worker.generation != generation or worker.phase != "recovering":
             return
-        self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, worker.rank,
+        self.world.agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, worker.rank,
                                                        worker.restore.restore_step, source, "timed out"))
         self._fetch(node, local, generation, rest)
 
     def _fetched(self, node: SimNode, local: int, generation: int, holder: SimNode, rest: list, bad: bool) -> None:
         """A fetched copy arrived (a holder frozen mid-transfer holds it up; a dead one breaks it off, and the
         fetch times out)."""
-        if self._frozen(holder, self._fetched, node, local, generation, holder, rest, bad) or \
-                self._frozen(node, self._fetched, node, local, generation, holder, rest, bad):
+        if frozen(holder, self._fetched, node, local, generation, holder, rest, bad) or \
+                frozen(node, self._fetched, node, local, generation, holder, rest, bad):
             return
         worker = node.workers[local]
         if not node.running or worker.generation != generation or worker.phase != "recovering":
             return
         if not holder.alive:  # broken off: the rest never comes, and the fetch gives up on it in time
-            self.at(self.fetch_timeout, self._fetch_timed_out, node, local, generation, holder.endpoint, rest)
+            self.world.at(self.fetch_timeout, self._fetch_timed_out, node, local, generation, holder.endpoint, rest)
             return
         rank, step = worker.rank, worker.restore.restore_step
         if bad or (rank, step) in holder.corrupt:  # damaged before or while it was sent
-            self._agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, holder.endpoint,
+            self.world.agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, holder.endpoint,
                                                            "corrupt"))
             self._fetch(node, local, generation, rest)
             return
@@ -158,68 +180,65 @@ class WorkerSide:
         self._restored(node, local, generation, "replica")
 
     def _try_release_barrier(self, generation: int) -> None:
-        if len(self.ready.get(generation, ())) < self.spec.world_size:
+        if len(self.ready.get(generation, ())) < self.world.spec.world_size:
             return
-        for node in self.nodes.values():
+        for node in self.world.nodes.values():
             for local, worker in enumerate(node.workers):
                 if worker.generation == generation and worker.phase == "ready":
                     self._leave_barrier(node, local, generation)
 
     def _leave_barrier(self, node: SimNode, local: int, generation: int) -> None:
         """The last rank arrived: this one goes on (a frozen node when it wakes: the barrier's bytes wait)."""
-        if self._frozen(node, self._leave_barrier, node, local, generation):
+        if frozen(node, self._leave_barrier, node, local, generation):
             return
         worker = node.workers[local]
         if node.running and worker.generation == generation and worker.phase == "ready":
             worker.phase = "running"
-            self.at(self.rng.uniform(0.005, 0.02), self._worker_step, node, local, generation)
+            self.world.at(self.world.rng.uniform(0.005, 0.02), self._worker_step, node, local, generation)
 
     def _take_snapshot(self, node: SimNode, local: int) -> None:
         worker = node.workers[local]
         if worker.local[-1:] != [worker.state]:  # a restored snapshot is sent again from its own slot
             worker.local = (worker.local + [worker.state])[-KEEP_LOCAL:]
         self.captured.add((worker.rank, worker.state))
-        holders = [h for h in map(self.node_of, node.replica_to) if h is not None]
+        holders = [h for h in map(self.world.node_of, node.replica_to) if h is not None]
         worker.awaiting[worker.state] = len(holders)
         # acked once every holder acks it (a restored step sent again too); with none, at once (as dpstate)
         worker.acked = min(worker.acked, worker.state - 1) if holders else max(worker.acked, worker.state)
         put = (worker.rank, worker.state, worker.generation)
         for holder in holders:  # ReserveSnapshot just ahead of the snapshot on the same connection
-            delay = self._link_delay(node.node_id, holder.node_id)
-            self.at(delay - 1e-7, self._store_reserve, holder, put)
-            self.at(delay, self._store_put, holder, node, local, put)
+            delay = self.world.link_delay(node.node_id, holder.node_id)
+            self.world.at(delay - 1e-7, self._store_reserve, holder, put)
+            self.world.at(delay, self._store_put, holder, node, local, put)
 
     def _store_reserve(self, holder: SimNode, put: Put) -> None:
         """The holder makes room for the snapshot on its way (SimNode.make_room)."""
-        if self._frozen(holder, self._store_reserve, holder, put):
+        if frozen(holder, self._store_reserve, holder, put):
             return
         if holder.running:
-            self._dropped(holder, holder.make_room(put), put)
+            self.world.record_dropped(holder, holder.make_room(put), put)
 
     def _store_put(self, holder: SimNode, sender: SimNode, local: int, put: Put) -> None:
         """The snapshot arrives (SimNode.add): stored and acked, or refused (a fenced sender: never acked)."""
-        if self._frozen(holder, self._store_put, holder, sender, local, put):
+        if frozen(holder, self._store_put, holder, sender, local, put):
             return
         if not holder.running:
             return  # the sender waits forever for the ack; recovery will abort it
         rank, step, generation = put
         stored, dropped = holder.add(put)
-        self._dropped(holder, dropped, put)
+        self.world.record_dropped(holder, dropped, put)
         if not stored:
-            self.log.append(f"{self.now:.3f} {holder.node_id} refuses rank {rank} step {step} of generation "
-                            f"{generation}")
+            self.world.log.append(f"{self.world.now:.3f} {holder.node_id} refuses rank {rank} step {step} of "
+                                  f"generation {generation}")
             return
-        self.replicated.add((rank, step))
-        self.dropped_by.pop((holder.node_id, rank, step), None)
-        self._agent_send(holder.node_id, p.SnapshotStored(holder.node_id, rank, step, generation))
-        self.at(self._link_delay(holder.node_id, sender.node_id), self._snapshot_acked, sender, local, generation, step)
-
-    def _dropped(self, holder: SimNode, dropped: list[tuple[int, int]], put: Put) -> None:
-        for rank, step in dropped:  # which put made the store drop it (invariants: was that reported?)
-            self.dropped_by[(holder.node_id, rank, step)] = (holder.node_id, *put)
+        self.world.replicated.add((rank, step))
+        self.world.dropped_by.pop((holder.node_id, rank, step), None)
+        self.world.agent_send(holder.node_id, p.SnapshotStored(holder.node_id, rank, step, generation))
+        self.world.at(self.world.link_delay(holder.node_id, sender.node_id), self._snapshot_acked, sender, local,
+                      generation, step)
 
     def _snapshot_acked(self, node: SimNode, local: int, generation: int, step: int) -> None:
-        if self._frozen(node, self._snapshot_acked, node, local, generation, step):
+        if frozen(node, self._snapshot_acked, node, local, generation, step):
             return
         worker = node.workers[local]
         if node.running and worker.generation == generation:
@@ -237,12 +256,12 @@ class WorkerSide:
         Job._gate: its newest snapshot acked; so no rank applies step S+1 before every rank's S is held). A
         deferring gate (dpstate.steps.gate) waits only where step state+1 is itself snapshotted; its capture is
         instant here."""
-        if self._frozen(node, self._worker_step, node, local, generation):
+        if frozen(node, self._worker_step, node, local, generation):
             return
         worker = node.workers[local]
         if not node.running or worker.generation != generation or worker.phase != "running":
             return
-        if self.raise_due(node, local):
+        if self.world.raise_due(node, local):
             return
         due = not self.defer or self.snapshotted(worker.state + 1)
         if due and worker.acked < self.newest_snapshot(worker.state):
@@ -261,30 +280,30 @@ class WorkerSide:
         """The workers of `generation`, [(node, local, worker)] in node order (kept until one of them changes)."""
         members = self.members_of.get(generation)
         if members is None:
-            members = self.members_of[generation] = [(n, i, w) for n in self.nodes.values()
+            members = self.members_of[generation] = [(n, i, w) for n in self.world.nodes.values()
                                                      for i, w in enumerate(n.workers)
                                                      if w.generation == generation and w.rank >= 0]
         return members
 
     def _any_dead(self, generation: int, members: list) -> bool:
         """Is a worker of `generation` dead, or its node? (not looked at again until something dies)"""
-        if self.alive_at.get(generation) == self.deaths:
+        if self.alive_at.get(generation) == self.world.deaths:
             return False
         if any(w.phase == "dead" or not n.alive for n, _, w in members):
             return True
-        self.alive_at[generation] = self.deaths
+        self.alive_at[generation] = self.world.deaths
         return False
 
     def _release_final(self, key) -> None:
         generation = key[0]
-        if len(self.entered.get(key, ())) < self.spec.world_size:
+        if len(self.entered.get(key, ())) < self.world.spec.world_size:
             return
         members = self._members(generation)
         if any(not n.running for n, _, _ in members):
             return
         for n, i, w in members:
             if w.phase == "running" and w.state >= self.steps:
-                self._worker_exit(n, i, 0, "")
+                self.exit(n, i, 0, "")
 
     def _check_allreduce(self, key) -> None:
         generation, step = key
@@ -296,9 +315,9 @@ class WorkerSide:
             for n, i, w in members:  # a dead peer: every survivor's collective raises at once
                 if n.running and w.phase == "running" and w.rank in self.entered.get(key, ()):
                     w.phase = "failed-collective"
-                    self._agent_send(n.node_id, p.PeerError(n.node_id, generation, w.rank, "peer died"))
+                    self.world.agent_send(n.node_id, p.PeerError(n.node_id, generation, w.rank, "peer died"))
             return
-        if len(self.entered.get(key, ())) < self.spec.world_size:
+        if len(self.entered.get(key, ())) < self.world.spec.world_size:
             return
         if any(n.frozen for n, _, w in members):
             return  # a frozen peer: the all-reduce hangs until the controller reconfigures
@@ -311,11 +330,11 @@ class WorkerSide:
         worker.state += 1
         worker.made = worker.state
         snapshot = self.snapshotted(worker.state)
-        self._agent_send(node.node_id, p.Progress(node.node_id, worker.generation, worker.rank, worker.state,
+        self.world.agent_send(node.node_id, p.Progress(node.node_id, worker.generation, worker.rank, worker.state,
                                                   snapshot=snapshot))
         if snapshot:
             self._take_snapshot(node, local)
-        self.at(self.rng.uniform(0.005, 0.02), self._worker_step, node, local, worker.generation)
+        self.world.at(self.world.rng.uniform(0.005, 0.02), self._worker_step, node, local, worker.generation)
 
     def snapshotted(self, step: int) -> bool:
         """Which steps every rank snapshots, as dpstate's policy: step 0; in an auto-like measuring window
@@ -331,13 +350,13 @@ class WorkerSide:
             step -= 1
         return step
 
-    def _worker_exit(self, node: SimNode, local: int, code: int, detail: str) -> None:
+    def exit(self, node: SimNode, local: int, code: int, detail: str) -> None:
         worker = node.workers[local]
         worker.phase = "done" if code == 0 else "dead"
-        self.deaths += code != 0
+        self.world.deaths += code != 0
         exited = p.WorkerExited(node.node_id, node.generation, local, 1000 + local, code, detail, step=worker.made)
         if code == 0:  # past the final barrier: dpstate's RankFinished, then the exit
-            self._agent_send(node.node_id, p.RankFinished(node.node_id, worker.generation, worker.rank, worker.state),
-                             exited)
+            self.world.agent_send(node.node_id,
+                                  p.RankFinished(node.node_id, worker.generation, worker.rank, worker.state), exited)
         else:
-            self._agent_send(node.node_id, exited)
+            self.world.agent_send(node.node_id, exited)

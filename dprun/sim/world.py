@@ -17,25 +17,21 @@ from dprun.controller.state_machine import (ConnectionDropped, Controller, Finis
                                             Send, Tick)
 
 from .disk import SimDisk
-from .cluster import ScriptError, SimNode, SimWorker
+from .cluster import Put, ScriptError, SimNode, SimWorker
 from .schedule import FETCH_TIMEOUT_S
-from .worker_model import WorkerSide
+from .worker_model import WorkerModel, frozen
 
 CONTROLLER = "controller"
 
 
-class World(WorkerSide):
+class World:
     """Discrete-event simulation. `observer(world, event, actions)` is called after every controller input."""
 
     def __init__(self, spec: JobSpec, nodes: int, steps: int, rng: random.Random,
                  observer: Callable[["World", Any, list], None] | None = None,
                  delay: tuple[float, float] = (0.0005, 0.01), hb_interval: float = 0.5, interval: int = 1,
                  measure_until: int = 0, defer: bool = False, fetch_timeout: float = FETCH_TIMEOUT_S):
-        self.spec, self.steps, self.rng = spec, steps, rng
-        self.interval = interval  # snapshots at step 0 and every multiple of it ...
-        self.measure_until = measure_until  # ... after an auto-like measuring window (see snapshotted)
-        self.defer = defer  # the gate waits for acks at snapshot steps only (dpstate.steps.gate: no landing)
-        self.fetch_timeout = fetch_timeout  # a restore gives up on a store that sends nothing (FETCH_TIMEOUT_S)
+        self.spec, self.rng = spec, rng
         self.now = 0.0
         self.queue: list = []
         self.seq = itertools.count()
@@ -47,11 +43,8 @@ class World(WorkerSide):
         self.finish: Finish | None = None
         self.events: list[dict] = []
         self.hb_interval = hb_interval
-        self.entered: dict[tuple[int, int | str], set] = {}  # (generation, step or "final") -> ranks in the all-reduce
-        self.ready: dict[int, set] = {}  # generation -> ranks at the post-restore barrier
         self.log: list[str] = []
         self.replicated: set = set()  # (rank, step) ever stored on a replica: the truth invariants check
-        self.captured: set = set()  # (rank, step) ever snapshotted by the worker of that rank
         # (holder, rank, step) a store dropped -> (holder, rank, step, generation) of the put that made it drop
         # it; and the SnapshotStored reports the controller took in (not stale): a copy dropped by a put whose
         # report it never took in (still on its way, lost, or from a fenced generation) may still be planned
@@ -62,16 +55,14 @@ class World(WorkerSide):
         self.raised: list[tuple[str, str]] = []  # (node, stderr's last line) of each error the script raised
         self.corrupted = False  # a store's copies were ever damaged (the judge of "state lost" then looks deeper)
         self.disk = SimDisk(spec.world_size)  # save_dir: what every save wrote (a stopping job's, background ones)
-        self.restored_at: dict[tuple[int, int], int] = {}  # (generation, rank) -> the step its worker restored
         # what lets thousands of nodes simulate in seconds: counters of the changes the per-event checks depend on
         self.owners_changed = 0  # a node's generation, node rank, or running (alive, frozen, stopped) changed
         self.deaths = 0  # a worker died or a node was killed (neither comes back)
-        self.members_of: dict[int, list] = {}  # generation -> its workers [(node, local, worker)], until one changes
-        self.alive_at: dict[int, int] = {}  # generation -> `deaths` when none of its workers was found dead
+        self.workers = WorkerModel(self, steps, interval, measure_until, defer, fetch_timeout)
         for i, node in enumerate(self.nodes.values()):
             node.workers = [SimWorker() for _ in range(node.nproc)]
             want_spare = i >= spec.nnodes
-            self.at(rng.uniform(0, 0.05), self._agent_send, node.node_id,
+            self.at(rng.uniform(0, 0.05), self.agent_send, node.node_id,
                     p.Register(node.node_id, "sim", i, node.nproc, want_spare, -1, node.endpoint))
             self.at(rng.uniform(0, hb_interval), self._heartbeat, node.node_id)
         self.at(0.05, self._tick)
@@ -89,7 +80,7 @@ class World(WorkerSide):
             self.now = t
             fn(*args)
 
-    def _link_delay(self, src: str, dst: str) -> float:
+    def link_delay(self, src: str, dst: str) -> float:
         """FIFO per connection (TCP), random delay, independent across connections (reordering)."""
         base = self.now + self.rng.uniform(*self.delay)
         t = max(base, self.channel_clock.get((src, dst), 0.0) + 1e-6)
@@ -109,7 +100,7 @@ class World(WorkerSide):
         actions = self.controller.handle(event, self.now)
         for action in actions:
             if isinstance(action, Send):
-                self.at(self._link_delay(CONTROLLER, action.node_id), self._agent_receive, action.node_id, action.msg)
+                self.at(self.link_delay(CONTROLLER, action.node_id), self._agent_receive, action.node_id, action.msg)
             elif isinstance(action, Publish):
                 self.events.append({**action.event, "time": self.now})
             elif isinstance(action, Finish):
@@ -121,12 +112,12 @@ class World(WorkerSide):
         self._controller_input(Tick())
         self.at(0.05, self._tick)
 
-    def _agent_send(self, node_id: str, *msgs) -> None:
+    def agent_send(self, node_id: str, *msgs) -> None:
         """Messages from a node's agent to the controller, in order, on one delay of the link."""
         node = self.nodes[node_id]
         if not node.alive or node.frozen or node.stopped:
             return
-        delay = self._link_delay(node_id, CONTROLLER)
+        delay = self.link_delay(node_id, CONTROLLER)
         for msg in msgs:
             self.at(delay, self._controller_input, Received(node_id, msg))
 
@@ -135,7 +126,7 @@ class World(WorkerSide):
         if not node.alive or node.stopped:
             return
         if not node.frozen:
-            self._agent_send(node_id, p.Heartbeat(node_id, node.generation))
+            self.agent_send(node_id, p.Heartbeat(node_id, node.generation))
         self.at(self.hb_interval, self._heartbeat, node_id)
 
     # -- agent side ------------------------------------------------------------------------------
@@ -148,7 +139,7 @@ class World(WorkerSide):
             node.inbox_while_frozen.append(msg)
             return
         if isinstance(msg, p.Ping):
-            self._agent_send(node_id, p.Pong(node_id, msg.seq))
+            self.agent_send(node_id, p.Pong(node_id, msg.seq))
         elif isinstance(msg, p.Welcome):
             node.welcomed = True
         elif isinstance(msg, p.Stop):
@@ -158,11 +149,11 @@ class World(WorkerSide):
             self.owners_changed += 1
             node.replica_to = [msg.replica_to, *msg.replica_also]
             for local, worker in enumerate(node.workers):
-                self.at(self._link_delay(node_id, f"{node_id}/{local}"), self._worker_reconfigure, node, local, msg)
+                self.at(self.link_delay(node_id, f"{node_id}/{local}"), self.workers.reconfigure, node, local, msg)
         elif isinstance(msg, p.SaveSnapshots) and msg.background:
             self._save_background(node, msg)
         elif isinstance(msg, p.SaveSnapshots):
-            self._agent_send(node_id, p.SnapshotFiles(node_id, msg.step, self._save_files(node, msg)))
+            self.agent_send(node_id, p.SnapshotFiles(node_id, msg.step, self._save_files(node, msg)))
         elif isinstance(msg, p.LoadSnapshots):
             self._load_files(node, msg)
 
@@ -194,7 +185,7 @@ class World(WorkerSide):
         """The thread's files and manifest part: a copy damaged when taken or since is not written (write_copies
         checks each; one dropped from the store since is still written, the thread holds it); then, with `keep`
         and no file refused, the prune; the answer. A node that died (or stopped) meanwhile writes nothing."""
-        if self._frozen(node, self._background_written, node, msg, copies, bad):
+        if frozen(node, self._background_written, node, msg, copies, bad):
             return
         if not node.running:
             return
@@ -210,7 +201,7 @@ class World(WorkerSide):
                 results[str(rank)] = written[str(rank)]
         if msg.keep and not any(results[str(rank)] for rank in copies):
             self.disk.prune(msg.keep)
-        self._agent_send(node.node_id, p.SnapshotFiles(node.node_id, msg.step, results))
+        self.agent_send(node.node_id, p.SnapshotFiles(node.node_id, msg.step, results))
 
     def _load_files(self, node: SimNode, msg: p.LoadSnapshots) -> None:
         """ReplicaServer.files for a load: the store drops the ranks' copies past the step at once (what the files
@@ -222,7 +213,7 @@ class World(WorkerSide):
     def _files_loaded(self, node: SimNode, msg: p.LoadSnapshots) -> None:
         """store_loaded: each file read goes into the store as a copy of the load's generation, reported
         (SnapshotStored) before the answer (SnapshotFiles); a rank without its file is answered why."""
-        if self._frozen(node, self._files_loaded, node, msg):
+        if frozen(node, self._files_loaded, node, msg):
             return
         if not node.running:
             return
@@ -234,7 +225,7 @@ class World(WorkerSide):
                 continue
             put = (rank, state, msg.generation)
             stored, dropped = node.add(put)
-            self._dropped(node, dropped, put)
+            self.record_dropped(node, dropped, put)
             if not stored:
                 results[str(rank)] = f"{msg.directory}/rank-{rank}.dpsnap: refused by the store"
                 continue
@@ -242,7 +233,7 @@ class World(WorkerSide):
             self.dropped_by.pop((node.node_id, rank, state), None)
             results[str(rank)] = ""
             reports.append(p.SnapshotStored(node.node_id, rank, state, msg.generation))
-        self._agent_send(node.node_id, *reports, p.SnapshotFiles(node.node_id, msg.step, results))
+        self.agent_send(node.node_id, *reports, p.SnapshotFiles(node.node_id, msg.step, results))
 
     def _stop_node(self, node: SimNode, keep_store: bool = False) -> None:
         """Its workers stop; so does its agent, unless its store is to stay (it still answers, saves)."""
@@ -252,13 +243,9 @@ class World(WorkerSide):
         for worker in node.workers:
             worker.phase = "dead" if worker.phase != "done" else "done"
 
-    @staticmethod
-    def _frozen(node: SimNode, fn, *args) -> bool:
-        """A frozen node does nothing; what came due runs when it wakes (TCP keeps the bytes meanwhile)."""
-        if node.frozen and node.alive:
-            node.deferred.append((fn, args))
-            return True
-        return False
+    def record_dropped(self, holder: SimNode, dropped: list[tuple[int, int]], put: Put) -> None:
+        for rank, step in dropped:  # which put made the store drop it (invariants: was that reported?)
+            self.dropped_by[(holder.node_id, rank, step)] = (holder.node_id, *put)
 
     def node_of(self, endpoint: str) -> SimNode | None:
         return self.nodes.get(endpoint.removeprefix("sim://"))
@@ -271,7 +258,7 @@ class World(WorkerSide):
         node = self.nodes[node_id] = SimNode(node_id, self.spec.nproc_per_node)
         node.workers = [SimWorker() for _ in range(node.nproc)]
         self.log.append(f"{self.now:.3f} join {node_id}")
-        self._agent_send(node_id, p.Register(node_id, "sim", 100 + len(self.nodes), node.nproc, True, -1,
+        self.agent_send(node_id, p.Register(node_id, "sim", 100 + len(self.nodes), node.nproc, True, -1,
                                              node.endpoint))
         self.at(self.hb_interval, self._heartbeat, node_id)
         return node_id
@@ -294,8 +281,7 @@ class World(WorkerSide):
             self.at(self.rng.uniform(0.0005, 0.005), self._controller_input, NodeGone(node_id, "sim: process died"))
         elif closes_connections:  # (no draw from rng: seeds found before replay as they were)
             self.at(0.002, self._controller_input, ConnectionDropped())
-        for key in list(self.entered):
-            self._check_allreduce(key)
+        self.workers.recheck_collectives()
 
     def leave_node(self, node_id: str) -> None:
         """Fault: its agent stops on a signal of its own: it tells the controller (Leaving), then its workers
@@ -304,7 +290,7 @@ class World(WorkerSide):
         if not node.running:
             return
         self.log.append(f"{self.now:.3f} leave {node_id}")
-        self._agent_send(node_id, p.Leaving(node_id, "sim: received SIGTERM; the controller did not stop the job"))
+        self.agent_send(node_id, p.Leaving(node_id, "sim: received SIGTERM; the controller did not stop the job"))
         self.at(self.rng.uniform(0.01, 0.3), self.kill_node, node_id)
 
     def corrupt_replicas(self, node_id: str, which: str = "all") -> None:
@@ -325,9 +311,8 @@ class World(WorkerSide):
         if not node.running or node.workers[local].phase in ("dead", "done"):
             return
         self.log.append(f"{self.now:.3f} {'kill-worker' if code < 0 else detail} {node_id}")
-        self._worker_exit(node, local, code, detail)
-        for key in list(self.entered):
-            self._check_allreduce(key)
+        self.workers.exit(node, local, code, detail)
+        self.workers.recheck_collectives()
 
     def raise_due(self, node: SimNode, local: int) -> bool:
         """If the script raises in the step the worker is about to make: it exits 1 saying so (True)."""
@@ -360,16 +345,15 @@ class World(WorkerSide):
         self.owners_changed += 1
         # it speaks before it reads what was said while it slept: stale heartbeats and progress first (the
         # step it last applied: a worker never reports a step it has not applied)
-        self._agent_send(node_id, p.Heartbeat(node_id, node.generation))
+        self.agent_send(node_id, p.Heartbeat(node_id, node.generation))
         for worker in node.workers:
             if worker.phase in ("running", "ready", "gated") and worker.rank >= 0:
-                self._agent_send(node_id, p.Progress(node_id, worker.generation, worker.rank, worker.state,
-                                                     snapshot=self.snapshotted(worker.state)))
+                self.agent_send(node_id, p.Progress(node_id, worker.generation, worker.rank, worker.state,
+                                                     snapshot=self.workers.snapshotted(worker.state)))
         pending, node.inbox_while_frozen = node.inbox_while_frozen, []
         for msg in pending:
             self._agent_receive(node_id, msg)
         deferred, node.deferred = node.deferred, []
         for fn, args in deferred:
             fn(*args)
-        for key in list(self.entered):
-            self._check_allreduce(key)
+        self.workers.recheck_collectives()
