@@ -267,9 +267,14 @@ class Reconfigure:
     environment, and reports WorkerReady(restored_from="restart") for each once started.
 
     restore_step: NO_RANK for a fresh start, else every rank loads its state at that step.
-    restore_from: for each global rank of this node, the replica endpoint that holds its snapshot at
-    restore_step, or "" when the rank's own process may have it locally (a survivor).
+    restore_from: for each snapshot this node's processes restore (keyed by the rank that took it), the replica
+    endpoint that holds it at restore_step, or "" when the rank's own process may have it locally (a survivor).
     replica_to: the replica endpoint where this node's ranks send their snapshots from now on.
+    carry: a narrow job (dprun.controller.narrowing): for each process rank, the logical data-parallel ranks it
+    trains, its own first; world_size then counts processes. Empty at full width (process rank = logical rank).
+    A process's own logical rank is the one its messages and snapshots carry.
+    adopt_from: for each logical rank that one of this node's processes trains and did not before, the rank
+    whose snapshot at restore_step holds it (dpstate.snapshot.rank_parts).
     """
 
     generation: int
@@ -285,6 +290,8 @@ class Reconfigure:
     replica_also: list[str] = field(default_factory=list)  # --replicas > 1: further endpoints to send snapshots to
     restore_also: dict[str, list[str]] = field(default_factory=dict)  # str(rank) -> further endpoints with it
     restart_workers: bool = False  # restart mode: kill this node's workers and start fresh ones, ranks in env
+    carry: list[list[int]] = field(default_factory=list)  # process rank -> its logical ranks (narrow only)
+    adopt_from: dict[str, int] = field(default_factory=dict)  # str(logical rank new here) -> snapshot holding it
 
 
 @dataclass(frozen=True)

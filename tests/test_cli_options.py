@@ -159,7 +159,13 @@ def bad_inputs(folder: Path) -> dict[str, tuple[dict, dict, str]]:
                  "--replicas 2 needs 3 nodes or more: each node's snapshots go to the next --replicas training "
                  "nodes of the ring; use --replicas 1 or a larger --nnodes"),
         "spare exhausted": ({"on_spare_exhausted": "retry"}, {},
-                            "--on-spare-exhausted must be 'fail' or 'wait', got 'retry'"),
+                            "--on-spare-exhausted must be 'fail', 'wait' or 'shrink', got 'retry'"),
+        "shrink, plain": ({"script": plain, "on_spare_exhausted": "shrink"}, {},
+                          "--on-spare-exhausted shrink needs a script that uses dpstate (its processes train a lost "
+                          "node's ranks); this one does not: use fail or wait"),
+        "shrink, saved": ({"on_spare_exhausted": "shrink", "save_dir": folder / "saved"}, {},
+                          "--on-spare-exhausted shrink cannot be used with --save-dir or --resume-from yet: a narrow "
+                          "job's snapshots are not written to disk; use wait, or leave out --save-dir"),
         "controller lost": ({"on_controller_lost": "panic"}, {},
                             "--on-controller-lost must be 'cancel' or 'requeue', got 'panic'"),
         "requeue": ({"on_controller_lost": "requeue"}, {}, "--on-controller-lost requeue needs --save-dir: the "

@@ -792,10 +792,10 @@ def test_a_plan_goes_down_the_grid_to_the_newest_step_every_rank_has_a_copy_of()
         ledger.stored(1, step, "x")
     ledger.discard(0, 9, "x")
     ledger.discard(1, 6, "x")
-    plan = ledger.plan(2, failed_ranks={0}, floors={1: 9}, no_local={1: 6})
+    plan = ledger.plan([0, 1], failed_ranks={0}, floors={1: 9}, no_local={1: 6})
     assert (plan.step, plan.sources, plan.lost) == (3, {0: "x", 1: "x"}, [])
     ledger.discard(1, 3, "x")  # and with that copy bad too, no step has a copy of both: lost, naming rank 1
-    assert ledger.plan(2, failed_ranks={0}, floors={1: 9}, no_local={1: 6}).lost == [1]
+    assert ledger.plan([0, 1], failed_ranks={0}, floors={1: 9}, no_local={1: 6}).lost == [1]
 
 
 def test_spares_are_told_the_snapshot_sizes_to_make_room_for_and_only_when_they_grow():

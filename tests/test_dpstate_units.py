@@ -373,7 +373,7 @@ def test_a_progress_with_an_oversized_metric_still_reaches_the_agent_with_its_st
     control = Control(endpoint, TOKEN, "n7", 0, AbortSignal()).start()
     try:
         assert isinstance(_recv(router, codec)[1], P.Hello)
-        job = SimpleNamespace(node_id="n7", generation=2, rank=0, _send=control.send)
+        job = SimpleNamespace(node_id="n7", generation=2, _key=0, _send=control.send)
         step = Step(job, 5)
         step.log(loss=1.0, big=list(range(200000)))
         Job._report(job, step, snapshot=True)  # the body was 1.4 MB, over the agent's 1 MiB: dropped there

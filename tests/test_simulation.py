@@ -136,8 +136,8 @@ def test_a_wrong_restore_step_is_caught(monkeypatch):
     """The checks can fail: a controller that restores one step too new violates invariant 3."""
     real_plan = ReplicaLedger.plan
 
-    def too_new(self, world_size, failed_ranks, floors=None, no_local=None):
-        plan = real_plan(self, world_size, failed_ranks, floors, no_local)
+    def too_new(self, ranks, failed_ranks, floors=None, no_local=None, keys_at=None):
+        plan = real_plan(self, ranks, failed_ranks, floors, no_local, keys_at)
         return RestorePlan(step=plan.step + 1, sources=plan.sources, lost=plan.lost) if not plan.lost else plan
 
     monkeypatch.setattr(ReplicaLedger, "plan", too_new)

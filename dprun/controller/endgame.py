@@ -26,7 +26,7 @@ class Endgame:
         """The job ends when every active worker has exited 0 (as with torchrun); RankFinished tells a rank that
         finished job.steps() from one that exited 0 early, should the others fail without it."""
         self.finished_ranks[rank] = step
-        if self.all_finished_at is None and len(self.finished_ranks) == self.spec.world_size:
+        if self.all_finished_at is None and len(self.finished_ranks) == self.timeline.width.processes:
             self.all_finished_at = now
 
     def worker_finished(self, node: Node, local_rank: int, now: float,
@@ -39,13 +39,17 @@ class Endgame:
         if rec is not None and rec.failed:  # the job ended under a recovery that now can never complete
             return 1, self.after_exits(rec, max(rec.peak_step, self.timeline.max_step))
         if all(len(self.table.nodes[n].exited_ok) == self.spec.nproc_per_node for n in self.timeline.layout):
-            return 0, f"all {self.spec.world_size} ranks finished{self.divergence_note()}"
+            return 0, f"all {self.spec.world_size} ranks finished{self.narrow_note()}{self.divergence_note()}"
         return None
 
     def rank_diverged(self, node_id: str, rank: int, step: int, blocks: list[int]) -> None:
         if rank not in self.diverged:
             self.diverged[rank] = step
             self.out.publish("divergence", node=node_id, rank=rank, step=step, blocks=blocks)
+
+    def narrow_note(self) -> str:
+        width = self.timeline.width
+        return f" (trained by {width.processes} processes: the job shrank)" if width.narrow else ""
 
     def divergence_note(self) -> str:
         if not self.diverged:

@@ -109,9 +109,9 @@ class StateFiles:
         # the newest step that stores hold for every rank: they need no worker (a stopping job's are often dying:
         # the script's error, scancel's signal); else the newest step counting workers' own local copies
         ranks = range(self.spec.world_size)
-        plan = self.ledger.plan(self.spec.world_size, failed, no_local=dict.fromkeys(ranks, ANY_STEP))
+        plan = self.ledger.plan(self.timeline.keys(), failed, no_local=dict.fromkeys(ranks, ANY_STEP))
         if plan.lost or plan.step <= 0:
-            plan = self.ledger.plan(self.spec.world_size, failed, timeline.survivor_floors(self.ledger))
+            plan = self.ledger.plan(self.timeline.keys(), failed, timeline.survivor_floors(self.ledger))
         if plan.lost or plan.step <= 0 or INIT in plan.sources.values():
             if before is not None:  # (what failed is said above, for each step tried)
                 return f"{message}; no other step of which every rank has a copy is left to try"
@@ -148,7 +148,7 @@ class StateFiles:
         if not saves.enabled or not training or not saves.due(self.timeline.max_step, now):
             return
         ranks = range(self.spec.world_size)
-        plan = self.ledger.plan(self.spec.world_size, set(), no_local=dict.fromkeys(ranks, ANY_STEP))
+        plan = self.ledger.plan(self.timeline.keys(), set(), no_local=dict.fromkeys(ranks, ANY_STEP))
         if plan.lost or plan.step <= 0 or INIT in plan.sources.values() or not saves.due(plan.step, now):
             return
         if saves.in_flight is not None:

@@ -6,6 +6,7 @@ Pure logic used by the controller when it reconstructs a generation (DESIGN.md, 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dpcommon.replica_store import KEEP_STEPS as KEEP_PER_HOLDER  # what each replica store keeps per rank
@@ -97,9 +98,13 @@ class ReplicaLedger:
             return True
         return False
 
-    def plan(self, world_size: int, failed_ranks: set[int], floors: dict[int, int] | None = None,
-             no_local: dict[int, int] | None = None) -> RestorePlan:
-        """The newest step every rank can come back to; failed nodes must already be `holder_lost`.
+    def plan(self, ranks: Sequence[int], failed_ranks: set[int], floors: dict[int, int] | None = None,
+             no_local: dict[int, int] | None = None,
+             keys_at: Callable[[int], Sequence[int]] | None = None) -> RestorePlan:
+        """The newest step every one of `ranks` (whose snapshots hold the job's state) can come back to; failed
+        nodes must already be `holder_lost`. `keys_at(step)`: the ranks whose snapshots of an older step hold
+        the job's state, where they were others (a job that shrank or grew since): those not of `ranks` come
+        from their replicas.
 
         A failed rank comes back from a live replica; one that never had a snapshot comes back from its
         fresh initial state at step 0; one whose every copy is gone is lost. A surviving rank is bounded
@@ -112,7 +117,7 @@ class ReplicaLedger:
         floors, no_local = floors or {}, no_local or {}
         bounds: dict[int, int] = {}
         lost = []
-        for rank in range(world_size):
+        for rank in ranks:
             if rank in failed_ranks:
                 live = self.newest_live(rank)
                 if live is not None:
@@ -128,18 +133,20 @@ class ReplicaLedger:
         newest = min(bounds.values()) if bounds else 0
         first_lost: list[int] | None = None
         for step in [newest, *(s for s in reversed(self.snapshot_steps) if s < newest)]:
-            sources, lost = self._sources_at(step, world_size, failed_ranks, no_local)
+            keys = ranks if keys_at is None else keys_at(step)
+            gone = failed_ranks | (set(keys) - set(ranks))
+            sources, lost = self._sources_at(step, keys, gone, no_local)
             if not lost:
                 return RestorePlan(step=step, sources=sources)
             first_lost = lost if first_lost is None else first_lost
         return RestorePlan(step=-1, lost=first_lost or [])
 
-    def _sources_at(self, step: int, world_size: int, failed_ranks: set[int],
+    def _sources_at(self, step: int, ranks: Sequence[int], failed_ranks: set[int],
                     no_local: dict[int, int]) -> tuple[dict[int, str], list[int]]:
         """Where each rank's copy of `step` comes from, and the ranks that have none."""
         sources: dict[int, str] = {}
         lost = []
-        for rank in range(world_size):
+        for rank in ranks:
             holder = self.holder_of(rank, step)
             if rank in failed_ranks:
                 if holder is not None:

@@ -8,7 +8,7 @@ a phase. What a plan means for the job (a generation sent out, a read from disk,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from dpcommon import protocol as p
@@ -41,12 +41,14 @@ class GiveUp:
 
 @dataclass(frozen=True)
 class NextGeneration:
-    """Spares take `failed_slots`, every rank goes back to `step` from `sources`."""
+    """Spares take `failed_slots`, every rank goes back to `step` from `sources`; the nodes of `shrink` leave
+    the layout, their ranks trained by the others (--on-spare-exhausted shrink: dprun.controller.narrowing)."""
 
     failed_slots: list[int]
     spares: list[Node]
     step: int
     sources: dict[int, str]
+    shrink: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -208,9 +210,10 @@ class Reconstruction:
         if rec is not None and rec.restoring_until is not None:
             rec.restoring_until += seconds
 
-    def decide(self, rec: Recovery, now: float, paused_lately: bool, safe: tuple[str, int] | None) -> Decision:
+    def decide(self, rec: Recovery, now: float, paused_lately: bool, safe: tuple[str, int] | None,
+               mesh: str = "") -> Decision:
         """The plan for `rec`, its probe answered: what the job does next (None: it waits, still pending).
-        `safe`: the (folder, step) known complete on disk, if any."""
+        `safe`: the (folder, step) known complete on disk, if any; `mesh`: a sharded job's layout, if any."""
         layout, nodes = self.timeline.layout, self.table.nodes
         failed_slots = [i for i, n in enumerate(layout) if nodes[n].role == FAILED]
         if not failed_slots and not rec.replan:
@@ -218,10 +221,20 @@ class Reconstruction:
         if any(nodes[n].exited_ok for n in layout):
             return AfterExits()  # ranks that exited cannot join a new generation: say so rather than wait for them
         spares = self.table.with_role(SPARE)
-        if len(spares) < len(failed_slots):
+        shrink: list[int] = []
+        if len(spares) < len(failed_slots) and self.spec.on_spare_exhausted == "shrink":
+            why = self._cannot_shrink(failed_slots[len(spares):], mesh)
+            if why is None:
+                shrink = failed_slots[len(spares):]
+            elif not rec.shrink_refused:
+                rec.shrink_refused = why
+                self.out.publish("shrink_refused", reason=why)
+        if len(spares) + len(shrink) < len(failed_slots):
             names = ", ".join(f"{layout[i]} (node rank {i}: {nodes[layout[i]].cause})" for i in failed_slots)
             if self.spec.on_spare_exhausted != "wait":
                 advice = "; rerun with more --spares"
+                if rec.shrink_refused:
+                    advice = f"; the job could not shrink: {rec.shrink_refused}{advice}"
                 if all(nodes[layout[i]].raised for i in failed_slots):
                     advice = ("; if that error is the script's, fix it (a spare would fail the same way); if it is "
                               "the node's, rerun with more --spares")
@@ -244,8 +257,8 @@ class Reconstruction:
         else:
             # a rank whose new node has not restored it yet has its state only on replicas, like a failed one
             failed_ranks = {r for i in failed_slots for r in self.timeline.ranks_of(i)} | self.timeline.unrestored
-            plan = self.ledger.plan(self.spec.world_size, failed_ranks, self.timeline.survivor_floors(self.ledger),
-                                    rec.no_local)
+            plan = self.ledger.plan(self.timeline.keys(), failed_ranks, self.timeline.survivor_floors(self.ledger),
+                                    rec.no_local, keys_at=self.timeline.keys_at)
         if plan.lost and not rec.probed_for_lost:
             # "lost" ends the job, so first probe every node once more: a copy stored just after its holder
             # answered the last probe (a restored snapshot re-replicated to a new holder) is reported then
@@ -267,7 +280,7 @@ class Reconstruction:
                 self.pending = rec
                 self.enter(Phase.WAITING)
                 return None
-        if plan.lost and safe is not None and self.spec.snapshots:
+        if plan.lost and safe is not None and self.spec.snapshots and not shrink:
             folder, step = safe
             self.out.publish("restoring_from_disk", ranks=plan.lost, step=step, folder=folder,
                              lost_steps=max(0, max(rec.peak_step, self.timeline.max_step) - step),
@@ -285,11 +298,22 @@ class Reconstruction:
                           f"{more}")
         if not failed_slots and not self.spec.restart_mode and (why := self._one_more_replan(rec)) is not None:
             return GiveUp(why)
-        return NextGeneration(failed_slots, spares, plan.step, dict(plan.sources))
+        return NextGeneration([i for i in failed_slots if i not in shrink], spares, plan.step, dict(plan.sources),
+                              shrink)
+
+    def _cannot_shrink(self, slots: list[int], mesh: str) -> str | None:
+        """Why the job cannot go on without the nodes of `slots`, or None."""
+        if mesh:
+            return f"a sharded or 3D-parallel job ({mesh}) cannot shrink yet: only data-parallel ones can"
+        lost = {process for i in slots for process in range(i * self.spec.nproc_per_node,
+                                                             (i + 1) * self.spec.nproc_per_node)}
+        narrower = self.timeline.width.shrink(lost)
+        return narrower if isinstance(narrower, str) else None
 
     def begin_generation(self, rec: Recovery, now: float, failed_slots: list[int], spares: list[Node],
-                         step: int) -> None:
-        """The next generation: spares promoted into the failed slots, every rank going back to `step`."""
+                         step: int, shrink: list[int] | None = None) -> None:
+        """The next generation: spares promoted into the failed slots, the nodes of `shrink` out of the layout
+        (their ranks trained by the others), every rank going back to `step`."""
         timeline = self.timeline
         timeline.unrestored |= {r for i in failed_slots for r in timeline.ranks_of(i)}
         if self.spec.nnodes == 1 and len(spares) > len(failed_slots):
@@ -304,6 +328,8 @@ class Reconstruction:
             rec.promoted[i] = spare.node_id
             timeline.layout[i] = spare.node_id
             self.out.publish("spare_promoted", spare=spare.node_id, node_rank=i, generation=timeline.generation + 1)
+        if shrink:
+            self._shrink(rec, shrink, step)
         rec.peak_step = max(rec.peak_step, timeline.max_step)
         timeline.began(step, now)
         self.crashed_at = {}
@@ -312,6 +338,18 @@ class Reconstruction:
         rec.restore_step = step
         rec.lost_steps = max(0, rec.peak_step - step)
         self.ledger.rollback(step)
+
+    def _shrink(self, rec: Recovery, slots: list[int], step: int) -> None:
+        """The nodes of `slots` leave the layout; the ranks their processes trained go to the others."""
+        timeline, nproc = self.timeline, self.spec.nproc_per_node
+        narrower = timeline.width.shrink({p for i in slots for p in range(i * nproc, (i + 1) * nproc)})
+        assert not isinstance(narrower, str)  # (decide() checked that it can)
+        rec.shrunk = [timeline.layout[i] for i in slots]
+        layout = [node_id for i, node_id in enumerate(timeline.layout) if i not in slots]
+        timeline.reshaped(narrower, layout, self.table, step)
+        self.out.publish("job_shrunk", generation=timeline.generation + 1, nodes=rec.shrunk,
+                         processes=narrower.processes, ranks=narrower.logical_world, slowdown=narrower.slowdown,
+                         carried={str(ranks[0]): list(ranks[1:]) for ranks in narrower.assignment if len(ranks) > 1})
 
     def store_lost(self, node_id: str, cause: str, now: float) -> None:
         """A fenced node's kept store was lost: a rank that the recovery under way restores from it has its plan
@@ -374,7 +412,7 @@ class Reconstruction:
         rec = self.recovery
         if rec is not None and step > rec.restore_step:
             rec.stepped.add(rank)
-            if len(rec.stepped) == self.spec.world_size:
+            if len(rec.stepped) == self.timeline.width.processes:
                 return rec
         return None
 
@@ -384,7 +422,7 @@ class Reconstruction:
         rec = self.recovery
         if rec is not None:
             rec.ready[rank] = (rebuild_s, restore_s)
-            if self.spec.restart_mode and len(rec.ready) == self.spec.world_size:
+            if self.spec.restart_mode and len(rec.ready) == self.timeline.width.processes:
                 return rec
         return None
 

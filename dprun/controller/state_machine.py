@@ -309,7 +309,7 @@ class Controller:
 
     def _reconstruct(self, rec: Recovery, now: float) -> None:
         paused = self.deadlines.paused_lately(self.now) is not None
-        decision = self.reconstruction.decide(rec, now, paused, self.saves.safe)
+        decision = self.reconstruction.decide(rec, now, paused, self.saves.safe, self.mesh)
         if isinstance(decision, Unchanged):
             self._enter(Phase.TRAINING)
         elif isinstance(decision, AfterExits):
@@ -322,7 +322,8 @@ class Controller:
             rec.from_disk = decision.folder
             self.files.load(decision.folder, decision.step, self.timeline.generation, rec, self.now)
         elif isinstance(decision, NextGeneration):
-            self.reconstruction.begin_generation(rec, now, decision.failed_slots, decision.spares, decision.step)
+            self.reconstruction.begin_generation(rec, now, decision.failed_slots, decision.spares, decision.step,
+                                                 decision.shrink)
             self._launch(rec, decision.step, decision.sources, "recovery", now)
 
     def _launch(self, rec: Recovery, step: int, sources: dict[int, str], reason: str, now: float) -> None:

@@ -14,6 +14,7 @@ from dpcommon import protocol as p
 
 from .vocabulary import JobSpec, Send
 from .ledger import INIT, ReplicaLedger
+from .narrowing import Width
 from .nodes import ACTIVE, SPARE, Node, NodeTable
 
 PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
@@ -27,6 +28,10 @@ class Timeline:
     training_since: float | None = None  # when the first generation started
     generation: int = -1  # -1 while the first generation forms
     layout: list[str] = field(default_factory=list)  # node rank -> node id
+    width: Width = field(default_factory=lambda: Width(()))  # process rank -> its logical ranks (form() sets it)
+    # logical rank -> [(from step, the rank whose snapshots hold it from that step on)]: a rank handed to another
+    # process is in that process's snapshots only from the first step it trains there
+    held_in: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     holders: dict[int, list[str]] = field(default_factory=dict)  # node rank -> nodes holding its replicas
     max_step: int = 0
     stepped: bool = False  # a step was made in this generation: start-up and restores are not hangs
@@ -42,14 +47,48 @@ class Timeline:
     def form(self, layout: list[str], table: NodeTable) -> None:
         """The first generation's layout (node ids by node rank)."""
         self.layout, self.generation = layout, 0
+        self.width = Width.full(self.world_size)
+        self.held_in = {r: [(0, r)] for r in range(self.world_size)}
         for node_rank, node_id in enumerate(layout):
             table.nodes[node_id].node_rank = node_rank
 
-    def ranks_of(self, node_rank: int) -> range:
-        return range(node_rank * self.nproc, (node_rank + 1) * self.nproc)
+    def ranks_of(self, node_rank: int) -> list[int]:
+        """The own logical ranks of a node's processes, by local rank (the ranks their messages carry)."""
+        own = self.width.assignment
+        return [own[process][0] for process in range(node_rank * self.nproc, (node_rank + 1) * self.nproc)]
+
+    def keys(self) -> list[int]:
+        """Every process's own logical rank: the ranks whose snapshots hold the job's state (all at full width)."""
+        return self.width.own_ranks()
+
+    def holder_key(self, rank: int, step: int) -> int:
+        """The rank whose snapshot of `step` holds logical rank `rank`."""
+        return [key for since, key in self.held_in[rank] if since <= step][-1]
+
+    def keys_at(self, step: int) -> list[int]:
+        """The ranks whose snapshots of `step` hold the job's state."""
+        return sorted({self.holder_key(r, step) for r in self.held_in})
+
+    def adoptions(self, step: int) -> dict[int, int]:
+        """Each logical rank that this generation's process trains but whose state at `step` is in another
+        rank's snapshot -> that rank (dpstate restores it from there: Reconfigure.adopt_from)."""
+        return {r: key for ranks in self.width.assignment for r in ranks
+                if (key := self.holder_key(r, step)) != ranks[0]}
+
+    def reshaped(self, width: Width, layout: list[str], table: NodeTable, step: int) -> None:
+        """The job goes on at `width` over `layout` from `step` (a shrink or a grow): each rank now trained by
+        another process is in that process's snapshots from the next step on."""
+        for process, ranks in enumerate(width.assignment):
+            for r in ranks:
+                if self.holder_key(r, step + 1) != ranks[0]:
+                    self.held_in[r] = [(since, key) for since, key in self.held_in[r] if since <= step]
+                    self.held_in[r].append((step + 1, ranks[0]))
+        self.width, self.layout = width, layout
+        for node_rank, node_id in enumerate(layout):
+            table.nodes[node_id].node_rank = node_rank
 
     def rank_of(self, node: Node, local_rank: int) -> int:
-        """The global rank of a node's local worker: NO_RANK where the node holds no node rank (a spare)."""
+        """The own rank of a node's local worker: NO_RANK where the node holds no node rank (a spare)."""
         return self.ranks_of(node.node_rank)[local_rank] if node.node_rank >= 0 else p.NO_RANK
 
     def placed(self) -> list[tuple[int, str, int]]:
@@ -58,7 +97,9 @@ class Timeline:
                 for local, rank in enumerate(self.ranks_of(node_rank))]
 
     def node_of_rank(self, rank: int) -> str:
-        return self.layout[rank // self.nproc]
+        """The node of the process whose own rank (or a rank it carries) is `rank`."""
+        process = next(p for p, ranks in enumerate(self.width.assignment) if rank in ranks)
+        return self.layout[process // self.nproc]
 
     def replica_holders(self, node_rank: int, replicas: int, spares: list[str]) -> list[str]:
         """Node rank r's snapshots live on node ranks r+1 .. r+replicas (a ring); a single node uses spares."""
@@ -89,32 +130,41 @@ class Timeline:
         self.restores_answered = set()
         self.last_progress_at, self.stepped = now, False
         self.peaks[self.generation - 1] = self.max_step
-        self.rank_step = dict.fromkeys(range(self.world_size), max(step, 0))
+        self.rank_step = dict.fromkeys(self.keys(), max(step, 0))
         self.max_step = step
 
     def reconfigures(self, spec: JobSpec, table: NodeTable, ledger: ReplicaLedger, restore_step: int,
                      sources: dict[int, str], reason: str) -> list[Send]:
-        """This generation's Reconfigure to every node of the layout (its replica holders recorded)."""
+        """This generation's Reconfigure to every node of the layout (its replica holders recorded); a process
+        that trains a rank held in another rank's snapshots (the job shrank or grew) is told where it is."""
         spares = [node.node_id for node in table.with_role(SPARE)]
         self.holders = {r: self.replica_holders(r, spec.replicas, spares) for r in range(len(self.layout))}
         endpoint = lambda node_id: table.nodes[node_id].replica_endpoint  # noqa: E731
+        adopted = self.adoptions(restore_step) if restore_step >= 0 else {}
+        carry = [list(ranks) for ranks in self.width.assignment] if self.width.narrow else []
         sends = []
         for node_rank, node_id in enumerate(self.layout):
             restore_from: dict[str, str] = {}
             restore_also: dict[str, list[str]] = {}
+            processes = range(node_rank * self.nproc, (node_rank + 1) * self.nproc)
+            adopt_from = {str(r): adopted[r] for p in processes for r in self.width.assignment[p] if r in adopted}
             for rank in self.ranks_of(node_rank):
                 source = sources.get(rank, "")
                 others = [h for h in ledger.holders_of(rank, restore_step) if h != source]
                 restore_from[str(rank)] = endpoint(source) if source not in ("", INIT) else source
                 if others and source != INIT:
                     restore_also[str(rank)] = [endpoint(h) for h in others]
+            for key in set(adopt_from.values()) - set(map(int, restore_from)):  # another process's snapshot:
+                holders = ledger.holders_of(key, restore_step)  # from its replicas, never a local copy
+                restore_from[str(key)] = endpoint(holders[0]) if holders else ""
+                restore_also[str(key)] = [endpoint(h) for h in holders[1:]]
             sends.append(Send(node_id, p.Reconfigure(
-                generation=self.generation, node_rank=node_rank, nnodes=spec.nnodes,
-                nproc_per_node=spec.nproc_per_node, world_size=spec.world_size,
+                generation=self.generation, node_rank=node_rank, nnodes=len(self.layout),
+                nproc_per_node=spec.nproc_per_node, world_size=self.width.processes,
                 restore_step=restore_step, store_endpoint=spec.store_endpoint,
                 replica_to=endpoint(self.holders[node_rank][0]), restore_from=restore_from, reason=reason,
                 replica_also=[endpoint(h) for h in self.holders[node_rank][1:]], restore_also=restore_also,
-                restart_workers=spec.restart_mode,
+                restart_workers=spec.restart_mode, carry=carry, adopt_from=adopt_from,
             )))
         return sends
 
@@ -133,7 +183,7 @@ class Timeline:
         """
         top = max(self.rank_step.values(), default=0)
         return {rank: ledger.snapshot_step_at_or_before(max(self.rank_step.get(rank, 0), top - 1, 0))
-                for rank in range(self.world_size)}
+                for rank in self.keys()}
 
     def late_copy(self, msg: Any) -> bool:
         """A copy stored for an older generation, reported late (its sender's put was in flight when a failure

@@ -11,7 +11,7 @@ from dpcommon.protocol import NO_RANK
 
 from .faults import FaultSpec
 
-OnSpareExhausted = Literal["fail", "wait"]  # --on-spare-exhausted
+OnSpareExhausted = Literal["fail", "wait", "shrink"]  # --on-spare-exhausted
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -30,7 +30,8 @@ class JobSpec:
     faults: tuple[FaultSpec, ...] = ()
     replicas: int = 1  # replica stores holding each node's snapshots (ring: node ranks r+1 .. r+replicas)
     hang_timeout: float = 0.0  # no step anywhere for this long: find the rank that is not waiting on peers
-    on_spare_exhausted: OnSpareExhausted = "fail"  # "wait": the survivors wait for a node to join as a spare
+    # "wait": the survivors wait for a node to join as a spare; "shrink": they go on narrow (controller.narrowing)
+    on_spare_exhausted: OnSpareExhausted = "fail"
     spare_wait_timeout: float = 1800.0
     restart_mode: bool = False  # the script does not use dpstate: recover by restarting every worker
     max_restarts: int = 3  # restart mode: restart recoveries allowed (torchrun's --max-restarts)
@@ -191,12 +192,15 @@ class Recovery:
     restoring_until: float | None = None  # state looked lost while a live node still restored it: wait so long
     sources: dict[int, str] = field(default_factory=dict)  # the plan's: rank -> holder node id, "" (own copy) or INIT
     from_disk: str = ""  # the step folder every rank went back to (state lost in memory: background saves)
+    shrink_refused: str = ""  # --on-spare-exhausted shrink: why this job could not (said once)
+    shrunk: list[str] = field(default_factory=list)  # the nodes that left the layout, their ranks trained by others
 
     def continued(self) -> "Recovery":
         """A new pending recovery that carries this one on (a failure or a replan before it completed)."""
         return Recovery(failed=list(self.failed), t_fail=self.t_fail, t_detect=self.t_detect,
                         peak_step=self.peak_step, retries=self.retries, bad_copies=list(self.bad_copies),
-                        probed_for_lost=self.probed_for_lost, no_local=dict(self.no_local))
+                        probed_for_lost=self.probed_for_lost, no_local=dict(self.no_local),
+                        shrink_refused=self.shrink_refused)
 
 
 @dataclass

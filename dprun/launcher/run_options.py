@@ -249,11 +249,17 @@ def _snapshot_check(text: str | None) -> str | None:
 def _recovery_problem(args: RunArgs, restart_mode: bool) -> str | None:
     """When no spare is left, when the controller is lost, and what a script that dprun restarts cannot do."""
     if args.on_spare_exhausted not in typing.get_args(OnSpareExhausted):
-        return f"--on-spare-exhausted must be 'fail' or 'wait', got {args.on_spare_exhausted!r}"
+        return f"--on-spare-exhausted must be 'fail', 'wait' or 'shrink', got {args.on_spare_exhausted!r}"
     if args.on_controller_lost not in typing.get_args(OnControllerLost):
         return f"--on-controller-lost must be 'cancel' or 'requeue', got {args.on_controller_lost!r}"
     if args.on_controller_lost == "requeue" and not args.save_dir:
         return "--on-controller-lost requeue needs --save-dir: the requeued job goes on from what is saved there"
+    if args.on_spare_exhausted == "shrink" and restart_mode:
+        return ("--on-spare-exhausted shrink needs a script that uses dpstate (its processes train a lost node's "
+                "ranks); this one does not: use fail or wait")
+    if args.on_spare_exhausted == "shrink" and (args.save_dir or args.resume_from):
+        return ("--on-spare-exhausted shrink cannot be used with --save-dir or --resume-from yet: a narrow job's "
+                "snapshots are not written to disk; use wait, or leave out --save-dir")
     if restart_mode and (args.save_dir or args.resume_from):
         return (f"{'--save-dir' if args.save_dir else '--resume-from'} needs a script that uses dpstate (its "
                 "snapshots are what is saved); this one does not, so dprun restarts it on a failure (--recovery "

@@ -96,6 +96,14 @@ def describe(event: dict) -> str:
             return (f"rank {e['rank']} on {e['node']}: {e['detail']}; probing every node (a dead peer would explain "
                     "it)")
         return f"rank {e['rank']} on {e['node']} reports a peer error; probing every node"
+    if kind == "job_shrunk":
+        carried = "; ".join(f"rank {own}'s process also trains {', '.join(map(str, more))}"
+                            for own, more in e["carried"].items())
+        return (f"no spare left: the job goes on without {', '.join(e['nodes'])}, {e['processes']} processes "
+                f"training its {e['ranks']} data-parallel ranks ({carried}); same samples and result, each step "
+                f"about {e['slowdown']}x as long (generation {e['generation']})")
+    if kind == "shrink_refused":
+        return f"the job cannot shrink: {e['reason']}"
     if kind == "spare_promoted":
         return f"spare {e['spare']} promoted to node rank {e['node_rank']} (generation {e['generation']})"
     if kind == "waiting_for_exit":

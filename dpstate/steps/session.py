@@ -20,11 +20,10 @@ import zmq
 
 from dpcommon import protocol as P
 
-from dpstate.snapshot import packing as S
 from .abort import AbortSignal, classify, describe
 from .agent_link import Control
 from dpstate.groups.carried import Carried, PerRank
-from dpstate.groups.ddp import DataParallel, sync_from_rank0
+from dpstate.groups.ddp import DataParallel
 from .gate import SnapshotGate, defers_acks, stall_message
 from dpstate.groups.pgroup import GroupManager, default_backend, local_device
 from .interval import POLICY_NAME, SnapshotPolicy
@@ -38,14 +37,12 @@ from dpstate.replication.sources import SnapshotSources, named_sources
 from dpstate.snapshot.standby import RestoreRoom
 from dpstate.snapshot.state import Tracked
 from .data_ranks import DataRanks
+from .restoring import UNTRACKED, Restoring
 from .step import Step
 from .uncaught import hint_unwrapped_steps
 from .watch import WATCHER
 
 T = TypeVar("T")
-UNTRACKED = ("no model or optimizer is tracked (job.track(model=..., optimizer=...)), so snapshots hold no "
-             "training state")
-
 
 @dataclass
 class UnderAgent:
@@ -56,6 +53,7 @@ class UnderAgent:
     gate: SnapshotGate
     sources: SnapshotSources
     room: RestoreRoom
+    restoring: Restoring
 
 
 class Job:
@@ -91,16 +89,17 @@ class Job:
         self._under: UnderAgent | None = None
         if control is not None:
             replicator = Replicator(control.codec, 0, abort, ctx)
-            self._under = UnderAgent(control, replicator, SnapshotGate(replicator),
-                                     SnapshotSources(replicator, self.node_id, self._send),
-                                     RestoreRoom(replicator, self.local_rank))  # a spare makes room to restore
+            sources = SnapshotSources(replicator, self.node_id, self._send)
+            self._under = UnderAgent(control, replicator, SnapshotGate(replicator), sources,
+                                     RestoreRoom(replicator, self.local_rank),  # a spare makes room to restore
+                                     Restoring(self._tracked, replicator, sources, self._proxies, abort))
             replicator.on_divergence = self._diverged  # (told to the controller: protocol.Diverged)
             if replicator.policy.mode == "auto":
                 self._tracked.add(**{POLICY_NAME: replicator.policy})  # its decision travels in snapshots
             abort.add_callback(self._groups.on_abort)
             control.status = self._status
             control.on_standby = self._under.room.on_message
-            control.on_save = lambda msg: save_local(replicator, msg, self.rank, self.node_id, self._send)
+            control.on_save = lambda msg: save_local(replicator, msg, self._key, self.node_id, self._send)
             if control.standby is not None:  # came first
                 control.on_standby(control.standby)
 
@@ -130,6 +129,12 @@ class Job:
         data iterator): this rank's at full width, a lost replica's too while the job runs narrow. Track it
         (job.track) and index it with the ranks of step.data_ranks()."""
         return self._ranks.per_rank(factory, self.carried)
+
+    @property
+    def _key(self) -> int:
+        """This process's own logical rank: the one its messages and snapshots carry (the process group's rank
+        at full width)."""
+        return self.carried.ranks[0]
 
     @property
     def carried(self) -> Carried:
@@ -316,14 +321,14 @@ class Job:
 
     def _report(self, step: Step, snapshot: bool) -> None:
         metrics = sendable_metrics(step.metrics)
-        self._send(P.Progress(node_id=self.node_id, generation=self.generation, rank=self.rank,
+        self._send(P.Progress(node_id=self.node_id, generation=self.generation, rank=self._key,
                               step=step.number, metrics=metrics, snapshot=snapshot))
 
     def _finish(self, last: int) -> None:
         self.activity = "finishing"  # at the final barrier: a peer still training past `last` never comes
         self.barrier()  # past the snapshot gate: every rank's last snapshot is held
         self._agent.control.finished = True
-        self._send(P.RankFinished(node_id=self.node_id, generation=self.generation, rank=self.rank, step=last))
+        self._send(P.RankFinished(node_id=self.node_id, generation=self.generation, rank=self._key, step=last))
         self.activity = "idle"
 
     def _diverged(self, rank: int, step: int, blocks: list) -> None:
@@ -350,7 +355,7 @@ class Job:
                     detail = describe(error)[:1000]
                     print(f"dpstate: rank {self.rank} generation {self.generation}: {detail}", file=sys.stderr,
                           flush=True)
-                    self._send(P.PeerError(node_id=self.node_id, generation=self.generation, rank=self.rank,
+                    self._send(P.PeerError(node_id=self.node_id, generation=self.generation, rank=self._key,
                                            detail=detail))
             reconf = control.wait_reconfigure(newer_than, timeout)
             if reconf is None:
@@ -374,7 +379,7 @@ class Job:
         replicator.unland()
         sources.drop_stale(reconf.generation)
         self._abort.enter(reconf.generation)
-        old_rank = self.rank
+        old_key = self._key
         self._apply(reconf)
         if self._groups.generation != reconf.generation:
             t0 = time.perf_counter()
@@ -383,10 +388,10 @@ class Job:
             self._retire_parts()
             self._groups.destroy()  # first: an NCCL abort is what frees a copy stream waiting on a stuck kernel
             replicator.quiesce()
-            if old_rank != self.rank:
+            if old_key != self._key:
                 replicator.forget_after(-1)
             if not restore:  # the script runs before it restores (a spare in init): fetch meanwhile
-                sources.prefetch(reconf, self.rank)
+                sources.prefetch(reconf, self._key)
             self._groups.build(reconf.generation, reconf.store_endpoint, self.rank, self.world_size, self._abort)
             if self._parts is not None:
                 self._build_parts(reconf.generation)
@@ -395,20 +400,23 @@ class Job:
             return
         t0 = time.perf_counter()
         replicator.quiesce()
-        replicator.configure(reconf.generation, [reconf.replica_to, *reconf.replica_also], self.rank)
-        self.restored_from, restored = self._restore(reconf)
+        replicator.configure(reconf.generation, [reconf.replica_to, *reconf.replica_also], self._key)
+        self.restored_from, restored, merged = self._restore(reconf)
         self._started, self._last_step = True, max(reconf.restore_step, 0)
         restore_s = time.perf_counter() - t0
-        if restored is not None:
+        if merged:  # another rank's part taken in: its snapshot is a new one
+            replicator.submit(reconf.restore_step, self._tracked.capture(reconf.restore_step),
+                              self._tracked.shared_keys)
+        elif restored is not None:
             # re-replicated at once, while the other ranks still restore (a survivor otherwise idles at the
             # barrier; sending after it cost 0.13 s of detect -> first step, median of 8 A/B recoveries).
             # The stores the plan names as holding this step keep their copy for this generation instead
             # of receiving it again (they check it first), so a survivor sends it whole only where its
             # holder died; the first step's snapshot gate waits for it, as for any snapshot.
-            replicator.submit_packed(restored, held_at=named_sources(reconf, self.rank))
+            replicator.submit_packed(restored, held_at=named_sources(reconf, self._key))
         # restored: said before the barrier, which a failure elsewhere can hold up (the controller, planning
         # for that failure, then knows this rank's state is here, not only on the replicas it came from)
-        self._send(P.WorkerReady(node_id=self.node_id, generation=self.generation, rank=self.rank,
+        self._send(P.WorkerReady(node_id=self.node_id, generation=self.generation, rank=self._key,
                                  rebuild_s=self._rebuild_s, restore_s=restore_s, restored_from=self.restored_from,
                                  mesh=self._parts.layout.describe() if self._parts is not None else ""))
         self._ungated_barrier()  # a fresh start's step 0 is sent meanwhile too
@@ -436,48 +444,18 @@ class Job:
         self.node_rank, self.world_size = reconf.node_rank, reconf.world_size
         self.local_world_size = reconf.nproc_per_node
         self.rank = reconf.node_rank * reconf.nproc_per_node + self.local_rank
+        self._carry(Carried.assigned(reconf.carry, self.rank) if reconf.carry else None)
+        if self._parts is not None and self.carried.narrow:
+            raise SystemExit("dpstate: a sharded or 3D-parallel job (job.parallelize) cannot shrink yet: rerun "
+                             "with more --spares or --on-spare-exhausted wait")
         host, _, port = reconf.store_endpoint.rpartition(":")
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), GROUP_RANK=str(self.node_rank),
                           NODE_RANK=str(self.node_rank), LOCAL_RANK=str(self.local_rank),
                           LOCAL_WORLD_SIZE=str(self.local_world_size), MASTER_ADDR=host, MASTER_PORT=port)
 
-    def _restore(self, reconf: P.Reconfigure) -> tuple[P.RestoredFrom, Slot | None]:
-        """Bring the tracked state to reconf.restore_step; returns where it came from and the snapshot
-        restored, if any (to be replicated again for this generation)."""
-        step, rep, sources = reconf.restore_step, self._agent.replicator, self._agent.sources
-        source = reconf.restore_from.get(str(self.rank), "")
-        if step >= 0 and self._started and not rep.policy.enabled:
-            raise RuntimeError(f"dpstate: rank {self.rank} cannot be restored to step {step}: snapshots are off "
-                               "(--snapshot-interval off / DP_SNAPSHOT_INTERVAL=off), so a failure cannot be recovered")
-        if step < 0:  # fresh start: the state before training, the same on every rank
-            slot = rep.local(0)
-            if slot is not None:
-                self._load(slot, 0)
-            elif self._started:
-                raise RuntimeError("dpstate: fresh start asked, but this worker trained and no longer holds step 0")
-            if self.world_size > 1:
-                sync_from_rank0(self._proxies, self._abort)
-            rep.forget_after(-1)
-            rep.submit(0, self._tracked.capture(0), self._tracked.shared_keys)
-            return "", None
-        slot, bad_copies = sources.take_prefetched(reconf, self.rank)
-        where: P.RestoredFrom
-        slot, where = (slot, "replica") if slot is not None else (rep.local(step), "local")
-        if slot is None and (source == "init" or (step == 0 and not source)):
-            # keep the state before training: this process never started (a spare, or a failure came first)
-            if self._started or step != 0:
-                raise RuntimeError(f"dpstate: rank {self.rank} cannot keep its initial state as step {step} "
-                                   f"(started: {self._started}, holds {rep.local_steps()})")
-            rep.forget_after(-1)
-            rep.submit(0, self._tracked.capture(0), self._tracked.shared_keys)
-            return "init", None
-        if slot is None:
-            slot, where = sources.fetch_any(reconf, self.rank, bad_copies), "replica"
-        if where == "replica" and not self._tracked.holds_training_state():  # a new process would diverge
-            raise RuntimeError(f"dpstate: rank {self.rank} cannot be restored to step {step} here: {UNTRACKED}")
-        self._load(slot, step)
-        rep.forget_after(step)
-        return where, slot
+    def _restore(self, reconf: P.Reconfigure) -> tuple[P.RestoredFrom, Slot | None, bool]:
+        """(dpstate.steps.restoring)"""
+        return self._agent.restoring.restore(reconf, self.carried, self._started, self.world_size)
 
     def _status(self) -> P.WorkerStatus | None:
         if self._under is None:
@@ -486,12 +464,6 @@ class Job:
         if activity == "compute" and WATCHER.pending:
             activity = "collective"  # the step waits on its peers (an all-reduce is in flight)
         slots, nbytes = self._under.room.prepared
-        return P.WorkerStatus(node_id=self.node_id, local_rank=self.local_rank, rank=self.rank,
+        return P.WorkerStatus(node_id=self.node_id, local_rank=self.local_rank, rank=self._key,
                               generation=self.generation, step=self._last_step, activity=activity,
                               room=slots * nbytes)
-
-    def _load(self, slot: Slot, step: int) -> None:
-        tree = S.unpack(slot.meta, slot.data, clone=False)  # views of the slot: restore() copies into place
-        if tree.get("step") != step:
-            raise S.SnapshotError(f"the snapshot held for step {step} is of step {tree.get('step')}")
-        self._tracked.restore(tree)

@@ -1,0 +1,95 @@
+"""Restoring: a worker's tracked state brought to a generation's restore step, from its own copy, a replica, the
+state before training, or (a job that shrank or grew) with other ranks' parts taken from the snapshots that hold them.
+
+A part of the Job (dpstate.steps.session), handed the tracked objects, the replicator and the snapshot sources.
+"""
+
+from __future__ import annotations
+
+from dpcommon import protocol as P
+
+from dpstate.groups.carried import Carried
+from dpstate.groups.ddp import DataParallel, sync_from_rank0
+from dpstate.replication.replicator import Replicator, Slot
+from dpstate.replication.sources import SnapshotSources
+from dpstate.snapshot import packing as S
+from dpstate.snapshot.rank_parts import as_own, rank_part, with_part
+from dpstate.snapshot.state import Tracked
+
+from .abort import AbortSignal
+
+UNTRACKED = ("no model or optimizer is tracked (job.track(model=..., optimizer=...)), so snapshots hold no "
+             "training state")
+
+
+class Restoring:
+    def __init__(self, tracked: Tracked, replicator: Replicator, sources: SnapshotSources,
+                 proxies: list[DataParallel], abort: AbortSignal):
+        self._tracked, self._rep, self._sources, self._proxies, self._abort = (
+            tracked, replicator, sources, proxies, abort)
+
+    def restore(self, reconf: P.Reconfigure, carried: Carried, started: bool,
+                world_size: int) -> tuple[P.RestoredFrom, Slot | None, bool]:
+        """Bring the tracked state to reconf.restore_step; returns where it came from, the snapshot restored,
+        if any (to be replicated again for this generation), and whether other ranks' parts were taken in."""
+        step, rep, sources, key = reconf.restore_step, self._rep, self._sources, carried.ranks[0]
+        source = reconf.restore_from.get(str(key), "")
+        adopt = {int(rank): holder for rank, holder in reconf.adopt_from.items()}
+        if step >= 0 and started and not rep.policy.enabled:
+            raise RuntimeError(f"dpstate: rank {key} cannot be restored to step {step}: snapshots are off "
+                               "(--snapshot-interval off / DP_SNAPSHOT_INTERVAL=off), so a failure cannot be recovered")
+        if step < 0:  # fresh start: the state before training, the same on every rank
+            slot = rep.local(0)
+            if slot is not None:
+                self._tracked.restore(self._tree(slot, 0))
+            elif started:
+                raise RuntimeError("dpstate: fresh start asked, but this worker trained and no longer holds step 0")
+            if world_size > 1:
+                sync_from_rank0(self._proxies, self._abort)
+            rep.forget_after(-1)
+            rep.submit(0, self._tracked.capture(0), self._tracked.shared_keys)
+            return "", None, False
+        if key in adopt:  # this process's own rank was trained by another's (the job grows): from its snapshot
+            slot = sources.fetch_any(reconf, adopt[key], {})
+            rep.forget_after(step)
+            self._restore_tree(reconf, as_own(self._tree(slot, step), key), adopt, carried)
+            return "replica", None, True
+        slot, bad_copies = sources.take_prefetched(reconf, key)
+        where: P.RestoredFrom
+        slot, where = (slot, "replica") if slot is not None else (rep.local(step), "local")
+        if slot is None and (source == "init" or (step == 0 and not source)):
+            # keep the state before training: this process never started (a spare, or a failure came first)
+            if started or step != 0:
+                raise RuntimeError(f"dpstate: rank {key} cannot keep its initial state as step {step} "
+                                   f"(started: {started}, holds {rep.local_steps()})")
+            rep.forget_after(-1)
+            rep.submit(0, self._tracked.capture(0), self._tracked.shared_keys)
+            return "init", None, False
+        if slot is None:
+            slot, where = sources.fetch_any(reconf, key, bad_copies), "replica"
+        if where == "replica" and not self._tracked.holds_training_state():  # a new process would diverge
+            raise RuntimeError(f"dpstate: rank {key} cannot be restored to step {step} here: {UNTRACKED}")
+        rep.forget_after(step)
+        merged = any(rank in adopt for rank in carried.ranks[1:])
+        self._restore_tree(reconf, self._tree(slot, step), adopt, carried)
+        return where, slot, merged
+
+    def _restore_tree(self, reconf: P.Reconfigure, tree: dict, adopt: dict[int, int], carried: Carried) -> None:
+        """Restore `tree`, with the part of each rank new to this process taken from the snapshot that holds it
+        (a shrink: dpstate.snapshot.rank_parts), fetched into a spare buffer and let go once read."""
+        for rank in carried.ranks[1:]:
+            if rank in adopt:
+                held = self._sources.fetch_any(reconf, adopt[rank], {})
+                try:
+                    part = rank_part(S.unpack(held.meta, held.data, clone=True), rank)
+                finally:
+                    self._rep.forget(held)
+                tree = with_part(tree, rank, part)
+        self._tracked.restore(tree)
+
+    @staticmethod
+    def _tree(slot: Slot, step: int) -> dict:
+        tree = S.unpack(slot.meta, slot.data, clone=False)  # views of the slot: restore() copies into place
+        if tree.get("step") != step:
+            raise S.SnapshotError(f"the snapshot held for step {step} is of step {tree.get('step')}")
+        return tree

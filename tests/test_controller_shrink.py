@@ -1,0 +1,74 @@
+"""--on-spare-exhausted shrink in the controller: a node lost with no spare left leaves the layout, the least busy
+survivors take its ranks, each from the snapshots that hold it, and the job ends when every process finished."""
+
+from dpcommon import protocol as p
+from dprun.controller.state_machine import NodeGone
+from helpers.controller_harness import Harness, spec
+
+
+def three_nodes_shrinking(**kw) -> Harness:
+    """a, b, c (ranks 0, 1, 2), no spare; each rank's snapshots of steps 0-4 on the next node of the ring."""
+    h = Harness(spec(nnodes=3, spares=0, on_spare_exhausted="shrink", **kw))
+    for rank, node in enumerate("abc"):
+        h.register(node, rank=rank)
+    for step in range(5):
+        for rank, holder in ((0, "b"), (1, "c"), (2, "a")):
+            h.msg(holder, p.SnapshotStored(holder, rank, step, 0))
+    h.msg("a", p.Progress("a", 0, 0, 5))
+    return h
+
+
+def test_a_lost_node_s_rank_goes_to_a_survivor_which_restores_it_from_its_replica():
+    h = three_nodes_shrinking()
+    h.feed(NodeGone("b", "killed"), dt=1)
+    h.pong_all()
+    assert h.finish is None and h.c.timeline.generation == 1
+    assert h.c.timeline.layout == ["a", "c"] and h.c.timeline.width.assignment == ((0, 1), (2,))
+    (ra,) = h.sent_to("a", p.Reconfigure)[-1:]
+    assert (ra.node_rank, ra.nnodes, ra.world_size, ra.restore_step) == (0, 2, 2, 4)
+    assert ra.carry == [[0, 1], [2]] and ra.adopt_from == {"1": 1}
+    assert ra.restore_from == {"0": "", "1": "tcp://c:1"}, "rank 0's replicas died with b; rank 1's are on c"
+    (rc,) = h.sent_to("c", p.Reconfigure)[-1:]
+    assert (rc.node_rank, rc.carry, rc.adopt_from) == (1, [[0, 1], [2]], {})
+    (shrunk,) = h.named("job_shrunk")
+    assert shrunk == {"event": "job_shrunk", "generation": 1, "nodes": ["b"], "processes": 2, "ranks": 3,
+                      "slowdown": 2, "carried": {"0": [1]}}
+    assert not h.named("spare_promoted")
+
+    h.msg("a", p.WorkerReady("a", 1, 0, 0.02, 0.03, "local"))
+    h.msg("c", p.WorkerReady("c", 1, 2, 0.02, 0.01, "local"))
+    h.msg("a", p.Progress("a", 1, 0, 5))
+    h.msg("c", p.Progress("c", 1, 2, 5))
+    assert h.named("recovery_complete"), "two processes stepping past the restore step complete it"
+    for node, rank in (("a", 0), ("c", 2)):
+        h.msg(node, p.RankFinished(node, 1, rank, 30))
+        h.msg(node, p.WorkerExited(node, 1, 0, 10, 0))
+    assert h.finish is not None and h.finish.exit_code == 0
+    assert h.finish.message.startswith("all 3 ranks finished (trained by 2 processes: the job shrank)")
+
+
+def test_a_failure_before_the_narrow_job_trained_takes_the_adopted_rank_from_its_old_snapshots():
+    """a dies while it restores rank 1: c takes ranks 0 and 1, rank 1 still from the copies of b's snapshots
+    (a's own snapshots hold it only from the first step it trains narrow), rank 0 from its copy on c."""
+    h = three_nodes_shrinking()
+    h.msg("c", p.SnapshotStored("c", 0, 4, 0))  # rank 0's step 4 also on c
+    h.feed(NodeGone("b", "killed"), dt=1)
+    h.pong_all()
+    h.feed(NodeGone("a", "killed"), dt=1)
+    h.pong_all()
+    assert h.finish is None and h.c.timeline.generation == 2 and h.c.timeline.layout == ["c"]
+    assert h.c.timeline.width.assignment == ((2, 0, 1),)
+    (rc,) = h.sent_to("c", p.Reconfigure)[-1:]
+    assert rc.restore_step == 4 and rc.adopt_from == {"0": 0, "1": 1}
+    assert rc.restore_from == {"2": "", "0": "tcp://c:1", "1": "tcp://c:1"}
+
+
+def test_a_sharded_job_cannot_shrink_and_fails_saying_why():
+    h = three_nodes_shrinking()
+    h.msg("a", p.WorkerReady("a", 0, 0, 0.1, 0.1, "", mesh="dp_shard=3"))
+    h.feed(NodeGone("b", "killed"), dt=1)
+    h.pong_all()
+    assert h.finish is not None and h.finish.exit_code == 1
+    assert "the job could not shrink: a sharded or 3D-parallel job (dp_shard=3) cannot shrink yet" in h.finish.message
+    assert [e["reason"] for e in h.named("shrink_refused")] == [
+        "a sharded or 3D-parallel job (dp_shard=3) cannot shrink yet: only data-parallel ones can"]
