@@ -72,3 +72,35 @@ def test_a_sharded_job_cannot_shrink_and_fails_saying_why():
     assert "the job could not shrink: a sharded or 3D-parallel job (dp_shard=3) cannot shrink yet" in h.finish.message
     assert [e["reason"] for e in h.named("shrink_refused")] == [
         "a sharded or 3D-parallel job (dp_shard=3) cannot shrink yet: only data-parallel ones can"]
+
+
+def shrunk_and_training() -> Harness:
+    """b lost at step 5 (restore step 4), a trains ranks 0 and 1, c rank 2; both stepped to 6 narrow, their
+    snapshots of step 5 held by each other."""
+    h = three_nodes_shrinking()
+    h.feed(NodeGone("b", "killed"), dt=1)
+    h.pong_all()
+    for node, rank in (("a", 0), ("c", 2)):
+        h.msg(node, p.WorkerReady(node, 1, rank, 0.02, 0.02, "local"))
+    h.msg("c", p.SnapshotStored("c", 0, 5, 1))
+    h.msg("a", p.SnapshotStored("a", 2, 5, 1))
+    h.msg("a", p.Progress("a", 1, 0, 6))
+    h.msg("c", p.Progress("c", 1, 2, 6))
+    assert h.named("recovery_complete")
+    return h
+
+
+def test_a_node_that_joins_a_narrow_job_takes_its_rank_back_from_the_carrier_s_snapshot():
+    h = shrunk_and_training()
+    h.register("d", spare=True)
+    h.pong_all()
+    assert h.finish is None and h.c.timeline.generation == 2
+    assert h.c.timeline.layout == ["a", "c", "d"] and h.c.timeline.width.assignment == ((0,), (2,), (1,))
+    (rd,) = h.sent_to("d", p.Reconfigure)
+    assert (rd.node_rank, rd.nnodes, rd.world_size, rd.restore_step, rd.carry) == (2, 3, 3, 5, [])
+    assert rd.adopt_from == {"1": 0} and rd.restore_from["0"] == "tcp://c:1", "rank 1 is in rank 0's snapshots"
+    (ra,) = h.sent_to("a", p.Reconfigure)[-1:]
+    assert ra.adopt_from == {} and ra.carry == []
+    (grew,) = h.named("job_grew")
+    assert grew == {"event": "job_grew", "generation": 2, "nodes": ["d"], "processes": 3, "ranks": 3, "slowdown": 1}
+    assert h.c.timeline.holder_key(1, 5) == 0 and h.c.timeline.holder_key(1, 6) == 1

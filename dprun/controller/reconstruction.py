@@ -42,13 +42,15 @@ class GiveUp:
 @dataclass(frozen=True)
 class NextGeneration:
     """Spares take `failed_slots`, every rank goes back to `step` from `sources`; the nodes of `shrink` leave
-    the layout, their ranks trained by the others (--on-spare-exhausted shrink: dprun.controller.narrowing)."""
+    the layout, their ranks trained by the others (--on-spare-exhausted shrink: dprun.controller.narrowing), and
+    the spares of `grow` join it, taking back ranks that others trained (a narrow job grows)."""
 
     failed_slots: list[int]
     spares: list[Node]
     step: int
     sources: dict[int, str]
     shrink: list[int] = field(default_factory=list)
+    grow: list[Node] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -183,9 +185,19 @@ class Reconstruction:
             self.start_flush(now)
 
     def spare_came(self, now: float) -> None:
-        """A node registered as a spare: the recovery that waits for one decides again."""
+        """A node registered as a spare: the recovery that waits for one decides again; a narrow job that
+        trains (no recovery under way) plans its growth."""
         if self.pending is not None and self.pending.waiting_since is not None and self.flush is None:
             self.start_flush(now)
+        else:
+            self.grow_if_due(now)
+
+    def grow_if_due(self, now: float) -> None:
+        """A narrow job with a spare to grow onto, and no recovery under way: plan a generation that grows."""
+        if (self.timeline.width.narrow and self.pending is None and self.recovery is None
+                and self._growth(self.table.with_role(SPARE))):
+            rec = self.replan(now, "a node joined: the job grows back")
+            rec.free_replans += 1  # (growing is progress, not a retry)
 
     def waits_over(self, now: float) -> str | None:
         """What a waiting plan's time says: a wait for a restore ended (decide again), or for a spare (the job
@@ -248,6 +260,7 @@ class Reconstruction:
             self.pending = rec  # decided again when a node registers as a spare
             self.enter(Phase.WAITING)
             return None
+        grow = [] if shrink else self._growth(spares[len(failed_slots):])
         if self.spec.restart_mode:
             if self.restarts >= self.spec.max_restarts:
                 return GiveUp(f"node {', '.join(rec.failed)} failed and --max-restarts {self.spec.max_restarts} "
@@ -257,6 +270,8 @@ class Reconstruction:
         else:
             # a rank whose new node has not restored it yet has its state only on replicas, like a failed one
             failed_ranks = {r for i in failed_slots for r in self.timeline.ranks_of(i)} | self.timeline.unrestored
+            if grow:  # the processes that give a rank back: their snapshots must be on replicas the new node reads
+                failed_ranks |= {ranks[0] for ranks in self.timeline.width.assignment if len(ranks) > 1}
             plan = self.ledger.plan(self.timeline.keys(), failed_ranks, self.timeline.survivor_floors(self.ledger),
                                     rec.no_local, keys_at=self.timeline.keys_at)
         if plan.lost and not rec.probed_for_lost:
@@ -280,7 +295,7 @@ class Reconstruction:
                 self.pending = rec
                 self.enter(Phase.WAITING)
                 return None
-        if plan.lost and safe is not None and self.spec.snapshots and not shrink:
+        if plan.lost and safe is not None and self.spec.snapshots and not shrink and not grow:
             folder, step = safe
             self.out.publish("restoring_from_disk", ranks=plan.lost, step=step, folder=folder,
                              lost_steps=max(0, max(rec.peak_step, self.timeline.max_step) - step),
@@ -299,7 +314,14 @@ class Reconstruction:
         if not failed_slots and not self.spec.restart_mode and (why := self._one_more_replan(rec)) is not None:
             return GiveUp(why)
         return NextGeneration([i for i in failed_slots if i not in shrink], spares, plan.step, dict(plan.sources),
-                              shrink)
+                              shrink, grow)
+
+    def _growth(self, spares: list[Node]) -> list[Node]:
+        """The spares that a narrow job grows onto: as many whole nodes as its carried ranks fill."""
+        if self.spec.on_spare_exhausted != "shrink":
+            return []
+        width = self.timeline.width
+        return spares[:(width.logical_world - width.processes) // self.spec.nproc_per_node]
 
     def _cannot_shrink(self, slots: list[int], mesh: str) -> str | None:
         """Why the job cannot go on without the nodes of `slots`, or None."""
@@ -311,9 +333,9 @@ class Reconstruction:
         return narrower if isinstance(narrower, str) else None
 
     def begin_generation(self, rec: Recovery, now: float, failed_slots: list[int], spares: list[Node],
-                         step: int, shrink: list[int] | None = None) -> None:
+                         step: int, shrink: list[int] | None = None, grow: list[Node] | None = None) -> None:
         """The next generation: spares promoted into the failed slots, the nodes of `shrink` out of the layout
-        (their ranks trained by the others), every rank going back to `step`."""
+        (their ranks trained by the others) or those of `grow` into it, every rank going back to `step`."""
         timeline = self.timeline
         timeline.unrestored |= {r for i in failed_slots for r in timeline.ranks_of(i)}
         if self.spec.nnodes == 1 and len(spares) > len(failed_slots):
@@ -330,6 +352,8 @@ class Reconstruction:
             self.out.publish("spare_promoted", spare=spare.node_id, node_rank=i, generation=timeline.generation + 1)
         if shrink:
             self._shrink(rec, shrink, step)
+        if grow:
+            self._grow(rec, grow, step)
         rec.peak_step = max(rec.peak_step, timeline.max_step)
         timeline.began(step, now)
         self.crashed_at = {}
@@ -350,6 +374,17 @@ class Reconstruction:
         self.out.publish("job_shrunk", generation=timeline.generation + 1, nodes=rec.shrunk,
                          processes=narrower.processes, ranks=narrower.logical_world, slowdown=narrower.slowdown,
                          carried={str(ranks[0]): list(ranks[1:]) for ranks in narrower.assignment if len(ranks) > 1})
+
+    def _grow(self, rec: Recovery, spares: list[Node], step: int) -> None:
+        """The spares join the layout after its nodes; their processes take back ranks that others trained."""
+        timeline = self.timeline
+        wider = timeline.width.grow(len(spares) * self.spec.nproc_per_node)
+        for spare in spares:
+            self.table.set_role(spare, ACTIVE)
+            rec.promoted[len(timeline.layout)] = spare.node_id
+        timeline.reshaped(wider, [*timeline.layout, *(spare.node_id for spare in spares)], self.table, step)
+        self.out.publish("job_grew", generation=timeline.generation + 1, nodes=[s.node_id for s in spares],
+                         processes=wider.processes, ranks=wider.logical_world, slowdown=wider.slowdown)
 
     def store_lost(self, node_id: str, cause: str, now: float) -> None:
         """A fenced node's kept store was lost: a rank that the recovery under way restores from it has its plan
@@ -443,3 +478,4 @@ class Reconstruction:
         self.recoveries.append(rec)
         self.recovery = None
         self.enter(Phase.TRAINING)
+        self.grow_if_due(now)  # a node that joined while the job recovered

@@ -323,7 +323,7 @@ class Controller:
             self.files.load(decision.folder, decision.step, self.timeline.generation, rec, self.now)
         elif isinstance(decision, NextGeneration):
             self.reconstruction.begin_generation(rec, now, decision.failed_slots, decision.spares, decision.step,
-                                                 decision.shrink)
+                                                 decision.shrink, decision.grow)
             self._launch(rec, decision.step, decision.sources, "recovery", now)
 
     def _launch(self, rec: Recovery, step: int, sources: dict[int, str], reason: str, now: float) -> None:

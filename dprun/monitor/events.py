@@ -102,6 +102,10 @@ def describe(event: dict) -> str:
         return (f"no spare left: the job goes on without {', '.join(e['nodes'])}, {e['processes']} processes "
                 f"training its {e['ranks']} data-parallel ranks ({carried}); same samples and result, each step "
                 f"about {e['slowdown']}x as long (generation {e['generation']})")
+    if kind == "job_grew":
+        pace = "full width" if e["processes"] == e["ranks"] else f"steps still about {e['slowdown']}x as long"
+        return (f"{', '.join(e['nodes'])} joined: the job grows to {e['processes']} processes for its {e['ranks']} "
+                f"data-parallel ranks ({pace}, generation {e['generation']})")
     if kind == "shrink_refused":
         return f"the job cannot shrink: {e['reason']}"
     if kind == "spare_promoted":

@@ -40,7 +40,7 @@ class DataRanks:
         self._rng.carry(carried, rng)
         for proxy in self._proxies:
             proxy.narrow = carried.narrow
-        if carried.narrow:
+        if len(carried.ranks) > 1:  # (a process of a narrow job that trains its own rank alone has none)
             self._tracked.add(**{RANKS_RNG_NAME: self._rng})
         else:
             self._tracked.remove(RANKS_RNG_NAME)

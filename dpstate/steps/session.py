@@ -404,7 +404,9 @@ class Job:
         self.restored_from, restored, merged = self._restore(reconf)
         self._started, self._last_step = True, max(reconf.restore_step, 0)
         restore_s = time.perf_counter() - t0
-        if merged:  # another rank's part taken in: its snapshot is a new one
+        if merged:  # another rank's part taken in: its snapshot is a new one, in place of the one restored
+            if restored is not None:
+                replicator.forget(restored)
             replicator.submit(reconf.restore_step, self._tracked.capture(reconf.restore_step),
                               self._tracked.shared_keys)
         elif restored is not None:
