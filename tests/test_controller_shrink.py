@@ -3,6 +3,7 @@ survivors take its ranks, each from the snapshots that hold it, and the job ends
 
 from dpcommon import protocol as p
 from dprun.controller.state_machine import NodeGone
+from dprun.controller.narrowing import Width
 from helpers.controller_harness import Harness, spec
 
 
@@ -95,12 +96,23 @@ def test_a_node_that_joins_a_narrow_job_takes_its_rank_back_from_the_carrier_s_s
     h.register("d", spare=True)
     h.pong_all()
     assert h.finish is None and h.c.timeline.generation == 2
-    assert h.c.timeline.layout == ["a", "c", "d"] and h.c.timeline.width.assignment == ((0,), (2,), (1,))
+    assert h.c.timeline.layout == ["a", "d", "c"], "in the order of their ranks: rank r on process r again"
+    assert h.c.timeline.width.assignment == ((0,), (1,), (2,))
     (rd,) = h.sent_to("d", p.Reconfigure)
-    assert (rd.node_rank, rd.nnodes, rd.world_size, rd.restore_step, rd.carry) == (2, 3, 3, 5, [])
+    assert (rd.node_rank, rd.nnodes, rd.world_size, rd.restore_step, rd.carry) == (1, 3, 3, 5, [])
     assert rd.adopt_from == {"1": 0} and rd.restore_from["0"] == "tcp://c:1", "rank 1 is in rank 0's snapshots"
     (ra,) = h.sent_to("a", p.Reconfigure)[-1:]
     assert ra.adopt_from == {} and ra.carry == []
     (grew,) = h.named("job_grew")
     assert grew == {"event": "job_grew", "generation": 2, "nodes": ["d"], "processes": 3, "ranks": 3, "slowdown": 1}
     assert h.c.timeline.holder_key(1, 5) == 0 and h.c.timeline.holder_key(1, 6) == 1
+
+
+def test_a_job_whose_ranks_are_out_of_order_tells_its_workers_even_at_full_width():
+    h = three_nodes_shrinking()
+    h.feed(NodeGone("a", "killed"), dt=1)  # rank 0 goes to b's process: ((1, 0), (2,))
+    h.pong_all()
+    assert h.c.timeline.width.assignment == ((1, 0), (2,))
+    h.c.timeline.width = Width(((1,), (2,), (0,)))  # (a layout that no grow makes, but a worker must follow)
+    sends = h.c.timeline.reconfigures(h.c.spec, h.c.table, h.c.ledger, 4, {}, "test")
+    assert {s.msg.carry == [[1], [2], [0]] for s in sends} == {True}

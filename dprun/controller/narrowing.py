@@ -33,6 +33,11 @@ class Width:
         return self.processes < self.logical_world
 
     @property
+    def in_order(self) -> bool:
+        """Process r trains logical rank r alone: workers need not be told (Reconfigure.carry stays empty)."""
+        return all(ranks == (r,) for r, ranks in enumerate(self.assignment))
+
+    @property
     def slowdown(self) -> int:
         """How many ranks' micro-batches the busiest process computes in a step (1 at full width)."""
         return max(len(ranks) for ranks in self.assignment)

@@ -17,6 +17,7 @@ from .vocabulary import Flush, JobSpec, Outbox, Recovery
 from .ledger import ReplicaLedger, RestorePlan
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable, Role
 from .phase import Phase
+from .narrowing import Width
 from .timeline import Timeline
 
 MAX_REPLANS = 3  # generations planned again in a row with no node lost before the job gives up
@@ -376,13 +377,19 @@ class Reconstruction:
                          carried={str(ranks[0]): list(ranks[1:]) for ranks in narrower.assignment if len(ranks) > 1})
 
     def _grow(self, rec: Recovery, spares: list[Node], step: int) -> None:
-        """The spares join the layout after its nodes; their processes take back ranks that others trained."""
-        timeline = self.timeline
-        wider = timeline.width.grow(len(spares) * self.spec.nproc_per_node)
+        """The spares join the layout; their processes take back ranks that others trained. The nodes are put in
+        the order of their processes' own ranks, so that a job grown back to full width is in order again (rank
+        r on process r: DataParallel's own reduction, no ranks to tell the workers)."""
+        timeline, nproc = self.timeline, self.spec.nproc_per_node
+        grown = timeline.width.grow(len(spares) * nproc).assignment
+        nodes = [*timeline.layout, *(spare.node_id for spare in spares)]
+        order = sorted(range(len(nodes)), key=lambda i: grown[i * nproc][0])
+        wider = Width(tuple(grown[i * nproc + local] for i in order for local in range(nproc)))
+        layout = [nodes[i] for i in order]
         for spare in spares:
             self.table.set_role(spare, ACTIVE)
-            rec.promoted[len(timeline.layout)] = spare.node_id
-        timeline.reshaped(wider, [*timeline.layout, *(spare.node_id for spare in spares)], self.table, step)
+            rec.promoted[layout.index(spare.node_id)] = spare.node_id
+        timeline.reshaped(wider, layout, self.table, step)
         self.out.publish("job_grew", generation=timeline.generation + 1, nodes=[s.node_id for s in spares],
                          processes=wider.processes, ranks=wider.logical_world, slowdown=wider.slowdown)
 

@@ -141,7 +141,7 @@ class Timeline:
         self.holders = {r: self.replica_holders(r, spec.replicas, spares) for r in range(len(self.layout))}
         endpoint = lambda node_id: table.nodes[node_id].replica_endpoint  # noqa: E731
         adopted = self.adoptions(restore_step) if restore_step >= 0 else {}
-        carry = [list(ranks) for ranks in self.width.assignment] if self.width.narrow else []
+        carry = [] if self.width.in_order else [list(ranks) for ranks in self.width.assignment]
         sends = []
         for node_rank, node_id in enumerate(self.layout):
             restore_from: dict[str, str] = {}

@@ -46,6 +46,12 @@ class Carried:
         return any(row > 0 for _, row in self.places)
 
     @property
+    def in_order(self) -> bool:
+        """Process r trains logical rank r alone (a job at full width that never shrank, or grew back in order):
+        DataParallel's reduction is then the logical one."""
+        return all(place == (r, 0) for r, place in enumerate(self.places))
+
+    @property
     def rows(self) -> int:
         """The most logical ranks any one process trains."""
         return 1 + max(row for _, row in self.places)

@@ -22,7 +22,7 @@ class DataRanks:
 
     def __init__(self, tracked: Tracked, proxies: list[DataParallel], abort: AbortSignal):
         self._tracked, self._proxies, self._abort = tracked, proxies, abort
-        self.narrow: Carried | None = None  # the logical ranks carried while the job runs narrow
+        self.carried: Carried | None = None  # what the Reconfigure said, where it said (None: rank r trains r)
         self._per_rank: list[PerRank] = []
         self._rng = RanksRng()
 
@@ -33,13 +33,13 @@ class DataRanks:
 
     def carry(self, carried: Carried, rng: dict[int, dict]) -> None:
         """Train the logical ranks of `carried`; `rng`: the RNG states of ranks new to this process."""
-        self.narrow = carried if carried.narrow else None
+        self.carried = None if carried.in_order else carried
         self._tracked.ranks = carried.ranks
         for per in self._per_rank:
             per.carry(carried.ranks)
         self._rng.carry(carried, rng)
         for proxy in self._proxies:
-            proxy.narrow = carried.narrow
+            proxy.narrow = not carried.in_order
         if len(carried.ranks) > 1:  # (a process of a narrow job that trains its own rank alone has none)
             self._tracked.add(**{RANKS_RNG_NAME: self._rng})
         else:
@@ -48,7 +48,7 @@ class DataRanks:
     def micro_batches(self, carried: Carried, gate: Callable[[], None] | None) -> Iterator[int]:
         """At full width this rank alone (DataParallel reduces in its backward); narrow, each carried rank with
         its own RNG, then their gradients reduced with every other process's."""
-        if not carried.narrow:
+        if carried.in_order:
             yield carried.ranks[0]
             return
         narrow = NarrowStep([p.module for p in self._proxies], carried, self._abort, gate)

@@ -139,7 +139,7 @@ class Job:
     @property
     def carried(self) -> Carried:
         """The logical data-parallel ranks this process trains (dpstate.groups.carried)."""
-        return self._ranks.narrow or Carried.full(self.rank, self.world_size)
+        return self._ranks.carried or Carried.full(self.rank, self.world_size)
 
     def parallelize(self, dims: Mapping[str, int], build: Build) -> Parts:
         """A sharded or 3D-parallel job: build(mesh) makes the model, optimizer and pipeline schedule on a
@@ -447,7 +447,7 @@ class Job:
         self.local_world_size = reconf.nproc_per_node
         self.rank = reconf.node_rank * reconf.nproc_per_node + self.local_rank
         self._carry(Carried.assigned(reconf.carry, self.rank) if reconf.carry else None)
-        if self._parts is not None and self.carried.narrow:
+        if self._parts is not None and not self.carried.in_order:
             raise SystemExit("dpstate: a sharded or 3D-parallel job (job.parallelize) cannot shrink yet: rerun "
                              "with more --spares or --on-spare-exhausted wait")
         host, _, port = reconf.store_endpoint.rpartition(":")
