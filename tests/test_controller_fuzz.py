@@ -33,6 +33,8 @@ BY_ANNOTATION = {
     "bool": st.booleans(),
     "list[int]": st.lists(SMALL, max_size=4),
     "list[str]": st.lists(TEXT, max_size=3),
+    "list[list[int]]": st.lists(st.lists(SMALL, max_size=3), max_size=3),
+    "dict[str, int]": st.dictionaries(st.sampled_from(["0", "1", "2", "x"]), SMALL, max_size=3),
     "list": st.lists(JSONISH, max_size=3),
     "dict": st.dictionaries(st.sampled_from(["0", "1", "x"]), STATUS | JSONISH, max_size=3) | JSONISH.filter(
         lambda v: isinstance(v, dict)),
