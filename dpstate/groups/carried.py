@@ -90,7 +90,7 @@ class PerRank(Generic[T]):
         if missing:
             raise KeyError(f"the state of logical ranks {missing} is not in it (it holds {sorted(saved)})")
         for r, obj in self._objects.items():
-            _load_into(obj, saved[str(r)])
+            obj.load_state_dict(saved[str(r)])  # type: ignore[attr-defined]
 
 
 def _state_of(obj: Any) -> Any:
@@ -99,6 +99,3 @@ def _state_of(obj: Any) -> Any:
         raise TypeError(f"job.per_rank(): {type(obj).__qualname__} has no state_dict()/load_state_dict()")
     return state_dict()
 
-
-def _load_into(obj: Any, state: Any) -> None:
-    obj.load_state_dict(state)

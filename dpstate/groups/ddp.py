@@ -32,7 +32,7 @@ _SYNC_BUFFERS_ARG = (
     if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
     else "broadcast_buffers"
 )
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class AbortableHook:
@@ -87,7 +87,7 @@ class AbortableHook:
                 self.gate()
             if self.ordered:
                 gathered = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-                work = _all_gather(gathered, tensor, group=self.group, async_op=True)
+                work = all_gather_flat(gathered, tensor, group=self.group, async_op=True)
                 done = lambda: _ordered_sum(gathered.view(self.world, -1), tensor)  # noqa: E731
             else:
                 work = dist.all_reduce(tensor, group=self.group, async_op=True)

@@ -21,8 +21,7 @@ from dpstate.snapshot.state import rng_state, set_rng_state
 from dpstate.steps.abort import AbortSignal
 
 from .carried import Carried
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from .ddp import all_gather_flat
 
 
 class RanksRng:
@@ -101,7 +100,7 @@ class NarrowStep:
                 mine = self.rows[key]
                 gathered = torch.empty((world, *mine.shape), dtype=mine.dtype, device=mine.device)
                 if world > 1:
-                    work = _all_gather(gathered.view(-1), mine.view(-1), async_op=True)
+                    work = all_gather_flat(gathered.view(-1), mine.view(-1), async_op=True)
                     self.abort.wait_future(work.get_future())
                 else:
                     gathered[0].copy_(mine)
