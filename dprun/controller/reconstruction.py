@@ -328,9 +328,7 @@ class Reconstruction:
         """Why the job cannot go on without the nodes of `slots`, or None."""
         if mesh:
             return f"a sharded or 3D-parallel job ({mesh}) cannot shrink yet: only data-parallel ones can"
-        lost = {process for i in slots for process in range(i * self.spec.nproc_per_node,
-                                                             (i + 1) * self.spec.nproc_per_node)}
-        narrower = self.timeline.width.shrink(lost)
+        narrower = self.timeline.without_nodes(slots)
         return narrower if isinstance(narrower, str) else None
 
     def begin_generation(self, rec: Recovery, now: float, failed_slots: list[int], spares: list[Node],
@@ -366,8 +364,8 @@ class Reconstruction:
 
     def _shrink(self, rec: Recovery, slots: list[int], step: int) -> None:
         """The nodes of `slots` leave the layout; the ranks their processes trained go to the others."""
-        timeline, nproc = self.timeline, self.spec.nproc_per_node
-        narrower = timeline.width.shrink({p for i in slots for p in range(i * nproc, (i + 1) * nproc)})
+        timeline = self.timeline
+        narrower = timeline.without_nodes(slots)
         assert not isinstance(narrower, str)  # (decide() checked that it can)
         rec.shrunk = [timeline.layout[i] for i in slots]
         layout = [node_id for i, node_id in enumerate(timeline.layout) if i not in slots]

@@ -57,6 +57,10 @@ class Timeline:
         own = self.width.assignment
         return [own[process][0] for process in range(node_rank * self.nproc, (node_rank + 1) * self.nproc)]
 
+    def without_nodes(self, node_ranks: list[int]) -> Width | str:
+        """The width without the processes of these node ranks (a reason instead where none would be left)."""
+        return self.width.shrink({p for i in node_ranks for p in range(i * self.nproc, (i + 1) * self.nproc)})
+
     def keys(self) -> list[int]:
         """Every process's own logical rank: the ranks whose snapshots hold the job's state (all at full width)."""
         return self.width.own_ranks()
