@@ -53,7 +53,7 @@ class Restoring:
             slot = sources.fetch_any(reconf, adopt[key], {})
             rep.forget_after(step)
             self._restore_tree(reconf, as_own(self._tree(slot, step), key), adopt, carried)
-            return "replica", None, True
+            return "replica", slot, True  # (another rank's snapshot: let go once this one's is captured)
         slot, bad_copies = sources.take_prefetched(reconf, key)
         where: P.RestoredFrom
         slot, where = (slot, "replica") if slot is not None else (rep.local(step), "local")
