@@ -12,12 +12,15 @@ import pytest
 from rich.console import Console
 
 from dpcommon import protocol as p
-from dprun.controller.state_machine import Controller, JobSpec, Received
+from dprun.controller.state_machine import Controller, JobSpec, NodeGone, Received
 from dprun.monitor.dashboard import render, select_rows
 from dprun.monitor.jobview import JobView, total_steps_from_args
 from dprun.controller.phase import Phase
+from dprun.controller.view import WidthView
 from dprun.monitor.report import final_summary, incidents
+from helpers.controller_harness import Harness, spec
 from helpers.events import T0, hot_swap_events
+from helpers.shrink_events import shrink_and_grow_events
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -190,3 +193,71 @@ def test_a_workers_progress_bar_and_cursor_moves_show_as_a_terminal_would_and_mo
     assert " 20%|##        | 2/10" in drawn and " 10%" not in drawn
     assert "\r" not in drawn and "\x1b[A" not in drawn and "\x1b[2K" not in drawn
     assert "\x1b[31m" in drawn or "\x1b[2;31m" in drawn, "colours are kept"
+
+
+def title(model, width=80) -> str:
+    return screen(model, width)[0]
+
+
+def test_a_narrow_job_heads_its_width_and_logs_each_shrink_and_grow_with_its_cost_to_the_first_step():
+    ev = shrink_and_grow_events()
+    narrow = fold(ev[:30])  # trained narrow up to step 16
+    m = narrow.model(T0 + 32)
+    assert m["width"] == {"processes": 2, "ranks": 3, "slowdown": 2}
+    assert "width 2/3 (narrow, ~2x step time)" in title(m), title(m)
+    texts = [text for _, _, text in m["log"]]
+    assert ("job shrank to 2 processes for its 3 ranks (generation 1, from step 12, 0 step(s) lost): 2.20 s from "
+            "the failure detected to the first narrow step") in texts, texts
+    assert not any(t.startswith("recovered (") for t in texts), "the recovery is said as the shrink it completed"
+    whole = fold(ev).model(T0 + 66)
+    assert "width 3/3" in title(whole) and "narrow" not in title(whole), "grown back: full width, still shown"
+    texts = [text for _, _, text in whole["log"]]
+    assert ("job grew to 3 processes for its 3 ranks (generation 2, from step 25, 0 step(s) lost): 1.50 s from the "
+            "node joined to the first full-width step") in texts, texts
+    lines = screen(whole)
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+
+
+def test_a_job_that_never_changed_width_heads_no_width():
+    view = fold(hot_swap_events())
+    view.width = {"processes": 4, "ranks": 4, "slowdown": 1}  # (as the controller's view says it)
+    assert "width" not in title(view.model(T0 + 53))
+
+
+def test_the_controller_s_view_says_the_width_that_the_dashboard_heads():
+    """The real controller: b lost with no spare, the job trains on 2 processes; d joins, it grows back."""
+    h = Harness(spec(nnodes=3, spares=0, on_spare_exhausted="shrink"))
+    for rank, node in enumerate("abc"):
+        h.register(node, rank=rank)
+    assert h.c.view(h.now).width == WidthView(processes=3, ranks=3, slowdown=1)
+    for step in range(5):
+        for rank, holder in ((0, "b"), (1, "c"), (2, "a")):
+            h.msg(holder, p.SnapshotStored(holder, rank, step, 0))
+    h.msg("a", p.Progress("a", 0, 0, 5))
+    h.feed(NodeGone("b", "killed"), dt=1)
+    h.pong_all()
+    state = h.c.view(h.now)
+    assert state.width == WidthView(processes=2, ranks=3, slowdown=2) and state.width.narrow
+    view = JobView(job_id="dp-x")
+    view.on_controller(state)
+    assert "width 2/3 (narrow, ~2x step time)" in title(view.model(h.now)), title(view.model(h.now))
+    for node, rank in (("a", 0), ("c", 2)):
+        h.msg(node, p.WorkerReady(node, 1, rank, 0.02, 0.02, "local"))
+    h.msg("c", p.SnapshotStored("c", 0, 5, 1))  # (step 5 held by each other: what a grow restores from)
+    h.msg("a", p.SnapshotStored("a", 2, 5, 1))
+    for node, rank in (("a", 0), ("c", 2)):
+        h.msg(node, p.Progress(node, 1, rank, 6))
+    h.register("d", spare=True)
+    h.pong_all()
+    assert h.c.view(h.now).width == WidthView(processes=3, ranks=3, slowdown=1)
+    for i, e in enumerate(h.events):  # the events it published, as the dashboard's view folds them
+        view.on_event({**e, "time": T0 + i})
+    texts = [text for _, _, text in view.model(T0 + 99)["log"]]
+    assert any(t.startswith("job shrank to 2 processes for its 3 ranks (generation 1, from step 4") for t in texts)
+    view.on_controller(h.c.view(h.now))
+    assert "width 3/3" in title(view.model(T0 + 99)) and "narrow" not in title(view.model(T0 + 99))
+
+
+def test_the_controller_s_view_has_no_width_before_the_job_formed():
+    ctl = Controller(JobSpec(nnodes=2, spares=0, nproc_per_node=1, store_endpoint="h:1"), 0.0)
+    assert ctl.view(0.0).width is None

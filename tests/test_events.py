@@ -120,3 +120,25 @@ def test_a_diverging_loss_leaves_valid_json_in_the_events_file_and_in_the_report
     assert lines[1]["metrics"] == {"loss": None, "tokens": [None, 2.5]}
     assert run_report(path, None, as_json=True) == 0
     strict(capsys.readouterr().out)
+
+
+@pytest.mark.timeout(30)
+def test_the_console_line_of_the_recovery_that_completes_a_shrink_or_grow_says_its_cost_to_the_first_step():
+    """job_shrunk and job_grew are said as they are planned; what they cost is known when every process made a
+    step at the new width: the recovery_complete line that follows says it (a plain recovery's says nothing more)."""
+    from helpers.events import hot_swap_events
+    from helpers.shrink_events import shrink_and_grow_events
+
+    def console_lines(events: list[dict]) -> list[str]:
+        console = io.StringIO()
+        sink = EventSink(None, console=console)
+        for e in events:
+            sink.emit({k: v for k, v in e.items() if k != "time"})
+        return [line.split("] ", 1)[1] for line in console.getvalue().splitlines()]
+
+    recovered = [line for line in console_lines(shrink_and_grow_events()) if line.startswith("recovered into")]
+    assert len(recovered) == 2, recovered
+    assert recovered[0].endswith("total 2.70s; 2.20 s from the failure detected to the first narrow step")
+    assert recovered[1].endswith("total 1.50s; 1.50 s from the node joined to the first full-width step")
+    (plain,) = [line for line in console_lines(hot_swap_events()) if line.startswith("recovered into")]
+    assert plain.endswith("total 2.00s"), plain

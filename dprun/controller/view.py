@@ -30,6 +30,19 @@ class NodeView:
 
 
 @dataclass(frozen=True)
+class WidthView:
+    """The job's data-parallel width (dprun.controller.narrowing.Width): narrower than asked after a shrink."""
+
+    processes: int  # processes training now
+    ranks: int  # logical data-parallel ranks (the world size asked for)
+    slowdown: int  # ranks the busiest process trains per step: a step takes about this many times as long
+
+    @property
+    def narrow(self) -> bool:
+        return self.processes < self.ranks
+
+
+@dataclass(frozen=True)
 class ControllerView:
     job_id: str
     nproc_per_node: int
@@ -38,6 +51,7 @@ class ControllerView:
     phase: Phase
     nodes: Mapping[str, NodeView]
     restore_point: int | None  # the newest step every rank could go back to from the replicas, if any
+    width: WidthView | None = None  # None until the first generation formed
 
 
 def view_of(controller: Controller, now: float) -> ControllerView:
@@ -53,9 +67,12 @@ def view_of(controller: Controller, now: float) -> ControllerView:
         newest = [max((s for steps in held.get(rank, {}).values() for s in steps), default=-1)
                   for rank in range(len(layout) * nproc)]
         restore_point = min(newest) if min(newest) >= 0 else None
+    width = timeline.width
     return ControllerView(job_id=spec.job_id, nproc_per_node=nproc, world_size=spec.world_size,
                           generation=timeline.generation, phase=controller.phase, nodes=nodes,
-                          restore_point=restore_point)
+                          restore_point=restore_point,
+                          width=WidthView(width.processes, width.logical_world, width.slowdown)
+                          if width.assignment else None)
 
 
 def _node_view(node: Node, timeline: Timeline, held: dict, now: float) -> NodeView:

@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .jobview import ROLE_ORDER, recovery_cost
+from .width import width_field
 
 ROLE_STYLE = {"active": "green", "spare": "cyan", "failed": "bold red", "fenced": "bold magenta",
               "joining": "dim", "promoted": "bold yellow"}
@@ -130,6 +131,8 @@ def header(m: dict, width: int) -> RenderableType:
     title = Text.assemble(("DeadPool ", "bold"), (m.get("job_id") or "", "bold cyan"),
                           f"  gen {max(m.get('generation', -1), 0)}  ",
                           (state, STATE_STYLE.get(m.get("state", ""), "")))
+    if shown := width_field(m.get("width"), bool(m.get("width_changes"))):  # (a narrow job's state, as gen is)
+        title.append(f"  {shown}", style="yellow" if "narrow" in shown else "")
     step, total = m.get("step", 0), m.get("total_steps")
     grid = Table.grid(expand=True, padding=(0, 1))
     grid.add_column(no_wrap=True)

@@ -16,6 +16,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from .width import WidthChanges, cost_words
+
 HISTORY_KEEP = 10_000
 
 
@@ -149,6 +151,40 @@ def describe(event: dict) -> str:
     return f"{kind}: {rest}"
 
 
+def brief(e: dict) -> str:
+    """A short line for the dashboard's event log (events.describe() is the long form)."""
+    kind = e.get("event")
+    try:
+        if kind == "node_failed":
+            where = f" (node rank {e['node_rank']})" if e.get("node_rank") is not None else f" ({e.get('role')})"
+            return f"{e['node']}{where} failed: {e['cause']}"
+        if kind == "spare_promoted":
+            return f"spare {e['spare']} promoted to node rank {e['node_rank']} (generation {e['generation']})"
+        if kind == "reconfigure":
+            what = "every worker restarts" if e["restore_step"] < 0 else f"resume from step {e['restore_step']}"
+            return f"generation {e['generation']}: {what} (decided in {e['decide_s'] * 1000:.0f} ms)"
+        if kind == "recovery_complete":
+            ph = e["phases"]
+            if e.get("mode") == "restart":
+                return (f"recovered by restart (generation {e['generation']}): detect {ph['detect_s']:.2f}s, "
+                        f"respawn {ph['rebuild_s']:.2f}s, total {ph['total_s']:.2f}s to workers started")
+            how = "from disk" if e.get("from_disk") else "hot-swap"
+            return (f"recovered ({how}, generation {e['generation']}) from step {e['restore_step']}, "
+                    f"{e['lost_steps']} step(s) lost: detect {ph['detect_s']:.2f}s, rebuild {ph['rebuild_s']:.2f}s, "
+                    f"restore {ph['restore_s']:.2f}s, total {ph['total_s']:.2f}s")
+        if kind == "restart_rendezvous":
+            return (f"generation {e['generation']}: restarted workers back in torch's rendezvous "
+                    f"{e['seconds']:.2f}s after the failure")
+        if kind == "worker_exited":
+            return f"{worker_label(e)} on {e['node']} (pid {e.get('pid')}): {e['cause']}"
+        if kind == "job_finished":
+            return f"job finished, exit code {e['exit_code']}: {e['message']}"
+        return describe(e)
+    except (KeyError, TypeError, ValueError):
+        rest = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time"))
+        return f"{kind}: {rest}"
+
+
 class EventSink:
     """Every event to the events file (a JSON line), the listeners and the console. A file or console that can
     no longer be written (a full disk, a closed pipe) is said once on stderr and dropped: never the job's end."""
@@ -163,6 +199,7 @@ class EventSink:
         self._t0 = time.time()
         self.history: deque = deque(maxlen=HISTORY_KEEP)  # the newest events (a days-long job has many)
         self.listeners: list[Callable[[dict], None]] = []  # called with every event (the dashboard's view)
+        self._widths = WidthChanges()  # the shrink or grow that the next recovery_complete's line gives the cost of
 
     def emit(self, event: dict, console: bool = True) -> dict:
         event = {"event": event["event"], "time": round(time.time(), 6), "job": self._job_id, "seq": self._seq,
@@ -178,9 +215,11 @@ class EventSink:
                 _say_dropped(f"the events file {self._path}", exc)
         for listener in self.listeners:
             listener(event)
+        changed = self._widths.on_event(event)
         if self._console and console:
             try:
-                write_line(self._console, f"[dprun +{event['time'] - self._t0:7.2f}s] {describe(event)}")
+                said = describe(event) + (f"; {cost_words(changed)}" if changed else "")
+                write_line(self._console, f"[dprun +{event['time'] - self._t0:7.2f}s] {said}")
             except OSError as exc:  # (a closed pipe: `dprun ... | head`)
                 _say_dropped("the console", exc)
                 _point_at_devnull(self._console)

@@ -13,7 +13,8 @@ from typing import Iterable, Sequence
 
 from dprun.controller.view import ControllerView
 from dprun.controller.nodes import Role
-from .events import describe, worker_label
+from .events import brief, describe
+from .width import CHANGES, WidthChanges, change_brief
 
 THROUGHPUT_WINDOW_S = 20.0
 LOG_KEEP = 200  # log lines kept in memory
@@ -135,6 +136,8 @@ class JobView:
         self.status_endpoint = ""
         self.timeline = timeline  # keep every progress event (a report's plot); a live view does not
         self.progress_points: list[tuple[float, int, int]] = []  # (time, step, generation)
+        self.width: dict | None = None  # processes, ranks, slowdown (dprun.controller.view.WidthView)
+        self.widths = WidthChanges()  # each shrink and grow, with its step and cost
 
     # ------------------------------------------------------------------ inputs
 
@@ -147,10 +150,13 @@ class JobView:
         handler = getattr(self, f"_ev_{kind}", None)
         if handler is not None:
             handler(e, t)
+        if kind in CHANGES:
+            self.width = {k: e[k] for k in ("processes", "ranks", "slowdown")}
+        changed = self.widths.on_event(e)  # a recovery that completed a shrink or grow: said as one, with its cost
         if kind in WARNING_EVENTS and len(self.warnings) < WARNINGS_KEPT:
             self.warnings.append({"time": t, "event": kind, "text": describe(e)})
         if kind != "progress" and not (kind == "node_joined" and len(self.nodes) > 8):
-            self.log.append((t, LEVELS.get(kind, "info"), brief(e)))
+            self.log.append((t, LEVELS.get(kind, "info"), change_brief(changed, e) if changed else brief(e)))
 
     def _node(self, node_id: str) -> NodeInfo:
         node = self.nodes.get(node_id)
@@ -266,9 +272,11 @@ class JobView:
             node.role = Shown.FENCED
 
     def on_controller(self, state: ControllerView) -> None:
-        """The controller's published view: heartbeat ages, pids, replica holders and the restore point."""
+        """The controller's published view: heartbeat ages, pids, replica holders, the restore point, the width."""
         self.job_id, self.nproc, self.world_size = state.job_id, state.nproc_per_node, state.world_size
         self.restore_point = state.restore_point
+        if state.width is not None:
+            self.width = asdict(state.width)
         for node_id, s in state.nodes.items():
             node = self._node(node_id)
             node.host, node.pid = s.host, s.pid
@@ -329,46 +337,13 @@ class JobView:
             "spares": self.spares, "world_size": self.world_size or self.nnodes * self.nproc,
             "counts": counts, "nodes": [_row(n, self.nproc, now) for n in rows],
             "restore_point": self.restore_point, "status_endpoint": self.status_endpoint, "mesh": self.mesh,
-            "on_disk": self.on_disk,
+            "on_disk": self.on_disk, "width": self.width, "width_changes": [dict(c) for c in self.widths.changes],
+            "shrink_refused": list(self.widths.refused),
             "log": [list(entry) for entry in list(self.log)[-MODEL_LOG:]],
             "recoveries": self.recoveries[-keep:] if keep else list(self.recoveries),
             "failures": self.failures[-keep:] if keep else list(self.failures),
             "finished": self.finished, "warnings": list(self.warnings), "time": now,
         }
-
-
-def brief(e: dict) -> str:
-    """A short line for the dashboard's event log (events.describe() is the long form)."""
-    kind = e.get("event")
-    try:
-        if kind == "node_failed":
-            where = f" (node rank {e['node_rank']})" if e.get("node_rank") is not None else f" ({e.get('role')})"
-            return f"{e['node']}{where} failed: {e['cause']}"
-        if kind == "spare_promoted":
-            return f"spare {e['spare']} promoted to node rank {e['node_rank']} (generation {e['generation']})"
-        if kind == "reconfigure":
-            what = "every worker restarts" if e["restore_step"] < 0 else f"resume from step {e['restore_step']}"
-            return f"generation {e['generation']}: {what} (decided in {e['decide_s'] * 1000:.0f} ms)"
-        if kind == "recovery_complete":
-            ph = e["phases"]
-            if e.get("mode") == "restart":
-                return (f"recovered by restart (generation {e['generation']}): detect {ph['detect_s']:.2f}s, "
-                        f"respawn {ph['rebuild_s']:.2f}s, total {ph['total_s']:.2f}s to workers started")
-            how = "from disk" if e.get("from_disk") else "hot-swap"
-            return (f"recovered ({how}, generation {e['generation']}) from step {e['restore_step']}, "
-                    f"{e['lost_steps']} step(s) lost: detect {ph['detect_s']:.2f}s, rebuild {ph['rebuild_s']:.2f}s, "
-                    f"restore {ph['restore_s']:.2f}s, total {ph['total_s']:.2f}s")
-        if kind == "restart_rendezvous":
-            return (f"generation {e['generation']}: restarted workers back in torch's rendezvous "
-                    f"{e['seconds']:.2f}s after the failure")
-        if kind == "worker_exited":
-            return f"{worker_label(e)} on {e['node']} (pid {e.get('pid')}): {e['cause']}"
-        if kind == "job_finished":
-            return f"job finished, exit code {e['exit_code']}: {e['message']}"
-        return describe(e)
-    except (KeyError, TypeError, ValueError):
-        rest = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time"))
-        return f"{kind}: {rest}"
 
 
 def _row(node: NodeInfo, nproc: int, now: float) -> dict:
