@@ -10,6 +10,7 @@ import pytest
 from dprun.monitor.report import run_report
 from helpers.cli import in_process
 from helpers.events import T0, hot_swap_events
+from helpers.shrink_events import shrink_and_grow_events
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -133,8 +134,8 @@ def test_hand_edited_events_are_skipped_or_refused_in_a_line_never_a_traceback(t
     rng = random.Random(5)
     odd = ["x", None, -1, [], {}, 1e300, {"a": 1}, [1, 2], True, "[bold]x[/", 10 ** 30]
     answers = set()
-    for trial in range(150):
-        events = [dict(e) for e in (hot_swap_events() if trial % 2 else restart_events())]
+    for trial in range(180):
+        events = [dict(e) for e in (restart_events, hot_swap_events, shrink_and_grow_events)[trial % 3]()]
         for _ in range(3):
             event = rng.choice(events)
             event[rng.choice([k for k in event if k != "event"])] = rng.choice(odd)
@@ -145,3 +146,52 @@ def test_hand_edited_events_are_skipped_or_refused_in_a_line_never_a_traceback(t
             assert code == 0 or (code == 2 and err.startswith("dprun report: ") and err.count("\n") == 1), err
             answers.add(code)
     assert answers == {0, 2}, "some edits are skipped, some make the file make no sense"
+
+
+def test_report_lists_each_shrink_and_grow_with_its_cost_and_the_steps_trained_narrow(tmp_path, capsys):
+    path = write(tmp_path / "shrink.jsonl", shrink_and_grow_events())
+    code, text, err = report(path)
+    assert code == 0, err
+    lines = text.splitlines()
+    at = lines.index("width: shrank 1 time(s), grew 1 time(s); 13 of 40 steps trained narrow")
+    assert lines[at + 1:at + 5] == [
+        "  +22.9s shrank at step 12 (node b lost): 3 ranks on 2 processes (narrow, ~2x step time)",
+        "         2.20 s from the failure detected to the first narrow step; 13 step(s) narrow",
+        "  +50.0s grew at step 25 (node d joined): 3 ranks on 3 processes (full width)",
+        "         1.50 s from the node joined to the first full-width step"], text
+    assert run_report(path, None, as_json=True) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(c["kind"], c["step"], c["cost_s"]) for c in data["width_changes"]] == [("shrank", 12, 2.2),
+                                                                                   ("grew", 25, 1.5)]
+    code, text, err = report(write(tmp_path / "hot.jsonl", hot_swap_events()))
+    assert code == 0 and "width" not in text, "a job that never changed width has no such section"
+
+
+def test_a_shrink_planned_again_before_it_trained_and_a_job_that_ends_narrow_are_said_so(tmp_path):
+    """b lost, then c before the narrow job's first step: a carries all 3 ranks (the first shrink never trained);
+    the job ends narrow at step 30 (its steps narrow count to there); a sharded job's refusal is listed too."""
+    ev = shrink_and_grow_events()
+    cut = next(i for i, e in enumerate(ev) if e["event"] == "progress" and e.get("generation") == 1)
+    ev = ev[:cut] + [
+        {"event": "node_failed", "time": T0 + 24.0, "node": "c", "node_rank": 1, "role": "active", "cause": "killed"},
+        {"event": "job_shrunk", "time": T0 + 24.5, "generation": 2, "nodes": ["c"], "processes": 1, "ranks": 3,
+         "slowdown": 3, "carried": {"0": [1, 2]}},
+        {"event": "reconfigure", "time": T0 + 24.5, "generation": 2, "restore_step": 11, "layout": ["a"],
+         "decide_s": 0.01},
+        {"event": "recovery_complete", "time": T0 + 27.5, "mode": "hot-swap", "generation": 2, "restore_step": 11,
+         "lost_steps": 1, "failed": ["b", "c"], "promoted": {},
+         "phases": {"detect_s": 0.5, "decide_s": 0.01, "rebuild_s": 0.3, "restore_s": 0.6, "total_s": 5.0}},
+        {"event": "progress", "time": T0 + 60, "generation": 2, "step": 30},
+        {"event": "shrink_refused", "time": T0 + 61, "reason": "no data-parallel replica would be left"},
+        {"event": "job_finished", "time": T0 + 62, "exit_code": 1, "message": "node failure with no spare left"},
+    ]
+    code, text, err = report(write(tmp_path / "twice.jsonl", ev))
+    assert code == 0, err
+    lines = text.splitlines()
+    at = lines.index("width: shrank 2 time(s), grew 0 time(s); 19 of 30 steps trained narrow")
+    assert lines[at + 1:at + 6] == [
+        "  +22.9s shrank at step 12 (node b lost): 3 ranks on 2 processes (narrow, ~2x step time)",
+        "         never trained at that width (another change followed first)",
+        "  +24.4s shrank at step 11 (node c lost): 3 ranks on 1 process (narrow, ~3x step time)",
+        "         4.50 s from the failure detected to the first narrow step; 19 step(s) narrow",
+        "  could not shrink: no data-parallel replica would be left"], text

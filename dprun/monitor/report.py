@@ -1,5 +1,5 @@
-"""`dprun report EVENTS.jsonl`: every failure and recovery of a job (phases, lost steps), its goodput, and with
---plot a throughput timeline; also the summary that dprun prints when a job ends.
+"""`dprun report EVENTS.jsonl`: every failure and recovery of a job (phases, lost steps), its goodput, its shrinks
+and grows, and with --plot a throughput timeline; also the summary that dprun prints when a job ends.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from rich.table import Table
 from .dashboard import duration
 from .events import user_json, worker_label
 from .jobview import JobView, recovery_cost
+from .width import report_lines
 
 TAIL_SHOWN = 12
 
@@ -130,6 +131,8 @@ def print_report(model: dict, console: Console, bad_lines: int = 0) -> None:
                           "rendezvous; lost steps are the script's own (since its last checkpoint)", style="dim")
         for line in failure_lines(model, t0):
             console.print(line, markup=False, highlight=False)
+    for line in report_lines(model, t0):
+        console.print(line, markup=False, highlight=False)
     if model.get("mesh"):
         console.print(f"mesh {model['mesh']}: sharded state; each node's replicas hold its ranks' shards whole",
                       markup=False, highlight=False)

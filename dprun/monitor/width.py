@@ -32,6 +32,10 @@ def width_field(width: dict | None, changed: bool) -> str:
     return f"width {width['processes']}/{width['ranks']}" + (f" ({pace(width)})" if is_narrow(width) else "")
 
 
+def processes(width: dict) -> str:
+    return f"{width['processes']} process{'es' if width['processes'] != 1 else ''}"
+
+
 def cost_words(change: dict) -> str:
     """'2.20 s from the failure detected to the first narrow step' for a completed change."""
     since = "the node joined" if change["kind"] == "grew" and not change["failed"] else "the failure detected"
@@ -41,7 +45,7 @@ def cost_words(change: dict) -> str:
 
 def change_brief(change: dict, rec: dict) -> str:
     """The dashboard's log line for the recovery_complete that completed a shrink or grow (in place of its own)."""
-    return (f"job {change['kind']} to {change['processes']} processes for its {change['ranks']} ranks "
+    return (f"job {change['kind']} to {processes(change)} for its {change['ranks']} ranks "
             f"(generation {rec['generation']}, from step {rec['restore_step']}, "
             f"{rec.get('lost_steps', 0)} step(s) lost): {cost_words(change)}")
 
@@ -106,13 +110,13 @@ def report_lines(model: dict, t0: float) -> list[str]:
         how = "lost" if change["kind"] == "shrank" else "joined"
         at = f"+{change['time'] - t0:.1f}s"
         line = (f"  {at} {change['kind']} at step {change['step'] if change['step'] is not None else '?'} (node "
-                f"{', '.join(change['nodes']) or '?'} {how}): {change['ranks']} ranks on {change['processes']} "
-                f"processes ({pace(change)})")
+                f"{', '.join(change['nodes']) or '?'} {how}): {change['ranks']} ranks on {processes(change)} "
+                f"({pace(change)})")
+        lines.append(line)
         if change["cost_s"] is None:
             ended = "another change followed first" if i + 1 < len(changes) else "the job ended first"
-            lines.append(f"{line}, never trained at that width ({ended})")
+            lines.append(f"  {' ' * len(at)} never trained at that width ({ended})")
             continue
-        lines.append(line)
         narrow_steps = f"; {n} step(s) narrow" if is_narrow(change) and n is not None else ""
         lines.append(f"  {' ' * len(at)} {cost_words(change)}{narrow_steps}")
     lines += [f"  could not shrink: {reason}" for reason in refused]
