@@ -142,3 +142,4 @@ def test_the_console_line_of_the_recovery_that_completes_a_shrink_or_grow_says_i
     assert recovered[1].endswith("total 1.50s; 1.50 s from the node joined to the first full-width step")
     (plain,) = [line for line in console_lines(hot_swap_events()) if line.startswith("recovered into")]
     assert plain.endswith("total 2.00s"), plain
+    EventSink(None, console=None).emit({"event": "job_shrunk", "generation": "x"})  # (its cost untold, no raise)

@@ -215,7 +215,10 @@ class EventSink:
                 _say_dropped(f"the events file {self._path}", exc)
         for listener in self.listeners:
             listener(event)
-        changed = self._widths.on_event(event)
+        try:
+            changed = self._widths.on_event(event)
+        except (KeyError, TypeError, ValueError):  # (an event of a shape it does not know: its line without the cost)
+            changed = None
         if self._console and console:
             try:
                 said = describe(event) + (f"; {cost_words(changed)}" if changed else "")
