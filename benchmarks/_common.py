@@ -413,3 +413,44 @@ def machine() -> dict:
 
 def mb(nbytes: float | None) -> str:
     return "-" if nbytes is None else f"{nbytes / 1e6:.0f}"
+
+
+# ------------------------------------------------------------------------------------------------ multi-node jobs
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: Sequence[Any], folder: Path, env: dict[str, str] | None, log_name: str) -> subprocess.Popen:
+    """One process of a job that a benchmark drives itself (a dprun node, say): its own session, its output in
+    FOLDER/LOG_NAME, killed with the rest when the benchmark ends (stop() sooner)."""
+    with open(folder / log_name, "ab") as log:
+        proc = subprocess.Popen(list(map(str, cmd)), cwd=folder, env=child_env(env), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    _LIVE.add(proc.pid)
+    return proc
+
+
+def stop(procs: Iterable[subprocess.Popen], folder: Path | None = None) -> None:
+    """Kill what is left of processes start() began; with `folder`, also any process whose command line names
+    it (a node's agent or worker that outlived its dprun)."""
+    for proc in procs:
+        _kill_group(proc.pid)
+        _LIVE.discard(proc.pid)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    if folder is None:
+        return
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid != os.getpid() and str(folder) in " ".join(p.info["cmdline"] or []):
+                p.kill()
+        except psutil.Error:
+            pass
