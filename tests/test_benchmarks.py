@@ -245,3 +245,33 @@ def test_recovery_growth_quick(procs, tmp_path):
     for name in ("job total_s", "job rebuild_s", "group build_cpu_s (now)", "controller decide_cpu_s"):
         assert set(got["fits"][name]["projected"]) == {"512", "4096"}, name
     assert got["projection"]["now"]["4096"]["total_s"] > got["projection"]["now"]["512"]["total_s"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_shrink_quick(procs, tmp_path):
+    """The shrink benchmark's smoke run (2 nodes, one repetition): a hot swap, then a shrink and a grow of the same
+    job, each detect -> first step measured and set against the hot swap's; steps/s at full and narrow width, the
+    expected ratio beside the measured one; the printed tables read back."""
+    code, text, out = run_bench(procs, tmp_path, "shrink", "--quick", timeout=220)
+    assert code == 0, text[-4000:]
+    got = json.loads(out.read_text())
+    assert got["failed"] == [] and got["nnodes"] == 2, got["failed"]
+    assert set(got["cost_s"]) == {"hotswap", "shrink", "grow"}
+    for kind, cost in got["cost_s"].items():
+        assert cost["detect_to_step_s"] > 0 and cost["total_s"] >= cost["detect_to_step_s"], (kind, cost)
+    assert got["cost_s"]["grow"]["detect_s"] == 0  # a grow starts when the node registers: nothing to detect
+    hot = got["cost_s"]["hotswap"]["detect_to_step_s"]
+    for kind in ("shrink", "grow"):
+        assert got["ratio"][f"{kind}_over_hotswap"] == pytest.approx(got["cost_s"][kind]["detect_to_step_s"] / hot)
+    assert all(v > 0 for v in got["steps_per_s"].values()), got["steps_per_s"]
+    assert got["narrow_over_full"] > 0 and got["expected"]["one_core_per_process"] == 0.5  # 2 ranks on 1 process
+    (run,) = [r for r in got["runs"] if r["job"] == "shrink"]
+    assert (run["ranks"], run["processes"], run["slowdown"]) == (2, 1, 2)
+    # the printed output: one row per recovery, its ratio to the hot swap, and the throughput lines
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()
+            if line.split()[:1] and line.split()[0] in got["cost_s"]}
+    assert set(rows) == {"hotswap", "shrink", "grow"}
+    for kind, cells in rows.items():
+        assert float(cells[0]) == pytest.approx(got["cost_s"][kind]["detect_to_step_s"], abs=1e-3)
+        assert float(cells[-1]) == pytest.approx(got["cost_s"][kind]["detect_to_step_s"] / hot, abs=0.01)
+    assert f"narrow/full measured {got['narrow_over_full']:.2f}; expected 0.50" in text, text[-2000:]
