@@ -212,7 +212,7 @@ def test_a_narrow_job_heads_its_width_and_logs_each_shrink_and_grow_with_its_cos
     whole = fold(ev).model(T0 + 66)
     assert "width 3/3" in title(whole) and "narrow" not in title(whole), "grown back: full width, still shown"
     texts = [text for _, _, text in whole["log"]]
-    assert ("job grew to 3 processes for its 3 ranks (generation 2, from step 25, 0 step(s) lost): 1.50 s from the "
+    assert ("job grew to 3 processes for its 3 ranks (generation 2, from step 25, 0 step(s) lost): 2.10 s from the "
             "node joined to the first full-width step") in texts, texts
     lines = screen(whole)
     assert all(len(line) <= 80 for line in lines), max(lines, key=len)

@@ -139,7 +139,8 @@ def test_the_console_line_of_the_recovery_that_completes_a_shrink_or_grow_says_i
     recovered = [line for line in console_lines(shrink_and_grow_events()) if line.startswith("recovered into")]
     assert len(recovered) == 2, recovered
     assert recovered[0].endswith("total 2.70s; 2.20 s from the failure detected to the first narrow step")
-    assert recovered[1].endswith("total 1.50s; 1.50 s from the node joined to the first full-width step")
+    # (a grow is timed from its node's node_joined event, stamped by the sink: a few ms here)
+    assert re.search(r"total 1\.50s; 0\.\d\d s from the node joined to the first full-width step$", recovered[1])
     (plain,) = [line for line in console_lines(hot_swap_events()) if line.startswith("recovered into")]
     assert plain.endswith("total 2.00s"), plain
     EventSink(None, console=None).emit({"event": "job_shrunk", "generation": "x"})  # (its cost untold, no raise)

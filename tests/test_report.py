@@ -158,11 +158,11 @@ def test_report_lists_each_shrink_and_grow_with_its_cost_and_the_steps_trained_n
         "  +22.9s shrank at step 12 (node b lost): 3 ranks on 2 processes (narrow, ~2x step time)",
         "         2.20 s from the failure detected to the first narrow step; 13 step(s) narrow",
         "  +50.0s grew at step 25 (node d joined): 3 ranks on 3 processes (full width)",
-        "         1.50 s from the node joined to the first full-width step"], text
+        "         2.10 s from the node joined to the first full-width step"], text
     assert run_report(path, None, as_json=True) == 0
     data = json.loads(capsys.readouterr().out)
     assert [(c["kind"], c["step"], c["cost_s"]) for c in data["width_changes"]] == [("shrank", 12, 2.2),
-                                                                                   ("grew", 25, 1.5)]
+                                                                                   ("grew", 25, 2.1)]
     code, text, err = report(write(tmp_path / "hot.jsonl", hot_swap_events()))
     assert code == 0 and "width" not in text, "a job that never changed width has no such section"
 

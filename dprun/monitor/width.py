@@ -7,9 +7,12 @@ from __future__ import annotations
 CHANGES = {"job_shrunk": "shrank", "job_grew": "grew"}
 
 
-def first_step_s(rec: dict) -> float:
-    """Seconds from the failure detected (a grow with no failure: the node joined, when the controller planned it)
-    to the first step every process made at the new width: a recovery_complete's total less its detection."""
+def first_step_s(rec: dict, joined: float | None = None) -> float:
+    """Seconds to the first step every process made at the new width (the recovery_complete `rec`): from the node
+    joined, at `joined` (a grow with no failure), else from the failure detected (its total less its detection).
+    (A grow's own phases count from when it was planned, which a node that joined during a recovery waits for.)"""
+    if joined is not None and not rec.get("failed"):
+        return max(0.0, float(rec.get("time", 0.0)) - joined)
     phases = rec.get("phases") or {}
     return max(0.0, float(phases.get("total_s") or 0.0) - float(phases.get("detect_s") or 0.0))
 
@@ -59,6 +62,7 @@ class WidthChanges:
         self.changes: list[dict] = []
         self.refused: list[str] = []  # why the job could not shrink (shrink_refused), each time said
         self._open: dict | None = None
+        self._joined: dict[str, float] = {}  # node -> when it last joined (what a grow onto it is timed from)
 
     def on_event(self, e: dict) -> dict | None:
         """Fold `e`; the change it completed (a recovery_complete after a shrink or grow), else None."""
@@ -70,6 +74,8 @@ class WidthChanges:
                           "processes": int(e["processes"]), "ranks": int(e["ranks"]),
                           "slowdown": int(e.get("slowdown", 1)), "step": None, "cost_s": None, "failed": []}
             self.changes.append(self._open)
+        elif kind == "node_joined":
+            self._joined[str(e.get("node"))] = float(e.get("time", 0.0))
         elif kind == "shrink_refused":
             self.refused.append(str(e.get("reason", "")))
         elif self._open is None:
@@ -78,7 +84,8 @@ class WidthChanges:
             self._open["step"] = int(e["restore_step"])
         elif kind == "recovery_complete" and int(e.get("generation", -1)) >= self._open["generation"]:
             done, self._open = self._open, None
-            done.update(step=int(e["restore_step"]), cost_s=round(first_step_s(e), 4),
+            joined = [self._joined[n] for n in done["nodes"] if n in self._joined] if done["kind"] == "grew" else []
+            done.update(step=int(e["restore_step"]), cost_s=round(first_step_s(e, max(joined, default=None)), 4),
                         failed=[str(n) for n in e.get("failed") or []])
             return done
         return None

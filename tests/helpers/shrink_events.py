@@ -8,8 +8,8 @@ from helpers.events import T0
 
 def shrink_and_grow_events() -> list[dict]:
     """3 nodes (one rank each), no spare; b dies after step 12: a trains ranks 0 and 1, c rank 2 from step 12
-    (2.2 s from detection to the first narrow step), 2 s a step; d joins after step 25 and takes rank 1 back (1.5 s
-    to the first full-width step); 40 steps in all."""
+    (2.2 s from detection to the first narrow step), 2 s a step; d joins after step 25 and takes rank 1 back (2.1 s
+    from its joining to the first full-width step, 1.5 s of it from the grow planned); 40 steps in all."""
     ev: list[dict] = [{"event": "node_joined", "time": T0 + 0.1, "node": n, "host": f"h{n}", "role": "active",
                        "pid": 100 + i} for i, n in enumerate("abc")]
     ev.append({"event": "job_started", "time": T0 + 0.3, "generation": 0, "nnodes": 3, "world_size": 3,
@@ -31,7 +31,7 @@ def shrink_and_grow_events() -> list[dict]:
     ev += [{"event": "progress", "time": T0 + 25.2 + 2 * (s - 13), "generation": 1, "step": s, "loss": 2.0}
            for s in range(14, 26)]  # step 25 at t = 49.2
     ev += [
-        {"event": "node_joined", "time": T0 + 50.0, "node": "d", "host": "hd", "role": "spare", "pid": 103},
+        {"event": "node_joined", "time": T0 + 49.5, "node": "d", "host": "hd", "role": "spare", "pid": 103},
         {"event": "job_grew", "time": T0 + 50.1, "generation": 2, "nodes": ["d"], "processes": 3, "ranks": 3,
          "slowdown": 1},
         {"event": "reconfigure", "time": T0 + 50.1, "generation": 2, "restore_step": 25, "layout": ["a", "d", "c"],
