@@ -26,6 +26,10 @@ class SimWorker:
     acked: int = -1  # newest snapshot acked by every replica store it was sent to
     awaiting: dict = field(default_factory=dict)  # step -> acks still missing
     restore: Any = None  # the Reconfigure being applied
+    carry: tuple = ()  # the logical ranks it trains, its own (`rank`, the key of its messages and snapshots) first
+    parts: dict = field(default_factory=dict)  # logical rank -> the step its part of the training state is at
+    local_parts: dict = field(default_factory=dict)  # step of a local snapshot -> the parts it holds
+    fetched: dict = field(default_factory=dict)  # a restore: key -> the parts of its snapshot taken in so far
 
 
 @dataclass
@@ -52,6 +56,7 @@ class SimNode:
     replica_to: list = field(default_factory=list)
     store: dict = field(default_factory=dict)  # rank -> sorted steps held
     store_gen: dict = field(default_factory=dict)  # (rank, step) held -> generation of its put
+    parts: dict = field(default_factory=dict)  # (rank, step) held -> the logical ranks' parts it holds {rank: step}
     corrupt: set = field(default_factory=set)  # (rank, step) held but damaged (a loading worker finds out)
     workers: list = field(default_factory=list)
     inbox_while_frozen: list = field(default_factory=list)
@@ -80,11 +85,12 @@ class SimNode:
             dropped.append(self.drop(rank, kept.pop(0)))
         return dropped
 
-    def add(self, put: Put) -> tuple[bool, list[tuple[int, int]]]:
+    def add(self, put: Put, parts: dict | None = None) -> tuple[bool, list[tuple[int, int]]]:
         """As ReplicaStore.add: (stored, the steps dropped). A put from an older generation than held for its
         rank is refused (a fenced sender: never acked); a newer one first drops that rank's steps it supersedes
         (same or later ones of an older generation); then a step older than the KEEP steps held is refused;
-        a stored copy replaces a damaged one of the same step, and the oldest beyond KEEP go."""
+        a stored copy replaces a damaged one of the same step, and the oldest beyond KEEP go. `parts`: what the
+        copy holds (a narrow job's snapshot holds its carried ranks' parts too); by default its own rank's."""
         rank, step, generation = put
         steps = self.store.setdefault(rank, [])
         if steps and generation < self.newest_generation(rank):
@@ -98,6 +104,7 @@ class SimNode:
             steps.append(step)
             steps.sort()
         self.store_gen[(rank, step)] = generation
+        self.parts[(rank, step)] = parts if parts is not None else {rank: step}
         while len(steps) > KEEP_REPLICA:
             dropped.append(self.drop(rank, steps[0]))
         return True, dropped
@@ -112,6 +119,7 @@ class SimNode:
     def drop(self, rank: int, step: int) -> tuple[int, int]:
         self.store[rank].remove(step)
         self.store_gen.pop((rank, step), None)
+        self.parts.pop((rank, step), None)
         self.corrupt.discard((rank, step))
         return rank, step
 

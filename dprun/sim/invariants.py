@@ -15,8 +15,9 @@ from dprun.controller.phase import Phase
 from dprun.controller.repeats import without_rank_prefix
 
 
-class InvariantViolation(AssertionError):
-    pass
+from .shrink_checks import InvariantViolation, WidthChecks, restored_parts
+
+__all__ = ["Checker", "InvariantViolation", "judge_outcome", "restored_parts"]
 
 
 def fingerprint(controller) -> tuple:
@@ -74,6 +75,7 @@ class Checker:
         self.writers: dict[str, dict[int, str]] = {}  # background save's folder -> rank -> the node asked to write it
         self.safe: tuple[str, int] | None = None  # (folder, step) of the newest state_saved
         self.from_disk: dict[int, tuple[str, int]] = {}  # generation -> (folder, step) it restores from disk
+        self.widths = WidthChecks()  # a job that shrinks and grows (invariants 14, 15)
 
     def before_input(self, world, event) -> None:
         c = world.controller
@@ -92,13 +94,17 @@ class Checker:
                                      f"{kept.name} after {event}")
         if c.timeline.generation >= 0:
             self._one_owner_per_rank(world)
+            self.widths.layout(c.timeline)
         for action in actions:
             if isinstance(action, Send) and isinstance(action.msg, p.Reconfigure):
                 self._restore_point(world, action.node_id, action.msg)
+                self.widths.reconfigure(world, action.node_id, action.msg)
             elif isinstance(action, Send) and isinstance(action.msg, p.SaveSnapshots) and action.msg.background:
                 self._one_writer_per_rank(action.node_id, action.msg)
             elif isinstance(action, Publish) and action.event["event"] in DISK_EVENTS:
                 self._disk_event(world, action.event)
+            elif isinstance(action, Publish) and action.event["event"] in ("job_shrunk", "job_grew"):
+                self.widths.reshaped(world, action.event)
         if self.taken_in:
             self._bug_ends_the_job(world, event, actions)
 
@@ -119,7 +125,7 @@ class Checker:
         c = world.controller
         layout = c.timeline.layout
         in_layout = set(layout)
-        if len(layout) != c.spec.nnodes or len(in_layout) != len(layout):
+        if len(layout) * c.spec.nproc_per_node != c.timeline.width.processes or len(in_layout) != len(layout):
             raise InvariantViolation(f"invariant 1: layout {layout} does not give each node rank one node")
         if c.phase not in (Phase.FINISHED, Phase.SAVING, Phase.LOADING) and not c.table.all_in_role(in_layout, ACTIVE):
             if c.reconstruction.pending is None and c.reconstruction.flush is None:
@@ -234,22 +240,32 @@ def judge_outcome(world) -> str:
                                  f"{finish.message}")
     _every_save_said(world)
     if finish.exit_code == 0:
+        last, parts = world.workers.steps, {}
         for node_id in world.controller.timeline.layout:
             for worker in world.nodes[node_id].workers:
-                if worker.state != world.workers.steps:
+                if worker.state != last:
                     raise InvariantViolation(f"finished with rank {worker.rank} at step {worker.state}")
+                parts.update(worker.parts)
+        if parts != dict.fromkeys(range(world.spec.world_size), last):  # (a narrow job's carried ranks too)
+            raise InvariantViolation(f"finished with logical ranks at {parts} (rank: step), not all at {last}")
         return "completed"
     if "state lost" in finish.message:
         _lost_with_a_step_on_disk(world, finish.message)
         c = world.controller
+        nproc, width = c.spec.nproc_per_node, c.timeline.width.assignment
         failed_ranks = [r for i, n in enumerate(c.timeline.layout) if c.table.nodes[n].role == FAILED
-                        for r in c.timeline.ranks_of(i)]
+                        for process in range(i * nproc, (i + 1) * nproc) for r in width[process]]
         failed_ranks += sorted(c.timeline.unrestored)
         # a copy on a node the controller fenced is gone by design (the node is stopped, its store with it)
         usable = [n for n in world.nodes.values()
                   if n.running and (c.table.get(n.node_id) is None or c.table.get(n.node_id).role != FAILED)]
-        good = {r: {step for n in usable for step in n.store.get(r, []) if (r, step) not in n.corrupt}
-                for r in range(c.spec.world_size)}
+        # a logical rank's copy is wherever a good copy holds its part (a narrow job's carrier's snapshots)
+        good: dict[int, set] = {r: set() for r in range(c.spec.world_size)}
+        for n in usable:
+            for (key, step), parts in n.parts.items():
+                if (key, step) not in n.corrupt:
+                    for r in parts:
+                        good[r].add(step)
         gone = [r for r in failed_ranks if not good[r]]
         if not gone and world.corrupted:  # (ever: a store drops a damaged copy once newer ones come)
             # bad copies were met: walking back past them can leave good copies only at steps that no cut
@@ -259,7 +275,8 @@ def judge_outcome(world) -> str:
             for node_id in c.timeline.layout:
                 for w in world.nodes[node_id].workers if world.nodes[node_id].running else []:
                     if w.rank >= 0 and w.rank not in failed_ranks:
-                        good[w.rank] |= {s for s in w.local if s <= w.state}
+                        for step in [s for s in w.local if s <= w.state]:
+                            good.update({r: good[r] | {step} for r in w.local_parts[step]})
             cut = set.intersection(*good.values())
             gone = [] if cut else sorted(failed_ranks) or ["no step every rank holds"]
         if not gone:
@@ -291,6 +308,9 @@ def judge_outcome(world) -> str:
         if world.failures <= world.spec.spares:
             raise InvariantViolation(f"no spare left after {world.failures} failures with "
                                      f"{world.spec.spares} spares: {finish.message}")
+        if world.spec.on_spare_exhausted == "shrink" and "could not shrink" not in finish.message:
+            raise InvariantViolation(f"no spare left, with --on-spare-exhausted shrink and no reason it could not "
+                                     f"shrink: {finish.message}")
         return "spares-exhausted"
     raise InvariantViolation(f"job ended with {finish.exit_code}: {finish.message}")
 

@@ -11,6 +11,10 @@ from dpcommon import protocol as p
 from dprun.controller.vocabulary import JobSpec
 
 from .cluster import KEEP_LOCAL, Put, SimNode
+from .shrink_checks import InvariantViolation
+from .restore_model import RestoreModel, frozen
+
+__all__ = ["WorkerModel", "WorkerWorld", "frozen"]
 
 
 class WorkerWorld(Protocol):
@@ -34,14 +38,6 @@ class WorkerWorld(Protocol):
     def record_dropped(self, holder: SimNode, dropped: list[tuple[int, int]], put: Put) -> None: ...
 
 
-def frozen(node: SimNode, fn: Callable[..., Any], *args: Any) -> bool:
-    """A frozen node does nothing; what came due runs when it wakes (TCP keeps the bytes meanwhile)."""
-    if node.frozen and node.alive:
-        node.deferred.append((fn, args))
-        return True
-    return False
-
-
 class WorkerModel:
     """The simulated workers of every node, handed the World that runs them (WorkerWorld)."""
 
@@ -52,7 +48,8 @@ class WorkerModel:
         self.interval = interval  # snapshots at step 0 and every multiple of it ...
         self.measure_until = measure_until  # ... after an auto-like measuring window (see snapshotted)
         self.defer = defer  # the gate waits for acks at snapshot steps only (dpstate.steps.gate: no landing)
-        self.fetch_timeout = fetch_timeout  # a restore gives up on a store that sends nothing (FETCH_TIMEOUT_S)
+        self.restores = RestoreModel(world, fetch_timeout, self._restored)  # (gives up on a silent store after it)
+        self.processes: dict[int, int] = {}  # generation -> its processes (Reconfigure.world_size)
         self.entered: dict[tuple[int, int | str], set] = {}  # (generation, step or "final") -> ranks in the all-reduce
         self.ready: dict[int, set] = {}  # generation -> ranks at the post-restore barrier
         self.captured: set = set()  # (rank, step) ever snapshotted by the worker of that rank
@@ -76,34 +73,21 @@ class WorkerModel:
             self.members_of.pop(generation, None)
             self.alive_at.pop(generation, None)
         worker.generation = msg.generation
-        worker.rank = msg.node_rank * msg.nproc_per_node + local
+        process = msg.node_rank * msg.nproc_per_node + local
+        worker.carry = tuple(msg.carry[process]) if msg.carry else (process,)  # a narrow job's: told (protocol 22)
+        worker.rank = worker.carry[0]  # its own logical rank: the key of its messages and snapshots
+        self.processes[msg.generation] = msg.world_size  # (counts processes: the collectives' size)
         worker.phase = "recovering"
         worker.restore = msg
-        self.world.at(self.world.rng.uniform(0.001, 0.03), self._worker_restore, node, local, msg.generation)
+        self.world.at(self.world.rng.uniform(0.001, 0.03), self.restores.start, node, local, msg.generation)
 
-    def _worker_restore(self, node: SimNode, local: int, generation: int) -> None:
-        if frozen(node, self._worker_restore, node, local, generation):
-            return
-        worker = node.workers[local]
-        if not node.running or worker.generation != generation or worker.phase != "recovering":
-            return
-        msg = worker.restore
-        step, source = msg.restore_step, msg.restore_from.get(str(worker.rank), "")
-        if step < 0:
-            worker.state, worker.local, worker.acked = 0, [], -1
-        elif source == "init" and step == 0:
-            worker.state, worker.local, worker.acked = 0, [], -1
-        elif step in worker.local and worker.state >= step:
-            worker.state = step
-        else:
-            sources = [source, *msg.restore_also.get(str(worker.rank), [])]
-            self._fetch(node, local, generation, [s for s in sources if s and s != "init"])
-            return
-        self._restored(node, local, generation, "" if step < 0 else "init" if source == "init" else "local")
-
-    def _restored(self, node: SimNode, local: int, generation: int, source: p.RestoredFrom) -> None:
+    def _restored(self, node: SimNode, local: int, generation: int, source: p.RestoredFrom, copy: dict) -> None:
+        """Restored (RestoreModel): the restored copy (`copy`: the parts it holds) is its local snapshot of that
+        step, replicated again at once; then the post-restore barrier."""
         worker = node.workers[local]
         worker.local = [s for s in worker.local if s < worker.state] + [worker.state]  # the restored copy
+        worker.local_parts = {s: worker.local_parts.get(s, copy) for s in worker.local}
+        worker.local_parts[worker.state] = copy
         worker.phase = "ready"
         self._take_snapshot(node, local)  # re-replicated at once, before the barrier (as dpstate)
         self.ready.setdefault(generation, set()).add(worker.rank)
@@ -112,75 +96,8 @@ class WorkerModel:
         self.world.agent_send(node.node_id, p.WorkerReady(node.node_id, generation, worker.rank, 0.01, 0.01, source))
         self._try_release_barrier(generation)
 
-    def _fetch(self, node: SimNode, local: int, generation: int, sources: list) -> None:
-        """As dpstate's restore: fetch from the first store the plan names. A store without the copy says so at
-        once; a copy takes a while to arrive and the loading worker finds it corrupt only then; either is
-        reported (RestoreFailed) and the next store tried. A dead store never answers: the fetch gives up on it
-        after its timeout, unless a new plan aborts it first; a frozen one answers when it wakes. None good: its
-        missing local copy is reported too if the plan counted on it, and it waits for the next
-        reconfiguration."""
-        worker = node.workers[local]
-        if not node.running or worker.generation != generation or worker.phase != "recovering":
-            return
-        msg = worker.restore
-        rank, step = worker.rank, msg.restore_step
-        while sources:
-            source, sources = sources[0], sources[1:]
-            holder = self.world.node_of(source)
-            if holder is None or not holder.alive:  # no answer: wait out the timeout, or a new plan's abort
-                self.world.at(self.fetch_timeout, self._fetch_timed_out, node, local, generation, source, sources)
-                return
-            if frozen(holder, self._fetch, node, local, generation, [source, *sources]):
-                return
-            if step in holder.store.get(rank, []):
-                bad = (rank, step) in holder.corrupt  # the frames sent are the copy as it is now
-                self.world.at(self.world.rng.uniform(0.01, 0.25), self._fetched, node, local, generation, holder,
-                              sources, bad)
-                return
-            self.world.agent_send(node.node_id,
-                                  p.RestoreFailed(node.node_id, generation, rank, step, source, "not held"))
-        if not msg.restore_from.get(str(rank)) and step not in worker.local:
-            # as dpstate: the local copy that the plan counted on (source "") is gone too
-            self.world.agent_send(node.node_id,
-                                  p.RestoreFailed(node.node_id, generation, rank, step, "", "no local copy"))
-        worker.phase = "restore-failed"
-        self.world.agent_send(node.node_id, p.PeerError(node.node_id, generation, rank,
-                                                   f"snapshot of rank {rank} at step {step} not found"))
-
-    def _fetch_timed_out(self, node: SimNode, local: int, generation: int, source: str, rest: list) -> None:
-        """Nothing came from a dead store in time: reported as a bad copy (as dpstate), the next store tried."""
-        if frozen(node, self._fetch_timed_out, node, local, generation, source, rest):
-            return
-        worker = node.workers[local]
-        if not node.running or worker.generation != generation or worker.phase != "recovering":
-            return
-        self.world.agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, worker.rank,
-                                                       worker.restore.restore_step, source, "timed out"))
-        self._fetch(node, local, generation, rest)
-
-    def _fetched(self, node: SimNode, local: int, generation: int, holder: SimNode, rest: list, bad: bool) -> None:
-        """A fetched copy arrived (a holder frozen mid-transfer holds it up; a dead one breaks it off, and the
-        fetch times out)."""
-        if frozen(holder, self._fetched, node, local, generation, holder, rest, bad) or \
-                frozen(node, self._fetched, node, local, generation, holder, rest, bad):
-            return
-        worker = node.workers[local]
-        if not node.running or worker.generation != generation or worker.phase != "recovering":
-            return
-        if not holder.alive:  # broken off: the rest never comes, and the fetch gives up on it in time
-            self.world.at(self.fetch_timeout, self._fetch_timed_out, node, local, generation, holder.endpoint, rest)
-            return
-        rank, step = worker.rank, worker.restore.restore_step
-        if bad or (rank, step) in holder.corrupt:  # damaged before or while it was sent
-            self.world.agent_send(node.node_id, p.RestoreFailed(node.node_id, generation, rank, step, holder.endpoint,
-                                                           "corrupt"))
-            self._fetch(node, local, generation, rest)
-            return
-        worker.state = step
-        self._restored(node, local, generation, "replica")
-
     def _try_release_barrier(self, generation: int) -> None:
-        if len(self.ready.get(generation, ())) < self.world.spec.world_size:
+        if len(self.ready.get(generation, ())) < self.processes[generation]:
             return
         for node in self.world.nodes.values():
             for local, worker in enumerate(node.workers):
@@ -200,6 +117,9 @@ class WorkerModel:
         worker = node.workers[local]
         if worker.local[-1:] != [worker.state]:  # a restored snapshot is sent again from its own slot
             worker.local = (worker.local + [worker.state])[-KEEP_LOCAL:]
+            worker.local_parts = {s: worker.local_parts.get(s, worker.parts) for s in worker.local}
+            worker.local_parts[worker.state] = dict(worker.parts)  # every rank it carries, at this step
+        parts = worker.local_parts[worker.state]
         self.captured.add((worker.rank, worker.state))
         holders = [h for h in map(self.world.node_of, node.replica_to) if h is not None]
         worker.awaiting[worker.state] = len(holders)
@@ -209,7 +129,7 @@ class WorkerModel:
         for holder in holders:  # ReserveSnapshot just ahead of the snapshot on the same connection
             delay = self.world.link_delay(node.node_id, holder.node_id)
             self.world.at(delay - 1e-7, self._store_reserve, holder, put)
-            self.world.at(delay, self._store_put, holder, node, local, put)
+            self.world.at(delay, self._store_put, holder, node, local, put, parts)
 
     def _store_reserve(self, holder: SimNode, put: Put) -> None:
         """The holder makes room for the snapshot on its way (SimNode.make_room)."""
@@ -218,14 +138,14 @@ class WorkerModel:
         if holder.running:
             self.world.record_dropped(holder, holder.make_room(put), put)
 
-    def _store_put(self, holder: SimNode, sender: SimNode, local: int, put: Put) -> None:
+    def _store_put(self, holder: SimNode, sender: SimNode, local: int, put: Put, parts: dict) -> None:
         """The snapshot arrives (SimNode.add): stored and acked, or refused (a fenced sender: never acked)."""
-        if frozen(holder, self._store_put, holder, sender, local, put):
+        if frozen(holder, self._store_put, holder, sender, local, put, parts):
             return
         if not holder.running:
             return  # the sender waits forever for the ack; recovery will abort it
         rank, step, generation = put
-        stored, dropped = holder.add(put)
+        stored, dropped = holder.add(put, parts)
         self.world.record_dropped(holder, dropped, put)
         if not stored:
             self.world.log.append(f"{self.world.now:.3f} {holder.node_id} refuses rank {rank} step {step} of "
@@ -296,7 +216,7 @@ class WorkerModel:
 
     def _release_final(self, key) -> None:
         generation = key[0]
-        if len(self.entered.get(key, ())) < self.world.spec.world_size:
+        if len(self.entered.get(key, ())) < self.processes[generation]:
             return
         members = self._members(generation)
         if any(not n.running for n, _, _ in members):
@@ -317,17 +237,32 @@ class WorkerModel:
                     w.phase = "failed-collective"
                     self.world.agent_send(n.node_id, p.PeerError(n.node_id, generation, w.rank, "peer died"))
             return
-        if len(self.entered.get(key, ())) < self.world.spec.world_size:
+        if len(self.entered.get(key, ())) < self.processes[generation]:
             return
         if any(n.frozen for n, _, w in members):
             return  # a frozen peer: the all-reduce hangs until the controller reconfigures
-        for n, i, w in members:
-            if w.phase == "running" and w.state == step - 1:
-                self._apply_step(n, i)
+        applying = [(n, i, w) for n, i, w in members if w.phase == "running" and w.state == step - 1]
+        if len(applying) < self.processes[generation]:
+            return  # a peer left for a newer generation (its Reconfigure aborted the collective): it hangs too
+        self._every_rank_once(generation, step, [w for _, _, w in applying])
+        for n, i, _ in applying:
+            self._apply_step(n, i)
+
+    def _every_rank_once(self, generation: int, step: int, workers: list) -> None:
+        """Invariant 14: a step's all-reduce trains every logical rank 0..W-1 exactly once (the processes'
+        carried ranks partition them), however narrow the generation is."""
+        trained = sorted(rank for w in workers for rank in w.carry)
+        if trained != list(range(self.world.spec.world_size)):
+            raise InvariantViolation(f"invariant 14: generation {generation} makes step {step} training logical "
+                                     f"ranks {trained}, not each of 0..{self.world.spec.world_size - 1} once")
 
     def _apply_step(self, node: SimNode, local: int) -> None:
         worker = node.workers[local]
+        if set(worker.parts.values()) != {worker.state}:  # (every rank it carries is at the step it makes)
+            raise InvariantViolation(f"invariant 13: {node.node_id}'s process of rank {worker.rank} makes step "
+                                     f"{worker.state + 1} with parts {worker.parts} (rank: step)")
         worker.state += 1
+        worker.parts = dict.fromkeys(worker.carry, worker.state)
         worker.made = worker.state
         snapshot = self.snapshotted(worker.state)
         self.world.agent_send(node.node_id, p.Progress(node.node_id, worker.generation, worker.rank, worker.state,

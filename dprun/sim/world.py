@@ -317,7 +317,8 @@ class World:
     def raise_due(self, node: SimNode, local: int) -> bool:
         """If the script raises in the step the worker is about to make: it exits 1 saying so (True)."""
         worker = node.workers[local]
-        error = next((e for e in self.errors if e.step == worker.state + 1 and e.rank in (None, worker.rank)), None)
+        # (a rank's bug follows it to the process that carries it)
+        error = next((e for e in self.errors if e.step == worker.state + 1 and e.rank in (None, *worker.carry)), None)
         if error is None:
             return False
         if error.once:
