@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import torch.distributed as dist
 
+from .carried import Carried
 from .torch_private import check_mesh_group_ranks, dtensor_caches_for, mesh_group_names
 
 DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "dp", "tp")
@@ -55,6 +56,30 @@ class MeshLayout:
     def size(self, name: str) -> int:
         return dict(self.dims).get(name, 1)
 
+    @property
+    def data_dim(self) -> str | None:
+        """The dim a shrink narrows (the data-parallel replicas that shard the state), if the layout has one."""
+        return next((name for name in ("dp", "dp_shard") if name in self.names), None)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Rank `rank`'s coordinate along each dim (ranks run over the dims outermost first)."""
+        out: dict[str, int] = {}
+        for name, size in reversed(self.dims):
+            rank, out[name] = divmod(rank, size)
+        return {name: out[name] for name in self.names}
+
+    def at_width(self, world_size: int) -> "MeshLayout":
+        """This layout over `world_size` ranks: its data dim narrowed (or as asked, at full width)."""
+        total = math.prod(self.shape)
+        name = self.data_dim
+        if world_size == total:
+            return self
+        others = total // self.size(name) if name else total
+        if name is None or world_size % others:
+            raise ValueError(f"dpstate: the mesh {self.describe()} cannot run on {world_size} ranks: only its "
+                             "data-parallel dim (dp or dp_shard) can narrow")
+        return MeshLayout(tuple((n, world_size // others if n == name else size) for n, size in self.dims))
+
     def describe(self) -> str:
         return " x ".join(f"{name}={size}" for name, size in self.dims)
 
@@ -90,3 +115,29 @@ def build_mesh(layout: MeshLayout, device_type: str, backend: str, connect_timeo
     for name in layout.names:
         dist.distributed_c10d._set_pg_timeout(timeout, mesh[name].get_group())
     return mesh
+
+
+def narrow_mesh_problem(layout: MeshLayout, carried: Carried, rank: int, world_size: int) -> str | None:
+    """Why process `rank` of a sharded job cannot train the ranks of `carried` on a narrowed mesh of `world_size`
+    ranks, or None.
+    Each process must carry whole data-parallel replicas' ranks that share its place in every other dim, as
+    many as every other process (dprun.controller.narrowing plans so: this guards the assumption)."""
+    name = layout.data_dim
+    if name is None or layout.size("pp") > 1 or layout.size("dp_replicate") > 1:
+        return (f"the mesh {layout.describe()} cannot run narrow: only a dp (or dp_shard) dim with tp can "
+                "(pipeline parallel and HSDP jobs cannot shrink yet)")
+    try:
+        narrow = layout.at_width(world_size)
+    except ValueError as exc:
+        return str(exc)
+    if carried.logical_world != len(carried.ranks) * world_size:
+        return f"processes carry unequal numbers of ranks ({carried.ranks} here, of {carried.logical_world})"
+    own = {n: c for n, c in layout.coordinates(carried.ranks[0]).items() if n != name}
+    here = {n: c for n, c in narrow.coordinates(rank).items() if n != name}
+    if here != own:
+        return f"its own logical rank {carried.ranks[0]} ({own}) is not at its place in the narrow mesh ({here})"
+    for rank in carried.ranks[1:]:
+        other = {n: c for n, c in layout.coordinates(rank).items() if n != name}
+        if other != own:
+            return f"logical rank {rank} ({other}) is not in this process's place of the mesh ({own})"
+    return None

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .checks import replicated_keys
+from .reshard import ReshardError, module_state_resharded, optimizer_state_resharded
 from .shards import local_shards, module_state_like, optimizer_state_like
 
 
@@ -171,10 +172,11 @@ class Tracked:
             out[name] = known[1]
         return out
 
-    def restore(self, tree: dict) -> None:
+    def restore(self, tree: dict, reshard_from: list[dict] | None = None) -> None:
         """Load a state tree whose tensors may be views of a snapshot buffer (they are not kept): modules copy
         into their parameters, optimizers into their existing state tensors (fresh copies where they have
-        none yet, e.g. a spare's), anything else gets copies."""
+        none yet, e.g. a spare's), anything else gets copies. `reshard_from`: the trees whose shards make up
+        this rank's sharded state, taken on a mesh of another shape (dpstate.snapshot.reshard)."""
         missing = set(self.objects) - set(tree["state"])
         if missing:
             raise RuntimeError(f"dpstate: the snapshot of step {tree['step']} has no state for {sorted(missing)} "
@@ -183,7 +185,11 @@ class Tracked:
         for name, obj in self.objects.items():
             sd = tree["state"][name]
             try:
-                if isinstance(obj, torch.optim.Optimizer):
+                if reshard_from is not None and isinstance(obj, torch.optim.Optimizer):
+                    sd = optimizer_state_resharded(name, sd, obj, reshard_from)
+                elif reshard_from is not None and isinstance(obj, nn.Module):
+                    sd = module_state_resharded(name, sd, obj.state_dict(), reshard_from)
+                elif isinstance(obj, torch.optim.Optimizer):
                     sd = optimizer_state_like(sd, obj)
                     sd = dict(sd, state=_into_live_state(sd.get("state", {}), obj.state_dict().get("state", {})))
                 elif isinstance(obj, nn.Module):
@@ -191,6 +197,9 @@ class Tracked:
                 else:
                     sd = _clone_tensors(sd)
                 obj.load_state_dict(sd)
+            except ReshardError as exc:
+                raise RuntimeError(f"dpstate: the snapshot of step {tree['step']} cannot be resharded onto this "
+                                   f"rank's {name!r}: {exc}") from exc
             except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
                 first = " ".join(str(exc).split())[:300]
                 raise RuntimeError(f"dpstate: the snapshot of step {tree['step']} does not fit the script's {name!r} "

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, TypeVar
 
+from torch import nn
+
 from dpstate.groups.carried import Carried, PerRank
 from dpstate.groups.ddp import DataParallel
 from dpstate.groups.narrow import NarrowStep, RanksRng
+from dpstate.groups.narrow_sharded import sharded_micro_batches
 from dpstate.snapshot.rank_parts import RANKS_RNG_NAME
 from dpstate.snapshot.state import Tracked
 
@@ -45,11 +48,16 @@ class DataRanks:
         else:
             self._tracked.remove(RANKS_RNG_NAME)
 
-    def micro_batches(self, carried: Carried, gate: Callable[[], None] | None) -> Iterator[int]:
+    def micro_batches(self, carried: Carried, gate: Callable[[], None] | None,
+                      sharded: tuple[list[nn.Module], float] | None = None) -> Iterator[int]:
         """At full width this rank alone (DataParallel reduces in its backward); narrow, each carried rank with
-        its own RNG, then their gradients reduced with every other process's."""
+        its own RNG, then their gradients reduced with every other process's. `sharded`: a sharded job's FSDP2
+        models and gradient scale (dpstate.groups.narrow_sharded)."""
         if carried.in_order:
             yield carried.ranks[0]
+            return
+        if sharded is not None:
+            yield from sharded_micro_batches(sharded[0], carried, self._rng, sharded[1])
             return
         narrow = NarrowStep([p.module for p in self._proxies], carried, self._abort, gate)
         for row, rank in enumerate(carried.ranks):

@@ -13,7 +13,7 @@ from dpstate.groups.ddp import DataParallel, sync_from_rank0
 from dpstate.replication.replicator import Replicator, Slot
 from dpstate.replication.sources import SnapshotSources
 from dpstate.snapshot import packing as S
-from dpstate.snapshot.rank_parts import as_own, rank_part, with_part
+from dpstate.snapshot.rank_parts import as_own, carried_by, rank_part, with_part
 from dpstate.snapshot.state import Tracked
 
 from .abort import AbortSignal
@@ -28,10 +28,11 @@ class Restoring:
         self._tracked, self._rep, self._sources, self._proxies, self._abort = (
             tracked, replicator, sources, proxies, abort)
 
-    def restore(self, reconf: P.Reconfigure, carried: Carried, started: bool,
-                world_size: int) -> tuple[P.RestoredFrom, Slot | None, bool]:
+    def restore(self, reconf: P.Reconfigure, carried: Carried, started: bool, world_size: int,
+                sharded: bool = False) -> tuple[P.RestoredFrom, Slot | None, bool]:
         """Bring the tracked state to reconf.restore_step; returns where it came from, the snapshot restored,
-        if any (to be replicated again for this generation), and whether other ranks' parts were taken in."""
+        if any (to be replicated again for this generation), and whether other ranks' parts were taken in (or,
+        `sharded`, its shards cut anew: the job's mesh changed shape)."""
         step, rep, sources, key = reconf.restore_step, self._rep, self._sources, carried.ranks[0]
         source = reconf.restore_from.get(str(key), "")
         adopt = {int(rank): holder for rank, holder in reconf.adopt_from.items()}
@@ -52,7 +53,8 @@ class Restoring:
         if key in adopt:  # this process's own rank was trained by another's (the job grows): from its snapshot
             slot = sources.fetch_any(reconf, adopt[key], {})
             rep.forget_after(step)
-            self._restore_tree(reconf, as_own(self._tree(slot, step), key), adopt, carried)
+            held = self._tree(slot, step)
+            self._restore_tree(reconf, as_own(held, key), adopt, carried, [held] if sharded else None)
             return "replica", slot, True  # (another rank's snapshot: let go once this one's is captured)
         slot, bad_copies = sources.take_prefetched(reconf, key)
         where: P.RestoredFrom
@@ -70,22 +72,30 @@ class Restoring:
         if where == "replica" and not self._tracked.holds_training_state():  # a new process would diverge
             raise RuntimeError(f"dpstate: rank {key} cannot be restored to step {step} here: {UNTRACKED}")
         rep.forget_after(step)
+        tree = self._tree(slot, step)
         merged = any(rank in adopt for rank in carried.ranks[1:])
-        self._restore_tree(reconf, self._tree(slot, step), adopt, carried)
-        return where, slot, merged
+        # a sharded job whose process carries other ranks than its snapshot did: its shards are cut anew
+        reshard = sharded and (merged or carried_by(tree) != list(carried.ranks))
+        self._restore_tree(reconf, tree, adopt, carried, [tree] if reshard else None)
+        return where, slot, merged or reshard
 
-    def _restore_tree(self, reconf: P.Reconfigure, tree: dict, adopt: dict[int, int], carried: Carried) -> None:
+    def _restore_tree(self, reconf: P.Reconfigure, tree: dict, adopt: dict[int, int], carried: Carried,
+                      shards: list[dict] | None = None) -> None:
         """Restore `tree`, with the part of each rank new to this process taken from the snapshot that holds it
-        (a shrink: dpstate.snapshot.rank_parts), fetched into a spare buffer and let go once read."""
+        (a shrink: dpstate.snapshot.rank_parts), fetched into a spare buffer and let go once read. `shards`: a
+        sharded job's trees whose shards make up this process's (dpstate.snapshot.reshard), to which the
+        fetched trees are added."""
         for rank in carried.ranks[1:]:
             if rank in adopt:
                 held = self._sources.fetch_any(reconf, adopt[rank], {})
                 try:
-                    part = rank_part(S.unpack(held.meta, held.data, clone=True), rank)
+                    other = S.unpack(held.meta, held.data, clone=True)
                 finally:
                     self._rep.forget(held)
-                tree = with_part(tree, rank, part)
-        self._tracked.restore(tree)
+                tree = with_part(tree, rank, rank_part(other, rank))
+                if shards is not None:
+                    shards.append(other)
+        self._tracked.restore(tree, reshard_from=shards)
 
     @staticmethod
     def _tree(slot: Slot, step: int) -> dict:

@@ -27,7 +27,8 @@ from dpstate.groups.ddp import DataParallel
 from .gate import SnapshotGate, defers_acks, stall_message
 from dpstate.groups.pgroup import GroupManager, default_backend, local_device
 from .interval import POLICY_NAME, SnapshotPolicy
-from dpstate.groups.mesh import MeshLayout
+from dpstate.groups.mesh import MeshLayout, narrow_mesh_problem
+from dpstate.groups.narrow_sharded import fsdp_roots
 from .metrics import sendable_metrics
 from dpstate.snapshot.optim import AdamW
 from dpstate.groups.parallel import Build, Parts
@@ -147,7 +148,7 @@ class Job:
         every generation, and the state is restored into them. Read them from the Parts returned in each step."""
         if self._parts is not None:
             raise RuntimeError("dpstate: job.parallelize() was called already: call it once, right after init()")
-        layout = MeshLayout.parse(dims, self.world_size)
+        layout = MeshLayout.parse(dims, self.carried.logical_world)
         warning = layout.tp_span_warning(self.local_world_size)
         if warning and self.rank == 0:
             print(warning, file=sys.stderr, flush=True)
@@ -260,7 +261,13 @@ class Job:
 
     def _micro_batches(self) -> Iterator[int]:
         """Step.data_ranks() (dpstate.steps.data_ranks)."""
-        return self._ranks.micro_batches(self.carried, None if self._standalone else self._gate)
+        sharded = None
+        if self._parts is not None:
+            layout = self._parts.layout
+            narrow = layout.at_width(self.world_size)
+            name = layout.data_dim or "dp"
+            sharded = (fsdp_roots(self._tracked.modules()), narrow.size(name) / layout.size(name))
+        return self._ranks.micro_batches(self.carried, None if self._standalone else self._gate, sharded)
 
     def _carry(self, carried: Carried | None, rng: dict[int, dict] | None = None) -> None:
         """Train the logical ranks of `carried` (None: this rank alone, at full width)."""
@@ -426,7 +433,8 @@ class Job:
     def _build_parts(self, generation: int) -> None:
         """This generation's mesh and the parts build(mesh) makes on it, tracked in place of the old ones."""
         assert self._parts is not None
-        self._parts.build(self._groups.build_mesh(self._parts.layout, self.device.type), generation)
+        layout = self._parts.layout.at_width(self.world_size)
+        self._parts.build(self._groups.build_mesh(layout, self.device.type), generation)
         self.track(**self._parts.stateful())
 
     def _retire_parts(self) -> None:
@@ -448,8 +456,9 @@ class Job:
         self.rank = reconf.node_rank * reconf.nproc_per_node + self.local_rank
         self._carry(Carried.assigned(reconf.carry, self.rank) if reconf.carry else None)
         if self._parts is not None and not self.carried.in_order:
-            raise SystemExit("dpstate: a sharded or 3D-parallel job (job.parallelize) cannot shrink yet: rerun "
-                             "with more --spares or --on-spare-exhausted wait")
+            why = narrow_mesh_problem(self._parts.layout, self.carried, self.rank, self.world_size)
+            if why:
+                raise SystemExit(f"dpstate: rank {self.rank}: {why}")
         host, _, port = reconf.store_endpoint.rpartition(":")
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), GROUP_RANK=str(self.node_rank),
                           NODE_RANK=str(self.node_rank), LOCAL_RANK=str(self.local_rank),
@@ -457,7 +466,8 @@ class Job:
 
     def _restore(self, reconf: P.Reconfigure) -> tuple[P.RestoredFrom, Slot | None, bool]:
         """(dpstate.steps.restoring)"""
-        return self._agent.restoring.restore(reconf, self.carried, self._started, self.world_size)
+        return self._agent.restoring.restore(reconf, self.carried, self._started, self.world_size,
+                                             sharded=self._parts is not None)
 
     def _status(self) -> P.WorkerStatus | None:
         if self._under is None:
