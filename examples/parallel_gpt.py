@@ -10,6 +10,7 @@ the same whichever layout (pp, dp, tp) it runs in.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from typing import Any
 
@@ -198,6 +199,19 @@ def local_shards_sha256(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         t = p.to_local() if isinstance(p, DTensor) else p
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def full_params_sha256(model: nn.Module) -> str:
+    """sha256 of every parameter whole (DTensors gathered: a collective over the mesh, every rank calls it): the
+    same for one stage of the model whatever mesh shape trained it."""
+    h = hashlib.sha256()
+    # (torch warns that gathering FSDP2 x TP shards takes two all-gathers: no matter for a hash at the end)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    for name, p in sorted(model.named_parameters()):
+        t = p.full_tensor() if isinstance(p, DTensor) else p
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -9,8 +9,11 @@ shards it Megatron-style over tp and with FSDP2 over dp. Every tp and pp rank of
 the same batches (seeded by the dp coordinate); a replica's batch is --batch-size sequences, cut into
 --microbatches for the pipeline (GPipe). The model, optimizer, LR scheduler and pipeline schedule come from
 job.parallelize(dims, build), which calls build(mesh) again for each generation of the job: the loop reads them
-from `parts` inside every step. --summary: rank 0 writes {final_step, loss, params_sha256, dp, tp, pp,
-world_size}, params_sha256 over every rank's local shards: equal for two runs of one layout and seed.
+from `parts` inside every step, and each step trains the batches of step.data_ranks() (more than one replica's
+while the job runs narrow: dprun --on-spare-exhausted shrink). --summary: rank 0 writes {final_step, loss,
+params_sha256, full_params_sha256, data_positions, dp, tp, pp, world_size}: params_sha256 over every rank's local
+shards (equal for two runs of one layout and seed), full_params_sha256 over the whole parameters (equal too for a
+run that shrank), data_positions each logical rank's data position.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # parallel_gpt, train_
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import dpstate  # noqa: E402
-from parallel_gpt import build_parts, check_layout, local_shards_sha256, loss_fn  # noqa: E402
+from parallel_gpt import build_parts, check_layout, full_params_sha256, local_shards_sha256, loss_fn  # noqa: E402
 from train_gpt import Batches, load_text, write_json  # noqa: E402
 
 DIMS = ("pp", "dp", "tp")
@@ -58,8 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "same result)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--summary", default=None,
-                    help="rank 0 writes {final_step, loss, params_sha256, dp, tp, pp, world_size} here")
+                    help="rank 0 writes {final_step, loss, params_sha256, full_params_sha256, data_positions, dp, "
+                         "tp, pp, world_size} here")
     return ap.parse_args(argv)
+
+
+def data_position(batches: Batches) -> str:
+    """A short hash of a data source's position (its generator's state): equal where as many batches were drawn."""
+    return hashlib.sha256(batches.generator.get_state().numpy().tobytes()).hexdigest()[:16]
 
 
 def fail(message: str) -> int:
@@ -93,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     # A rank keeps its coordinates (pp, dp, tp) in every generation: a replacement takes its global rank over.
     pp_rank, dp_rank, tp_rank = (parts.mesh[d].get_local_rank() for d in DIMS)
     first, last = pp_rank == 0, pp_rank == args.pp - 1
-    # every tp and pp rank of one data-parallel replica draws the same batches
-    batches = Batches(tokens, args.block_size, args.batch_size, args.seed, dp_rank)
+    # every tp and pp rank of one data-parallel replica draws the same batches: one source per logical rank this
+    # process trains (its own; while the job runs narrow, a lost replica's too), seeded by its dp coordinate
+    batches = job.per_rank(lambda rank: Batches(tokens, args.block_size, args.batch_size, args.seed,
+                                                parts.layout.coordinates(rank)["dp"]))
     job.track(data=batches)
     # the rank that prints the loss: the first of the last stage (rank 0 unless pp > 1)
     reporter = last and dp_rank == 0 and tp_rank == 0
@@ -109,21 +120,26 @@ def main(argv: list[str] | None = None) -> int:
     for step in job.steps(args.steps):
         with step:
             model, opt, schedule, sched = parts.model, parts.optimizer, parts.schedule, parts.scheduler
-            x, y = batches.next()
-            x, y = x.to(job.device), y.to(job.device)
             opt.zero_grad(set_to_none=True)
-            if schedule is None:
-                loss = loss_fn(model(x), y)
-                loss.backward()
-            else:
-                losses: list[torch.Tensor] = []
-                if first:
-                    schedule.step(x)
-                elif last:
-                    schedule.step(target=y, losses=losses)
+            replica_losses: list[torch.Tensor] = []
+            for rank in step.data_ranks():  # this replica's batch (a narrow job: each carried replica's in turn)
+                x, y = batches[rank].next()
+                x, y = x.to(job.device), y.to(job.device)
+                if schedule is None:
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+                    replica_losses.append(loss.detach())
                 else:
-                    schedule.step()
-                loss = torch.stack(losses).mean() if last else None
+                    losses: list[torch.Tensor] = []
+                    if first:
+                        schedule.step(x)
+                    elif last:
+                        schedule.step(target=y, losses=losses)
+                    else:
+                        schedule.step()
+                    if last:
+                        replica_losses.append(torch.stack(losses).mean())
+            loss = torch.stack(replica_losses).mean() if replica_losses else None
             opt.step()
             sched.step()
             if loss is not None:
@@ -139,20 +155,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step.number:5d}  loss {loss_value:.4f}  {ms:6.1f} ms/step  gen {job.generation}", flush=True)
             t_last = now
 
-    # the summary: the last stage's loss (mean over the dp replicas) and a hash over every rank's shards
-    mine = (local_shards_sha256(parts.model), loss_value if last and tp_rank == 0 else None)
+    # the summary: the last stage's loss (mean over the dp replicas), a hash over every rank's shards, one over
+    # the whole parameters (the same whichever mesh shape trained them: a job that shrank) and each logical
+    # rank's data position (how many batches it drew)
+    whole = full_params_sha256(parts.model)
+    reporting = last and tp_rank == 0
+    mine = (local_shards_sha256(parts.model), loss_value * len(job.carried.ranks) if reporting else None,
+            len(job.carried.ranks) if reporting else 0, whole if dp_rank == 0 and tp_rank == 0 else None,
+            {rank: data_position(batches[rank]) for rank in batches})
     gathered: list = [None] * job.world_size
     if job.world_size > 1:
         dist.all_gather_object(gathered, mine)
     else:
         gathered = [mine]
     if job.rank == 0 and args.summary:
-        replica_losses = [loss for _, loss in gathered if loss is not None]
-        mean_loss = sum(replica_losses) / len(replica_losses) if replica_losses else float("nan")
-        digest = hashlib.sha256("".join(h for h, _ in gathered).encode()).hexdigest()
-        write_json(args.summary, {"final_step": last_step, "loss": mean_loss,
-                                  "params_sha256": digest, "dp": args.dp, "tp": args.tp, "pp": args.pp,
-                                  "world_size": job.world_size})
+        weighted, replicas = sum(g[1] for g in gathered if g[1] is not None), sum(g[2] for g in gathered)
+        digest = hashlib.sha256("".join(g[0] for g in gathered).encode()).hexdigest()
+        stages = hashlib.sha256("".join(g[3] for g in gathered if g[3] is not None).encode()).hexdigest()
+        positions = {str(rank): pos for g in gathered for rank, pos in sorted(g[4].items())}
+        write_json(args.summary, {"final_step": last_step, "loss": weighted / replicas if replicas else float("nan"),
+                                  "params_sha256": digest, "full_params_sha256": stages,
+                                  "data_positions": dict(sorted(positions.items(), key=lambda kv: int(kv[0]))),
+                                  "dp": args.dp, "tp": args.tp, "pp": args.pp, "world_size": job.world_size})
     return 0
 
 
