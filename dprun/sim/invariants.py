@@ -198,12 +198,14 @@ class Checker:
                                      f"{node_id}'s ranks from step {step} of {msg.restore_from}")
         for rank_text, source in msg.restore_from.items():
             rank = int(rank_text)
+            if rank_text in msg.adopt_from:  # its process takes its state from the holder's snapshot (a grow):
+                continue  # the source named for its own key is not read (dpstate.steps.restoring)
             if source == "init":
                 if step != 0 or any((rank, s) in world.replicated for s in range(1, world.workers.steps + 1)):
                     raise InvariantViolation(f"invariant 3: rank {rank} told to start fresh at step {step}")
                 continue
-            if not source:  # a survivor's own copy: captured, not necessarily acked yet (the gate comes later)
-                if (rank, step) not in world.workers.captured:
+            if not source:  # a survivor's own copy: captured, not necessarily acked yet (the gate comes later); at
+                if (rank, step) not in world.workers.captured and step != 0:  # step 0 it may keep its initial state
                     raise InvariantViolation(f"invariant 3: rank {rank} restores its own step {step}, never taken")
                 continue
             if (rank, step) not in world.replicated:
@@ -267,11 +269,13 @@ def judge_outcome(world) -> str:
                     for r in parts:
                         good[r].add(step)
         gone = [r for r in failed_ranks if not good[r]]
-        if not gone and world.corrupted:  # (ever: a store drops a damaged copy once newer ones come)
-            # bad copies were met: walking back past them can leave good copies only at steps that no cut
+        if not gone and (world.corrupted or c.spec.on_spare_exhausted == "shrink"):
+            # bad copies were met (ever: a store drops a damaged copy once newer ones come), or the job shrank
+            # (the failed nodes left the layout; a restore walks back to a step survivors' rings may have
+            # passed): walking back past them can leave good copies only at steps that no cut
             # can use any more (survivors dropped them when they restored an older one, or their rings of
             # local copies never reached back that far): lost is the truth when no step has a good copy of
-            # every failed rank and a good replica or a local copy of every survivor
+            # every logical rank, on a replica or in a survivor's local ring
             for node_id in c.timeline.layout:
                 for w in world.nodes[node_id].workers if world.nodes[node_id].running else []:
                     if w.rank >= 0 and w.rank not in failed_ranks:
@@ -308,9 +312,10 @@ def judge_outcome(world) -> str:
         if world.failures <= world.spec.spares:
             raise InvariantViolation(f"no spare left after {world.failures} failures with "
                                      f"{world.spec.spares} spares: {finish.message}")
-        if world.spec.on_spare_exhausted == "shrink" and "could not shrink" not in finish.message:
-            raise InvariantViolation(f"no spare left, with --on-spare-exhausted shrink and no reason it could not "
-                                     f"shrink: {finish.message}")
+        refused = any(e["event"] == "shrink_refused" for e in world.events)
+        if world.spec.on_spare_exhausted == "shrink" and not refused:
+            raise InvariantViolation(f"no spare left, with --on-spare-exhausted shrink and no shrink_refused event "
+                                     f"saying why it could not shrink: {finish.message}")
         return "spares-exhausted"
     raise InvariantViolation(f"job ended with {finish.exit_code}: {finish.message}")
 

@@ -58,7 +58,8 @@ class RestoreModel:
         key, step = worker.rank, msg.restore_step
         source, adopt = msg.restore_from.get(str(key), ""), adoptions(msg)
         worker.fetched = {}
-        if step < 0 or (source == "init" and step == 0):
+        if step < 0 or (step == 0 and (source == "init" or not source and 0 not in worker.local)):
+            # (as dpstate: a process that never snapshotted step 0 keeps its state before training for it)
             worker.state, worker.local, worker.local_parts, worker.acked = 0, [], {}, -1
             worker.parts = dict.fromkeys(worker.carry, 0)
             self.restored(node, local, generation, "" if step < 0 else "init", dict(worker.parts))

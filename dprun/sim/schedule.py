@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass, field
 
 from dprun.controller.state_machine import JobSpec
+from dprun.controller.vocabulary import OnSpareExhausted
 
 # dpstate's fetch gives up on a store that sends nothing after 60 s (Replicator.fetch): 12 of dprun's default 5 s
 # heartbeat timeouts; the same ratio to the simulated job's 2 s
@@ -29,6 +30,9 @@ LEAVE = "leave-node"
 # every copy of a node's ranks in memory lost at once: the node and each store holding its snapshots (two adjacent
 # nodes with --replicas 1), at a time or just after the first background save completes; then a restore from disk
 MEMORY_LOST = ["kill-with-holders", "kill-with-holders-after-save"]
+SHRINK_SHARE = 0.25  # of a soak's schedules (python -m dprun.sim --shrink): --on-spare-exhausted shrink
+# how a node is lost in a shrink schedule (a frozen one is failed by its heartbeats, and may wake fenced)
+KILLS = ["kill-node", "kill-node", "kill-node-silent", "kill-worker", "freeze-wake", "leave-node"]
 DISK_FULL = "disk-full"  # the save_dir's disk refuses every file (ENOSPC) for a while
 
 
@@ -59,6 +63,7 @@ class Schedule:
     save_every: int = 0  # background saves every N steps (--save-every) ...
     save_interval: float = 0.0  # ... and / or every so many seconds (--save-interval)
     save_keep: int = 2  # complete steps the background saves keep (--save-keep)
+    shrink: bool = False  # --on-spare-exhausted shrink: with no spare left the job goes on narrow, grows back later
 
     @property
     def background(self) -> bool:
@@ -67,10 +72,14 @@ class Schedule:
     def spec(self) -> JobSpec:
         return JobSpec(nnodes=self.nnodes, spares=self.spares, nproc_per_node=self.nproc, store_endpoint="sim:0",
                        heartbeat_interval=0.5, heartbeat_timeout=2.0, probe_timeout=0.5, rdzv_timeout=5.0,
-                       replicas=self.replicas, on_spare_exhausted="wait" if self.wait_for_spares else "fail",
+                       replicas=self.replicas, on_spare_exhausted=self.on_spare_exhausted,
                        spare_wait_timeout=8.0, save_dir="/saved" if self.save or self.background else "",
                        files_timeout=5.0, restore_wait=5.0, save_every=self.save_every,
                        save_interval=self.save_interval, save_keep=self.save_keep)
+
+    @property
+    def on_spare_exhausted(self) -> OnSpareExhausted:
+        return "shrink" if self.shrink else "wait" if self.wait_for_spares else "fail"
 
     def describe(self) -> str:
         faults = ", ".join(f"{f.kind}@{f.at:.2f}" for f in self.faults) or "no faults"
@@ -79,7 +88,7 @@ class Schedule:
             timeout += (f", background saves every {self.save_every} steps / {self.save_interval:.2f} s keeping "
                         f"{self.save_keep}")
         return (f"seed {self.seed}: {self.nnodes} nodes x {self.nproc} + {self.spares} spares, "
-                f"{self.replicas} replica(s), {'wait' if self.wait_for_spares else 'fail'} when out of spares, "
+                f"{self.replicas} replica(s), {self.on_spare_exhausted} when out of spares, "
                 f"{self.steps} steps, snapshots every {self.interval}"
                 f"{' after a measuring window' if self.auto else ''}"
                 f"{', acks awaited at snapshot steps' if self.defer else ''}"
@@ -87,10 +96,11 @@ class Schedule:
 
 
 def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors: bool = True,
-                    background: bool = True) -> Schedule:
+                    background: bool = True, shrink: float = 0.0) -> Schedule:
     """extended=False: the schedule as it was before snapshot intervals and corrupt replicas were drawn too
     (what the regression seeds name); errors=False: before the script's own errors, saving and agents that
-    leave were drawn; background=False: before background saves (and the faults that test them) were."""
+    leave were drawn; background=False: before background saves (and the faults that test them) were.
+    shrink: the fraction of schedules made --on-spare-exhausted shrink (`with_shrink`)."""
     rng = random.Random(seed)
     nnodes = rng.randint(1, max_nodes)
     spares = rng.randint(0, 3)
@@ -133,5 +143,28 @@ def random_schedule(seed: int, max_nodes: int = 4, extended: bool = True, errors
         if rng.random() < 0.15:
             faults.append(Fault(at=rng.uniform(0.05, 1.0), kind=DISK_FULL, pick=rng.random(),
                                 wake_after=rng.uniform(0.1, 2.0)))
-    return Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
-                    interval, auto, defer, save, fetch_timeout, save_every, save_interval, save_keep)
+    schedule = Schedule(seed, nnodes, spares, nproc, steps, sorted(faults, key=lambda f: f.at), replicas, wait,
+                        interval, auto, defer, save, fetch_timeout, save_every, save_interval, save_keep)
+    # drawn from a generator of its own: the draws above, and so the schedules earlier seeds name, are unchanged
+    return with_shrink(schedule, random.Random(seed * 104729 + 7)) if shrink and rng.random() < shrink else schedule
+
+
+def with_shrink(schedule: Schedule, rng: random.Random) -> Schedule:
+    """The schedule made --on-spare-exhausted shrink: 2 or more nodes, few spares or none (so that a loss
+    shrinks the job), often a node that joins later (the job grows back), sometimes two; no save_dir (a narrow
+    job's saves are not modelled: a file per logical rank would come from its carrier's snapshot) and so none of
+    the faults that test saves."""
+    s = schedule
+    s.shrink, s.wait_for_spares = True, False
+    s.nnodes = max(s.nnodes, 2)
+    s.spares = rng.choice([0, 0, 0, 1, 2])
+    s.save, s.save_every, s.save_interval = False, 0, 0.0
+    s.faults = [f for f in s.faults if f.kind not in (*MEMORY_LOST, DISK_FULL)]
+    s.steps = rng.randint(20, 80)  # (about 20 ms a step: time for a loss, a shrink and a grow)
+    if rng.random() < 0.7:  # a node lost early: with no spare the job shrinks
+        s.faults.append(Fault(at=rng.uniform(0.05, 0.6), kind=rng.choice(KILLS), pick=rng.random(),
+                              wake_after=rng.uniform(0.5, 4.0)))
+    for _ in range(rng.choice([0, 1, 1, 1, 2])):  # a node joins later: a narrow job grows back
+        s.faults.append(Fault(at=rng.uniform(0.1, 1.5), kind="join-spare", pick=0.0))
+    s.faults.sort(key=lambda f: f.at)
+    return s
