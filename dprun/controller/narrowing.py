@@ -69,3 +69,13 @@ class Width:
                 break
             added.append([busiest.pop()])
         return Width(tuple(tuple(ranks) for ranks in carriers + added))
+
+
+@dataclass(frozen=True)
+class Narrowing:
+    """A shrink: the width the job goes on at, the node ranks that go on (in their new order) and those that
+    leave (the nodes lost and, in a sharded job, the other nodes of their data-parallel replicas)."""
+
+    width: Width
+    nodes: tuple[int, ...]
+    leaving: tuple[int, ...]

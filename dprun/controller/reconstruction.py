@@ -17,7 +17,8 @@ from .vocabulary import Flush, JobSpec, Outbox, Recovery
 from .ledger import ReplicaLedger, RestorePlan
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable, Role
 from .phase import Phase
-from .narrowing import Width
+from .narrowing import Narrowing
+from .reshaping import Reshaping
 from .timeline import Timeline
 
 MAX_REPLANS = 3  # generations planned again in a row with no node lost before the job gives up
@@ -50,7 +51,7 @@ class NextGeneration:
     spares: list[Node]
     step: int
     sources: dict[int, str]
-    shrink: list[int] = field(default_factory=list)
+    shrink: Narrowing | None = None
     grow: list[Node] = field(default_factory=list)
 
 
@@ -81,6 +82,7 @@ class Reconstruction:
         self.crashed_at: dict[str, float] = {}  # restart mode: node -> its first held-back crash, this generation
         self.recoveries: list[Recovery] = []
         self.restarts = 0
+        self.reshaping = Reshaping(spec, table, ledger, timeline, out)
 
     @property
     def idle(self) -> bool:
@@ -196,7 +198,7 @@ class Reconstruction:
     def grow_if_due(self, now: float) -> None:
         """A narrow job with a spare to grow onto, and no recovery under way: plan a generation that grows."""
         if (self.timeline.width.narrow and self.pending is None and self.recovery is None
-                and self._growth(self.table.with_role(SPARE))):
+                and self.reshaping.growth(self.table.with_role(SPARE))):
             rec = self.replan(now, "a node joined: the job grows back")
             rec.free_replans += 1  # (growing is progress, not a retry)
 
@@ -223,10 +225,9 @@ class Reconstruction:
         if rec is not None and rec.restoring_until is not None:
             rec.restoring_until += seconds
 
-    def decide(self, rec: Recovery, now: float, paused_lately: bool, safe: tuple[str, int] | None,
-               mesh: str = "") -> Decision:
+    def decide(self, rec: Recovery, now: float, paused_lately: bool, safe: tuple[str, int] | None) -> Decision:
         """The plan for `rec`, its probe answered: what the job does next (None: it waits, still pending).
-        `safe`: the (folder, step) known complete on disk, if any; `mesh`: a sharded job's layout, if any."""
+        `safe`: the (folder, step) known complete on disk, if any."""
         layout, nodes = self.timeline.layout, self.table.nodes
         failed_slots = [i for i, n in enumerate(layout) if nodes[n].role == FAILED]
         if not failed_slots and not rec.replan:
@@ -234,17 +235,18 @@ class Reconstruction:
         if any(nodes[n].exited_ok for n in layout):
             return AfterExits()  # ranks that exited cannot join a new generation: say so rather than wait for them
         spares = self.table.with_role(SPARE)
-        shrink: list[int] = []
+        shrink: Narrowing | None = None
         if len(spares) < len(failed_slots) and self.spec.on_spare_exhausted == "shrink":
-            why = self._cannot_shrink(failed_slots[len(spares):], mesh)
-            if why is None:
-                shrink = failed_slots[len(spares):]
+            found = self.reshaping.narrowing(failed_slots, len(spares))
+            if not isinstance(found, str):
+                shrink = found
             elif not rec.shrink_refused:
-                rec.shrink_refused = why
-                self.out.publish("shrink_refused", reason=why)
-        if len(spares) + len(shrink) < len(failed_slots):
+                rec.shrink_refused = found
+                self.out.publish("shrink_refused", reason=found, fallback=self.spec.shrink_fallback)
+        leaving = [] if shrink is None else list(shrink.leaving)
+        if shrink is None and len(spares) < len(failed_slots):
             names = ", ".join(f"{layout[i]} (node rank {i}: {nodes[layout[i]].cause})" for i in failed_slots)
-            if self.spec.on_spare_exhausted != "wait":
+            if not self.reshaping.waits_for_spares():
                 advice = "; rerun with more --spares"
                 if rec.shrink_refused:
                     advice = f"; the job could not shrink: {rec.shrink_refused}{advice}"
@@ -261,7 +263,7 @@ class Reconstruction:
             self.pending = rec  # decided again when a node registers as a spare
             self.enter(Phase.WAITING)
             return None
-        grow = [] if shrink else self._growth(spares[len(failed_slots):])
+        grow = [] if shrink else self.reshaping.growth(spares[len(failed_slots):])
         if self.spec.restart_mode:
             if self.restarts >= self.spec.max_restarts:
                 return GiveUp(f"node {', '.join(rec.failed)} failed and --max-restarts {self.spec.max_restarts} "
@@ -270,7 +272,8 @@ class Reconstruction:
             plan = RestorePlan(step=p.NO_RANK)  # the script restarts from scratch (or its own checkpoint)
         else:
             # a rank whose new node has not restored it yet has its state only on replicas, like a failed one
-            failed_ranks = {r for i in failed_slots for r in self.timeline.ranks_of(i)} | self.timeline.unrestored
+            failed_ranks = ({r for i in {*failed_slots, *leaving} for r in self.timeline.ranks_of(i)}
+                            | self.timeline.unrestored)
             if grow:  # the processes that give a rank back: their snapshots must be on replicas the new node reads
                 failed_ranks |= {ranks[0] for ranks in self.timeline.width.assignment if len(ranks) > 1}
             plan = self.ledger.plan(self.timeline.keys(), failed_ranks, self.timeline.survivor_floors(self.ledger),
@@ -314,25 +317,11 @@ class Reconstruction:
                           f"{more}")
         if not failed_slots and not self.spec.restart_mode and (why := self._one_more_replan(rec)) is not None:
             return GiveUp(why)
-        return NextGeneration([i for i in failed_slots if i not in shrink], spares, plan.step, dict(plan.sources),
+        return NextGeneration([i for i in failed_slots if i not in leaving], spares, plan.step, dict(plan.sources),
                               shrink, grow)
 
-    def _growth(self, spares: list[Node]) -> list[Node]:
-        """The spares that a narrow job grows onto: as many whole nodes as its carried ranks fill."""
-        if self.spec.on_spare_exhausted != "shrink":
-            return []
-        width = self.timeline.width
-        return spares[:(width.logical_world - width.processes) // self.spec.nproc_per_node]
-
-    def _cannot_shrink(self, slots: list[int], mesh: str) -> str | None:
-        """Why the job cannot go on without the nodes of `slots`, or None."""
-        if mesh:
-            return f"a sharded or 3D-parallel job ({mesh}) cannot shrink yet: only data-parallel ones can"
-        narrower = self.timeline.without_nodes(slots)
-        return narrower if isinstance(narrower, str) else None
-
     def begin_generation(self, rec: Recovery, now: float, failed_slots: list[int], spares: list[Node],
-                         step: int, shrink: list[int] | None = None, grow: list[Node] | None = None) -> None:
+                         step: int, shrink: Narrowing | None = None, grow: list[Node] | None = None) -> None:
         """The next generation: spares promoted into the failed slots, the nodes of `shrink` out of the layout
         (their ranks trained by the others) or those of `grow` into it, every rank going back to `step`."""
         timeline = self.timeline
@@ -350,9 +339,9 @@ class Reconstruction:
             timeline.layout[i] = spare.node_id
             self.out.publish("spare_promoted", spare=spare.node_id, node_rank=i, generation=timeline.generation + 1)
         if shrink:
-            self._shrink(rec, shrink, step)
+            self.reshaping.shrink(rec, shrink, step)
         if grow:
-            self._grow(rec, grow, step)
+            self.reshaping.grow(rec, grow, step)
         rec.peak_step = max(rec.peak_step, timeline.max_step)
         timeline.began(step, now)
         self.crashed_at = {}
@@ -361,35 +350,6 @@ class Reconstruction:
         rec.restore_step = step
         rec.lost_steps = max(0, rec.peak_step - step)
         self.ledger.rollback(step)
-
-    def _shrink(self, rec: Recovery, slots: list[int], step: int) -> None:
-        """The nodes of `slots` leave the layout; the ranks their processes trained go to the others."""
-        timeline = self.timeline
-        narrower = timeline.without_nodes(slots)
-        assert not isinstance(narrower, str)  # (decide() checked that it can)
-        rec.shrunk = [timeline.layout[i] for i in slots]
-        layout = [node_id for i, node_id in enumerate(timeline.layout) if i not in slots]
-        timeline.reshaped(narrower, layout, self.table, step)
-        self.out.publish("job_shrunk", generation=timeline.generation + 1, nodes=rec.shrunk,
-                         processes=narrower.processes, ranks=narrower.logical_world, slowdown=narrower.slowdown,
-                         carried={str(ranks[0]): list(ranks[1:]) for ranks in narrower.assignment if len(ranks) > 1})
-
-    def _grow(self, rec: Recovery, spares: list[Node], step: int) -> None:
-        """The spares join the layout; their processes take back ranks that others trained. The nodes are put in
-        the order of their processes' own ranks, so that a job grown back to full width is in order again (rank
-        r on process r: DataParallel's own reduction, no ranks to tell the workers)."""
-        timeline, nproc = self.timeline, self.spec.nproc_per_node
-        grown = timeline.width.grow(len(spares) * nproc).assignment
-        nodes = [*timeline.layout, *(spare.node_id for spare in spares)]
-        order = sorted(range(len(nodes)), key=lambda i: grown[i * nproc][0])
-        wider = Width(tuple(grown[i * nproc + local] for i in order for local in range(nproc)))
-        layout = [nodes[i] for i in order]
-        for spare in spares:
-            self.table.set_role(spare, ACTIVE)
-            rec.promoted[layout.index(spare.node_id)] = spare.node_id
-        timeline.reshaped(wider, layout, self.table, step)
-        self.out.publish("job_grew", generation=timeline.generation + 1, nodes=[s.node_id for s in spares],
-                         processes=wider.processes, ranks=wider.logical_world, slowdown=wider.slowdown)
 
     def store_lost(self, node_id: str, cause: str, now: float) -> None:
         """A fenced node's kept store was lost: a rank that the recovery under way restores from it has its plan
@@ -484,3 +444,4 @@ class Reconstruction:
         self.recovery = None
         self.enter(Phase.TRAINING)
         self.grow_if_due(now)  # a node that joined while the job recovered
+

@@ -64,7 +64,6 @@ class Controller:
                                 control=self)
         self.deadlines = Deadlines(spec, self.table, self.timeline, self.hangs, self.out, now)
         self.endgame = Endgame(spec, self.table, self.timeline, self.out)
-        self.mesh = ""  # the layout of a sharded or 3D-parallel job, as its workers said (WorkerReady.mesh)
 
     # -- entry point -----------------------------------------------------------------------------
 
@@ -189,8 +188,8 @@ class Controller:
         self.members.snapshot_sized(msg.rank, msg.nbytes)
 
     def _on_WorkerReady(self, node: Node, msg: p.WorkerReady, now: float) -> None:
-        if msg.mesh and msg.mesh != self.mesh:  # said once: each rank's snapshots hold its own shards, whole
-            self.mesh = msg.mesh
+        if msg.mesh and msg.mesh != self.timeline.mesh:  # said once: each rank's snapshots hold its own shards
+            self.timeline.mesh = msg.mesh
             self.out.publish("mesh", layout=msg.mesh)
         self.timeline.unrestored.discard(msg.rank)
         self.timeline.restores_answered.add(msg.rank)
@@ -309,7 +308,7 @@ class Controller:
 
     def _reconstruct(self, rec: Recovery, now: float) -> None:
         paused = self.deadlines.paused_lately(self.now) is not None
-        decision = self.reconstruction.decide(rec, now, paused, self.saves.safe, self.mesh)
+        decision = self.reconstruction.decide(rec, now, paused, self.saves.safe)
         if isinstance(decision, Unchanged):
             self._enter(Phase.TRAINING)
         elif isinstance(decision, AfterExits):

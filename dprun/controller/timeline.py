@@ -14,7 +14,8 @@ from dpcommon import protocol as p
 
 from .vocabulary import JobSpec, Send
 from .ledger import INIT, ReplicaLedger
-from .narrowing import Width
+from .mesh_narrowing import MeshDims, shrink_mesh
+from .narrowing import Narrowing, Width
 from .nodes import ACTIVE, SPARE, Node, NodeTable
 
 PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
@@ -27,6 +28,7 @@ class Timeline:
     last_progress_at: float  # when the newest step last grew (hang detection)
     training_since: float | None = None  # when the first generation started
     generation: int = -1  # -1 while the first generation forms
+    mesh: str = ""  # the layout of a sharded or 3D-parallel job, as its workers said (WorkerReady.mesh)
     layout: list[str] = field(default_factory=list)  # node rank -> node id
     width: Width = field(default_factory=lambda: Width(()))  # process rank -> its logical ranks (form() sets it)
     # logical rank -> [(from step, the rank whose snapshots hold it from that step on)]: a rank handed to another
@@ -57,9 +59,23 @@ class Timeline:
         own = self.width.assignment
         return [own[process][0] for process in range(node_rank * self.nproc, (node_rank + 1) * self.nproc)]
 
-    def without_nodes(self, node_ranks: list[int]) -> Width | str:
-        """The width without the processes of these node ranks (a reason instead where none would be left)."""
-        return self.width.shrink({p for i in node_ranks for p in range(i * self.nproc, (i + 1) * self.nproc)})
+    def without_nodes(self, node_ranks: list[int], mesh: MeshDims | None = None,
+                      anchored: frozenset[int] = frozenset()) -> Narrowing | str:
+        """The job without the processes of these node ranks (a reason instead where it cannot go on): a sharded
+        job's (`mesh`) without their whole data-parallel replicas, keeping the processes of `anchored` ranks
+        (dprun.controller.mesh_narrowing)."""
+        lost = {p for i in node_ranks for p in range(i * self.nproc, (i + 1) * self.nproc)}
+        if mesh is None:
+            narrower = self.width.shrink(lost)
+            if isinstance(narrower, str):
+                return narrower
+            return Narrowing(narrower, tuple(i for i in range(len(self.layout)) if i not in node_ranks),
+                             tuple(node_ranks))
+        shrunk = shrink_mesh(self.width, lost, mesh, self.nproc, set(anchored))
+        if isinstance(shrunk, str):
+            return shrunk
+        nodes = tuple(p // self.nproc for p in shrunk.kept[::self.nproc])
+        return Narrowing(shrunk.width, nodes, tuple(i for i in range(len(self.layout)) if i not in nodes))
 
     def keys(self) -> list[int]:
         """Every process's own logical rank: the ranks whose snapshots hold the job's state (all at full width)."""

@@ -12,6 +12,7 @@ from dpcommon.protocol import NO_RANK
 from .faults import FaultSpec
 
 OnSpareExhausted = Literal["fail", "wait", "shrink"]  # --on-spare-exhausted
+ShrinkFallback = Literal["fail", "wait"]  # --shrink-fallback
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -32,6 +33,7 @@ class JobSpec:
     hang_timeout: float = 0.0  # no step anywhere for this long: find the rank that is not waiting on peers
     # "wait": the survivors wait for a node to join as a spare; "shrink": they go on narrow (controller.narrowing)
     on_spare_exhausted: OnSpareExhausted = "fail"
+    shrink_fallback: ShrinkFallback = "fail"  # what "shrink" does where the job cannot shrink (said once)
     spare_wait_timeout: float = 1800.0
     restart_mode: bool = False  # the script does not use dpstate: recover by restarting every worker
     max_restarts: int = 3  # restart mode: restart recoveries allowed (torchrun's --max-restarts)

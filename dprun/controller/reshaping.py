@@ -1,0 +1,103 @@
+"""Changes of the job's width (--on-spare-exhausted shrink): where a lost node's ranks go when no spare is left,
+which nodes leave with it, and how a narrow job grows back as nodes join. A part of the reconstruction. Pure.
+"""
+
+from __future__ import annotations
+
+from dpcommon import protocol as p
+
+from .ledger import ReplicaLedger
+from .mesh_narrowing import MeshDims
+from .narrowing import Narrowing, Width
+from .nodes import ACTIVE, FAILED, Node, NodeTable
+from .timeline import Timeline
+from .vocabulary import JobSpec, Outbox, Recovery
+
+
+class Reshaping:
+    """Handed the job's spec, node table, ledger, timeline and outbox; owns no state of its own."""
+
+    def __init__(self, spec: JobSpec, table: NodeTable, ledger: ReplicaLedger, timeline: Timeline, out: Outbox):
+        self.spec, self.table, self.ledger, self.timeline, self.out = spec, table, ledger, timeline, out
+
+    def narrowing(self, failed_slots: list[int], spares: int) -> Narrowing | str:
+        """The job without the failed nodes that no spare takes (a sharded job's: without all of them, its spares
+        kept to grow it back whole), or why it cannot go on so."""
+        mesh = self.timeline.mesh
+        return self.timeline.without_nodes(failed_slots if mesh else failed_slots[spares:],
+                                           MeshDims.parse(mesh) if mesh else None, self.anchored())
+
+    def waits_for_spares(self) -> bool:
+        """With no spare left (and no shrink), the survivors wait for a node to join rather than end the job."""
+        spec = self.spec
+        return spec.on_spare_exhausted == "wait" or (spec.on_spare_exhausted == "shrink"
+                                                      and spec.shrink_fallback == "wait")
+
+    def growth(self, spares: list[Node]) -> list[Node]:
+        """The spares that a narrow job grows onto: as many whole nodes as its carried ranks fill (a sharded
+        job's: all it lacks, or none)."""
+        if self.spec.on_spare_exhausted != "shrink":
+            return []
+        width = self.timeline.width
+        wanted = (width.logical_world - width.processes) // self.spec.nproc_per_node
+        if self.timeline.mesh and len(spares) < wanted:
+            return []
+        return spares[:wanted]
+
+    def anchored(self) -> frozenset[int]:
+        """The ranks whose newest state is in their own process alone (no live replica as new): a sharded job's
+        shrink keeps those processes."""
+        floors = self.timeline.survivor_floors(self.ledger)
+        return frozenset(rank for rank, floor in floors.items() if _or_none(self.ledger.newest_live(rank)) < floor)
+
+    def shrink(self, rec: Recovery, shrink: Narrowing, step: int) -> None:
+        """The nodes of shrink.leaving leave the layout; the ranks their processes trained go to the others. A
+        sharded job's nodes that leave alive (the lost replica's others) keep their stores serving until the end."""
+        timeline, narrower = self.timeline, shrink.width
+        rec.shrunk = [timeline.layout[i] for i in shrink.leaving]
+        retired = [node_id for node_id in rec.shrunk if self.table.nodes[node_id].role == ACTIVE]
+        for node_id in retired:
+            self._retire(self.table.nodes[node_id])
+        timeline.reshaped(narrower, [timeline.layout[i] for i in shrink.nodes], self.table, step)
+        self.out.publish("job_shrunk", generation=timeline.generation + 1, nodes=rec.shrunk,
+                         processes=narrower.processes, ranks=narrower.logical_world, slowdown=narrower.slowdown,
+                         carried={str(ranks[0]): list(ranks[1:]) for ranks in narrower.assignment if len(ranks) > 1},
+                         **({"retired": retired} if retired else {}))
+
+    def _retire(self, node: Node) -> None:
+        """A live node leaves the layout with its lost replica: its workers stop, its store keeps the copies it
+        holds for the others (as a fenced node's does for a save: dprun.controller.files releases it)."""
+        node.cause = "left the mesh with its data-parallel replica, lost when the job shrank"
+        node.keeps_store = True
+        self.table.set_role(node, FAILED)
+        self.out.send(node.node_id, p.Stop(reason=f"node {node.node_id} {node.cause}", keep_store=True))
+
+    def grow(self, rec: Recovery, spares: list[Node], step: int) -> None:
+        """The spares join the layout; their processes take back ranks that others trained. The nodes are put in
+        the order of their processes' own ranks, so that a job grown back to full width is in order again (rank
+        r on process r: DataParallel's own reduction, no ranks to tell the workers)."""
+        timeline, nproc = self.timeline, self.spec.nproc_per_node
+        width = timeline.width
+        if len(spares) * nproc == width.logical_world - width.processes:
+            # back to full width: every node in the slot of its own ranks (a sharded job's mesh needs it), the
+            # spares in the slots left
+            wider = Width.full(width.logical_world)
+            slots = {timeline.ranks_of(i)[0] // nproc: node_id for i, node_id in enumerate(timeline.layout)}
+            joining = iter(spare.node_id for spare in spares)
+            layout = [slots[i] if i in slots else next(joining) for i in range(width.logical_world // nproc)]
+        else:
+            grown = width.grow(len(spares) * nproc).assignment
+            nodes = [*timeline.layout, *(spare.node_id for spare in spares)]
+            order = sorted(range(len(nodes)), key=lambda i: grown[i * nproc][0])
+            wider = Width(tuple(grown[i * nproc + local] for i in order for local in range(nproc)))
+            layout = [nodes[i] for i in order]
+        for spare in spares:
+            self.table.set_role(spare, ACTIVE)
+            rec.promoted[layout.index(spare.node_id)] = spare.node_id
+        timeline.reshaped(wider, layout, self.table, step)
+        self.out.publish("job_grew", generation=timeline.generation + 1, nodes=[s.node_id for s in spares],
+                         processes=wider.processes, ranks=wider.logical_world, slowdown=wider.slowdown)
+
+
+def _or_none(step: int | None) -> int:
+    return -1 if step is None else step
