@@ -28,7 +28,7 @@ from dpagent.shutdown import EXIT_CONTROLLER_LOST, EXIT_NO_CONTROLLER, EXIT_REFU
 from dpcommon.save_manifest import newest_saved
 
 from dprun.controller.state_machine import JobSpec, NodeGone
-from dprun.controller.vocabulary import OnSpareExhausted
+from dprun.controller.vocabulary import OnSpareExhausted, ShrinkFallback
 from dprun.monitor.events import EventSink, write_line
 from dprun.controller.faults import FaultSpec
 from dprun.monitor.jobview import JobView, total_steps_from_args
@@ -57,6 +57,7 @@ class JobOptions:
     snapshot_check: str | None = None  # DP_SNAPSHOT_CHECK of the workers (None: theirs, default 8)
     hang_timeout: float = 600.0
     on_spare_exhausted: OnSpareExhausted = "fail"
+    shrink_fallback: ShrinkFallback = "fail"
     on_controller_lost: OnControllerLost = "cancel"  # under srun: the Slurm job's fate once its batch host died
     slurm: SlurmJob | None = None  # inside an srun step
     spare_wait_timeout: float = 1800.0
@@ -186,6 +187,7 @@ def run_head(opts: JobOptions, local_nodes: list[AgentCommand], host: str, port:
             heartbeat_timeout=opts.heartbeat_timeout, probe_timeout=opts.probe_timeout,
             rdzv_timeout=opts.rdzv_timeout, faults=tuple(opts.faults), replicas=opts.replicas,
             hang_timeout=opts.hang_timeout, on_spare_exhausted=opts.on_spare_exhausted,
+            shrink_fallback=opts.shrink_fallback,
             spare_wait_timeout=opts.spare_wait_timeout, restart_mode=opts.restart_mode,
             max_restarts=opts.max_restarts, save_dir=opts.save_dir, resume_from=opts.resume_from,
             resume_step=opts.resume_step, resume_older=opts.resume_older, save_every=opts.save_every,
@@ -300,7 +302,7 @@ def _worker_settings(opts: JobOptions) -> dict[str, str]:
         settings["DP_SNAPSHOT_INTERVAL"] = opts.snapshot_interval
     if opts.snapshot_check is not None:
         settings["DP_SNAPSHOT_CHECK"] = opts.snapshot_check
-    if opts.on_spare_exhausted == "wait":  # survivors wait for a spare as long as the controller does
+    if opts.on_spare_exhausted == "wait" or opts.shrink_fallback == "wait":  # survivors wait as long as it does
         settings["DP_RECONFIGURE_TIMEOUT"] = str(max(120.0, opts.spare_wait_timeout + 60.0))
     return settings
 

@@ -22,7 +22,7 @@ from dpcommon.save_manifest import resume_steps
 
 from . import option_checks as checks
 from dprun.controller import faults
-from dprun.controller.vocabulary import OnSpareExhausted
+from dprun.controller.vocabulary import OnSpareExhausted, ShrinkFallback
 from dprun.slurm import rendezvous as slurm
 from dprun.slurm.orphaned_job import OnControllerLost
 from .job import JobOptions, is_local, parse_endpoint, uses_dpstate
@@ -59,6 +59,7 @@ class RunArgs:
     probe_timeout: float = 1.0
     hang_timeout: float = 600.0
     on_spare_exhausted: str = "fail"
+    shrink_fallback: str = "fail"
     spare_wait_timeout: float = 1800.0
     on_controller_lost: str = "cancel"
     max_restarts: int = 3
@@ -188,6 +189,7 @@ def options_from_args(args: RunArgs, env: Mapping[str, str],
         heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout, probe_timeout=args.probe_timeout,
         hang_timeout=args.hang_timeout, replicas=args.replicas,
         on_spare_exhausted=typing.cast(OnSpareExhausted, args.on_spare_exhausted),  # (checked above)
+        shrink_fallback=typing.cast(ShrinkFallback, args.shrink_fallback),
         on_controller_lost=typing.cast(OnControllerLost, args.on_controller_lost), slurm=where.slurm,
         spare_wait_timeout=args.spare_wait_timeout,
         snapshot_interval=snapshot_interval, snapshot_check=snapshot_check, rdzv_timeout=args.rdzv_timeout,
@@ -250,6 +252,11 @@ def _recovery_problem(args: RunArgs, restart_mode: bool) -> str | None:
     """When no spare is left, when the controller is lost, and what a script that dprun restarts cannot do."""
     if args.on_spare_exhausted not in typing.get_args(OnSpareExhausted):
         return f"--on-spare-exhausted must be 'fail', 'wait' or 'shrink', got {args.on_spare_exhausted!r}"
+    if args.shrink_fallback not in typing.get_args(ShrinkFallback):
+        return f"--shrink-fallback must be 'fail' or 'wait', got {args.shrink_fallback!r}"
+    if args.shrink_fallback != "fail" and args.on_spare_exhausted != "shrink":
+        return ("--shrink-fallback says what --on-spare-exhausted shrink does where the job cannot shrink: give "
+                "--on-spare-exhausted shrink too, or leave it out")
     if args.on_controller_lost not in typing.get_args(OnControllerLost):
         return f"--on-controller-lost must be 'cancel' or 'requeue', got {args.on_controller_lost!r}"
     if args.on_controller_lost == "requeue" and not args.save_dir:
