@@ -64,17 +64,6 @@ def test_a_failure_before_the_narrow_job_trained_takes_the_adopted_rank_from_its
     assert rc.restore_from == {"2": "", "0": "tcp://c:1", "1": "tcp://c:1"}
 
 
-def _moved_to_test_controller_shrink_sharded():
-    h = three_nodes_shrinking()
-    h.msg("a", p.WorkerReady("a", 0, 0, 0.1, 0.1, "", mesh="dp_shard=3"))
-    h.feed(NodeGone("b", "killed"), dt=1)
-    h.pong_all()
-    assert h.finish is not None and h.finish.exit_code == 1
-    assert "the job could not shrink: a sharded or 3D-parallel job (dp_shard=3) cannot shrink yet" in h.finish.message
-    assert [e["reason"] for e in h.named("shrink_refused")] == [
-        "a sharded or 3D-parallel job (dp_shard=3) cannot shrink yet: only data-parallel ones can"]
-
-
 def shrunk_and_training() -> Harness:
     """b lost at step 5 (restore step 4), a trains ranks 0 and 1, c rank 2; both stepped to 6 narrow, their
     snapshots of step 5 held by each other."""
