@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,11 +37,12 @@ def _torchrun(procs, folder: Path, layout: str) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """params_sha256 of each layout's failure-free run, run once on first use (a rank's shards depend on its
-    place in the mesh, not on how many workers a node runs). fsdp-tp's is the same job under torchrun: each
-    recovered dprun run that ends equal to it also shows that dprun and torchrun train the job alike."""
-    known: dict[str, str] = {}
+    place in the mesh, not on how many workers a node runs); reference(layout, whole=True): its whole summary.
+    fsdp-tp's is the same job under torchrun: each recovered dprun run that ends equal to it also shows that
+    dprun and torchrun train the job alike."""
+    known: dict[str, dict] = {}
 
-    def sha(layout: str) -> str:
+    def sha(layout: str, whole: bool = False) -> Any:
         if layout not in known:
             procs = Processes()
             folder = tmp_path_factory.mktemp(layout)
@@ -56,8 +58,8 @@ def reference(tmp_path_factory):
             finally:
                 procs.kill_all()
             assert summary["final_step"] == STEPS[layout], summary
-            known[layout] = summary["params_sha256"]
-        return known[layout]
+            known[layout] = summary
+        return known[layout] if whole else known[layout]["params_sha256"]
 
     return sha
 
@@ -117,6 +119,28 @@ def test_a_frozen_tensor_parallel_peer_releases_the_rank_waiting_on_it_and_the_j
     assert done["phases"]["total_s"] < 30, done
     assert "tensor parallel groups of 2 ranks span nodes of 1 worker(s)" in run.stderr
     assert run.stderr.count("span nodes") == 1, "said once, by rank 0"
+
+
+def test_a_sharded_job_out_of_spares_shrinks_to_one_replica_and_ends_as_the_full_width_run(procs, tmp_path,
+                                                                                          reference):
+    """FSDP2 dp=2 x tp=2 on 4 nodes, no spare: node rank 1 (dp 0, tp 1) is killed at step 6. Its replica leaves
+    the mesh: node rank 0, whose newest state only its own process held (its replica was on node 1), goes on for
+    tp 0, node rank 3 for tp 1, node rank 2 retires (its store serving the copies it holds). The job trains
+    dp=1 x tp=2, each process the batches of both replicas in turn, its shards cut anew from the snapshots of the
+    ranks it carries, and ends with the failure-free run's whole parameters, loss and data positions: bit for
+    bit (the tolerance measured is 0)."""
+    run = run_layout(procs, tmp_path, "fsdp-tp", "shrink", "--nnodes", "4", "--spares", "0",
+                     "--on-spare-exhausted", "shrink", "--inject", "kill-node:1@step=6")
+    assert run.returncode == 0, run.stderr[-4000:]
+    (shrunk,) = run.named("job_shrunk")
+    assert (shrunk["processes"], shrunk["ranks"], shrunk["carried"]) == (2, 4, {"0": [2], "3": [1]}), shrunk
+    assert shrunk["nodes"] == ["node1", "node2"] and shrunk["retired"] == ["node2"], shrunk
+    assert "all 4 ranks finished (trained by 2 processes" in run.named("job_finished")[0]["message"]
+    full = reference("fsdp-tp", whole=True)
+    assert run.summary["final_step"] == STEPS["fsdp-tp"] and run.summary["world_size"] == 2, run.summary
+    assert run.summary["data_positions"] == full["data_positions"], "the same samples in every step"
+    assert run.summary["full_params_sha256"] == full["full_params_sha256"], "the shrunk run diverged"
+    assert run.summary["loss"] == full["loss"]
 
 
 def test_two_nodes_lost_together_with_two_replicas(procs, tmp_path, reference):

@@ -45,10 +45,9 @@ class Reshaping:
         return spares[:wanted]
 
     def anchored(self) -> frozenset[int]:
-        """The ranks whose newest state is in their own process alone (no live replica as new): a sharded job's
-        shrink keeps those processes."""
-        floors = self.timeline.survivor_floors(self.ledger)
-        return frozenset(rank for rank, floor in floors.items() if _or_none(self.ledger.newest_live(rank)) < floor)
+        """The ranks of live processes with no copy on any live replica (their holders died): a sharded job's
+        shrink keeps those processes, whose own snapshots are then their only state."""
+        return frozenset(rank for rank in self.timeline.keys() if self.ledger.newest_live(rank) is None)
 
     def shrink(self, rec: Recovery, shrink: Narrowing, step: int) -> None:
         """The nodes of shrink.leaving leave the layout; the ranks their processes trained go to the others. A
@@ -98,6 +97,3 @@ class Reshaping:
         self.out.publish("job_grew", generation=timeline.generation + 1, nodes=[s.node_id for s in spares],
                          processes=wider.processes, ranks=wider.logical_world, slowdown=wider.slowdown)
 
-
-def _or_none(step: int | None) -> int:
-    return -1 if step is None else step

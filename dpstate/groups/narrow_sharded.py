@@ -26,14 +26,16 @@ def fsdp_roots(modules: list[nn.Module]) -> list[nn.Module]:
 
 
 def sharded_micro_batches(roots: list[nn.Module], carried: Carried, rng: RanksRng, scale: float) -> Iterator[int]:
-    """Each carried rank in turn under its own RNG; gradients reduced after the last, then multiplied by `scale`
-    (the narrow data-parallel size over the one asked for)."""
+    """Each carried rank in turn, in logical rank order, under its own RNG; gradients reduced after the last,
+    then multiplied by `scale` (the narrow data-parallel size over the one asked for)."""
     if not roots:
         raise RuntimeError("dpstate: this sharded job runs narrow, which needs its model sharded with FSDP2 "
                            "(fully_shard) over the data-parallel dim: its gradients cannot be accumulated otherwise")
     last = len(carried.ranks) - 1
     try:
-        for row, rank in enumerate(carried.ranks):
+        # in logical rank order, not own first: the processes of a tensor-parallel group carry the same replicas
+        # (their own differ) and must compute on the same batch at once
+        for row, rank in enumerate(sorted(carried.ranks)):
             for root in roots:
                 root.set_requires_gradient_sync(row == last)  # type: ignore[operator]
             with rng.as_rank(rank):
