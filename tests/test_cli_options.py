@@ -166,6 +166,11 @@ def bad_inputs(folder: Path) -> dict[str, tuple[dict, dict, str]]:
         "shrink, saved": ({"on_spare_exhausted": "shrink", "save_dir": folder / "saved"}, {},
                           "--on-spare-exhausted shrink cannot be used with --save-dir or --resume-from yet: a narrow "
                           "job's snapshots are not written to disk; use wait, or leave out --save-dir"),
+        "shrink fallback": ({"on_spare_exhausted": "shrink", "shrink_fallback": "shrink"}, {},
+                            "--shrink-fallback must be 'fail' or 'wait', got 'shrink'"),
+        "fallback alone": ({"shrink_fallback": "wait"}, {},
+                           "--shrink-fallback says what --on-spare-exhausted shrink does where the job cannot shrink: "
+                           "give --on-spare-exhausted shrink too, or leave it out"),
         "controller lost": ({"on_controller_lost": "panic"}, {},
                             "--on-controller-lost must be 'cancel' or 'requeue', got 'panic'"),
         "requeue": ({"on_controller_lost": "requeue"}, {}, "--on-controller-lost requeue needs --save-dir: the "

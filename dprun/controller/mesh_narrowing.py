@@ -39,6 +39,10 @@ class MeshDims:
     def size(self, name: str) -> int:
         return dict(self.dims).get(name, 1)
 
+    @property
+    def total(self) -> int:
+        return math.prod(size for _, size in self.dims)
+
     def coordinates(self, rank: int) -> dict[str, int]:
         out: dict[str, int] = {}
         for name, size in reversed(self.dims):
@@ -159,6 +163,6 @@ def _ordered(chosen: dict[tuple[int, tuple[int, ...]], int], own: list[int], mes
         block = range(coordinates[data] // per * per, (coordinates[data] // per + 1) * per)
         others = [mesh.rank({**coordinates, data: c}) for c in block if c != coordinates[data]]
         assignment.append((own[p], *others))
-    if math.prod(size for _, size in mesh.dims) != sum(map(len, assignment)):
+    if mesh.total != sum(map(len, assignment)):
         return None
     return MeshShrink(Width(tuple(assignment)), tuple(order))
