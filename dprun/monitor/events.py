@@ -101,7 +101,10 @@ def describe(event: dict) -> str:
     if kind == "job_shrunk":
         carried = "; ".join(f"rank {own}'s process also trains {', '.join(map(str, more))}"
                             for own, more in e["carried"].items())
-        return (f"no spare left: the job goes on without {', '.join(e['nodes'])}, {e['processes']} processes "
+        retired = e.get("retired") or []
+        left = (f" ({', '.join(retired)} of the lost data-parallel replica too; their stores keep serving)"
+                if retired else "")
+        return (f"no spare left: the job goes on without {', '.join(e['nodes'])}{left}, {e['processes']} processes "
                 f"training its {e['ranks']} data-parallel ranks ({carried}); same samples and result, each step "
                 f"about {e['slowdown']}x as long (generation {e['generation']})")
     if kind == "job_grew":
@@ -109,7 +112,9 @@ def describe(event: dict) -> str:
         return (f"{', '.join(e['nodes'])} joined: the job grows to {e['processes']} processes for its {e['ranks']} "
                 f"data-parallel ranks ({pace}, generation {e['generation']})")
     if kind == "shrink_refused":
-        return f"the job cannot shrink: {e['reason']}"
+        then = {"wait": "; it waits for a node to join instead (--shrink-fallback wait)",
+                "fail": "; it stops instead (--shrink-fallback fail)"}.get(str(e.get("fallback")), "")
+        return f"the job cannot shrink: {e['reason']}{then}"
     if kind == "spare_promoted":
         return f"spare {e['spare']} promoted to node rank {e['node_rank']} (generation {e['generation']})"
     if kind == "waiting_for_exit":
