@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from conftest import Processes, free_port
-from helpers.e2e import dprun
+from helpers.e2e import dprun, read_events, wait_for
 from helpers.mesh_jobs import LAYOUTS, MODEL, STEPS, TRAIN_3D, run_layout
+from helpers.multi_node import multi_node_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a layout's first test runs its reference too
 
@@ -141,6 +142,32 @@ def test_a_sharded_job_out_of_spares_shrinks_to_one_replica_and_ends_as_the_full
     assert run.summary["data_positions"] == full["data_positions"], "the same samples in every step"
     assert run.summary["full_params_sha256"] == full["full_params_sha256"], "the shrunk run diverged"
     assert run.summary["loss"] == full["loss"]
+
+
+def test_a_3d_job_that_cannot_shrink_says_so_and_waits_for_a_node_to_join_as_its_fallback(procs, tmp_path,
+                                                                                         reference):
+    """pp=2 x dp=2 x tp=2 on 4 nodes of 2, no spare, --on-spare-exhausted shrink --shrink-fallback wait: node rank 2
+    is killed at step 6; a pipeline-parallel mesh cannot narrow yet, so the job says so once and waits; a node
+    that joins then takes the lost ranks (a hot swap) and the job ends bit for bit as the failure-free run."""
+    dims, _ = LAYOUTS["3d"]
+    summary = tmp_path / "summary.json"
+    script = [TRAIN_3D, "--steps", STEPS["3d"], *MODEL, *dims, "--summary", summary]
+    job = multi_node_job(procs, tmp_path, "--nnodes", "4", "--nproc-per-node", "2", "--spares", "0",
+                         "--on-spare-exhausted", "shrink", "--shrink-fallback", "wait", script=script,
+                         secret="fallback-tests-secret", head_options=("--inject", "kill-node:2@step=6"))
+    for rank in (1, 2, 3):
+        job.start("--node-rank", str(rank))
+    wait_for(lambda: any(e["event"] == "waiting_for_spare" for e in read_events(job.events)), timeout=240,
+             what="the job to wait for a node")
+    job.start()
+    _, err = job.head.communicate(timeout=240)
+    assert job.head.returncode == 0, err[-3000:]
+    events = read_events(job.events)
+    (refused,) = [e for e in events if e["event"] == "shrink_refused"]
+    assert "pipeline-parallel" in refused["reason"] and refused["fallback"] == "wait", refused
+    assert not [e for e in events if e["event"] == "job_shrunk"]
+    assert [e["node_rank"] for e in events if e["event"] == "spare_promoted"] == [2]
+    assert json.loads(summary.read_text())["params_sha256"] == reference("3d"), "the recovered run diverged"
 
 
 def test_two_nodes_lost_together_with_two_replicas(procs, tmp_path, reference):
