@@ -100,9 +100,13 @@ class LocalCopies:
         for mapped in [k for k in self._maps if k[0] == pid and k[:2] not in keep]:
             del self._maps[mapped]
 
+    def of_step(self, step: int) -> list[LocalCopy]:
+        """The valid local copies of `step`: one per worker that holds it, whatever ranks each carries."""
+        return [c for c in self._copies.values() if c.step == step and c.valid()]
+
     def find(self, step: int, nbytes: int) -> LocalCopy | None:
         """A valid local copy of `step` with `nbytes` of data (the same layout), if any."""
-        return next((c for c in self._copies.values() if c.step == step and c.nbytes == nbytes and c.valid()), None)
+        return next((c for c in self.of_step(step) if c.nbytes == nbytes), None)
 
     def newest_step(self) -> int:
         """The newest step announced by a local worker (-1: none): one behind an offer is worth waiting for."""
@@ -173,30 +177,46 @@ def decide(offer: Offer, local: LocalCopies, now: float) -> bool:
     False: wait for the local snapshot of its step (a local worker is behind it and the offer's wait has time
     left).
 
+    Any local copy of the offer's step serves, of the same size or not: a process that carries other ranks
+    than the offer's sender (a narrow job, and the restore step re-captured after a shrink or a grow) lays out
+    the same data parallel part first, and only its per-rank part after it differs. Waiting for a copy of the
+    offer's very size would sit out OFFER_WAIT_S (the restore step is expected) for a copy that never comes.
+    Of several (one per local worker), the one that spares the most blocks, a same-sized one on a tie.
+
     A block the offer digested is kept by reference when the local copy digested it too, with the same digest.
     A block it left unchecked (data parallel state, trusted) is kept by reference only when both snapshots
     lay that state out alike (the same shared_key and shared_blocks), and only while every data parallel
     block digested on both sides matches: one that differs (offer.differs) means the ranks diverged, and the
-    offer's unchecked blocks are asked for too."""
-    copy = local.find(offer.msg.step, offer.data_nbytes)
-    if copy is None and now < offer.deadline and local.coming(offer.msg.step, now):
+    offer's unchecked blocks are asked for too. Blocks past the local copy's end are asked for."""
+    copies = local.of_step(offer.msg.step)
+    if not copies and now < offer.deadline and local.coming(offer.msg.step, now):
         return False
-    offer.copy = copy
     blocks = offer.digests.size
-    if copy is None:
-        offer.wanted = list(range(blocks))
-        return True
+    offer.copy, offer.wanted, offer.differs = None, list(range(blocks)), []
+    for copy in copies:
+        wanted, differs = _match(offer, copy)
+        if len(wanted) < len(offer.wanted) or (len(wanted) == len(offer.wanted) and copy.nbytes == offer.data_nbytes):
+            offer.copy, offer.wanted, offer.differs = copy, wanted, differs
+    return True
+
+
+def _match(offer: Offer, copy: LocalCopy) -> tuple[list, list]:
+    """(the blocks `offer` needs, its data parallel blocks that differ) against one local copy (see decide)."""
+    blocks = offer.digests.size
+    common = min(blocks, copy.digests.size)  # the whole blocks that both hold (sizes differ: other ranks carried)
+    present = np.arange(blocks) < common
+    theirs = np.zeros(blocks, dtype=np.int64)
+    theirs[:common] = copy.digests[:common]
     unchecked = offer.plan.unchecked(blocks) if offer.plan else np.zeros(blocks, dtype=bool)
     local_unchecked = copy.plan.unchecked(blocks) if copy.plan else np.zeros(blocks, dtype=bool)
-    compared = ~unchecked & ~local_unchecked
-    differ = compared & (offer.digests != copy.digests)
+    compared = ~unchecked & ~local_unchecked & present
+    differ = compared & (offer.digests != theirs)
     trusted = (offer.plan is not None and copy.plan is not None and offer.plan.shared_key == copy.plan.shared_key
                and offer.plan.shared_blocks == copy.plan.shared_blocks)
-    shared = np.arange(blocks) < (offer.plan.shared_blocks if trusted and offer.plan is not None else 0)
-    offer.differs = np.flatnonzero(differ & shared).tolist()
-    keep = (compared & ~differ) | (unchecked & shared & (not offer.differs))
-    offer.wanted = np.flatnonzero(~keep).tolist()
-    return True
+    shared = present & (np.arange(blocks) < (offer.plan.shared_blocks if trusted and offer.plan is not None else 0))
+    differs = np.flatnonzero(differ & shared).tolist()
+    keep = (compared & ~differ) | (unchecked & shared & (not differs))
+    return np.flatnonzero(~keep).tolist(), differs
 
 
 def assemble(offer: Offer, blocks: list) -> list | str:

@@ -8,6 +8,7 @@ process, so the holder maps this process's memfds as an agent maps its workers'.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from dpcommon import protocol as P
 from dpcommon.checksum import CHECKSUM_BLOCK, block_digests
+from dpagent import dedup
 from dpagent.dedup import LocalCopies, Offer, assemble, decide
 from dpstate.snapshot import packing as S
 from dpstate.steps.abort import AbortSignal
@@ -88,6 +90,57 @@ def test_different_state_is_sent_whole_and_fetched_intact(holder, peer_node, mon
     assert torch.equal(fetched.data, mine.data)
 
 
+class _RankPart:
+    """Another logical rank's part that a process carrying it tracks (its data position, ~1.5 MB here: whole
+    blocks past the data parallel part, which a process carrying one rank fewer does not have)."""
+
+    def __init__(self, rank: int):
+        self.where = torch.full((200_000,), rank, dtype=torch.int64)
+
+    def state_dict(self):
+        return {"where": self.where}
+
+    def load_state_dict(self, state):
+        self.where.copy_(state["where"])
+
+
+def carrying(ranks: tuple[int, ...]) -> Tracked:
+    """Data parallel state of a process that carries `ranks` (a narrow job's), its model replicated."""
+    tracked = data_parallel_state(ranks[0])
+    for rank in ranks[1:]:
+        tracked.add(**{f"rank{rank}": _RankPart(rank)})
+    tracked.replicate(tracked.objects["model"])
+    return tracked
+
+
+@pytest.mark.parametrize("local_ranks, peer_ranks", [((0,), (1, 2)), ((0, 2), (1,))],
+                         ids=["offer-carries-more", "holder-carries-more"])
+def test_after_a_change_of_width_an_offer_takes_the_data_parallel_blocks_of_the_local_copy_at_once(
+        holder, peer_node, monkeypatch, local_ranks, peer_ranks):
+    """A shrink or a grow: the processes that carry other ranks than before re-capture the restore step, so the
+    holder's own copy of it is laid out as the offer's only up to the end of the data parallel part. The offer
+    must be settled against it at once (not wait out OFFER_WAIT_S for a copy of its very size, which never
+    comes), and only the per-rank blocks be sent; so too a narrow job's next steps (nothing expected)."""
+    monkeypatch.setattr(dedup, "OFFER_WAIT_S", 30.0)  # a wait sat out shows as a timeout, however busy the host
+    local, peer = replicators(monkeypatch, holder, peer_node)
+    here, there = carrying(local_ranks), carrying(peer_ranks)
+    holder.server.expect_local(5, time.monotonic())  # the Reconfigure: this node's worker restores step 5
+    for step in (5, 6):
+        local.submit(step, here.capture(step), here.shared_keys)
+        local.wait_acked(timeout=10)  # captured and announced (it replicates nowhere)
+        sent = peer.stats.blocks_sent
+        peer.submit(step, there.capture(step), there.shared_keys)
+        peer.wait_acked(timeout=10)
+        mine = peer.local(step)
+        assert mine.plan is not None and mine.plan.shared_blocks >= 6
+        per_rank_blocks = mine.digests.size - mine.plan.shared_blocks
+        assert peer.stats.blocks_sent - sent <= per_rank_blocks, (step, peer.stats)
+        held = holder.store.get(1, step)
+        assert held is not None and held.base is not None and held.base.nbytes != mine.nbytes
+        fetched = Replicator(P.Codec(TOKEN), 2, AbortSignal()).fetch(holder.replica_endpoint, 1, step, timeout=10)
+        assert fetched.meta == mine.meta and torch.equal(fetched.data, mine.data)
+
+
 # ----------------------------------------------------------------------------- the holder's logic alone
 
 
@@ -147,6 +200,28 @@ def test_decide_asks_for_differing_blocks_and_the_tail_and_assemble_joins_them()
     assert not same_step.copy.valid()
     assert "changed meanwhile" in assemble(same_step, [blocks[1]])
     assert copies.find(7, nbytes) is None
+
+
+def test_decide_takes_the_blocks_a_local_copy_of_another_size_holds_and_asks_for_the_rest():
+    rng = np.random.default_rng(3)
+    short, long = 2 * CHECKSUM_BLOCK + 10, 4 * CHECKSUM_BLOCK + 10
+    buffers = {n: SharedBuffer(n) for n in (short, long)}
+    for buf in buffers.values():
+        buf.begin_write()
+    buffers[short].tensor.numpy()[:] = rng.integers(0, 255, short, dtype=np.uint8)
+    base = buffers[short].tensor.numpy()
+    buffers[long].tensor.numpy()[: 2 * CHECKSUM_BLOCK] = base[: 2 * CHECKSUM_BLOCK]
+    buffers[long].tensor.numpy()[2 * CHECKSUM_BLOCK :] = rng.integers(0, 255, long - 2 * CHECKSUM_BLOCK, dtype=np.uint8)
+    for size, buf in buffers.items():
+        copies = LocalCopies(lambda: [os.getpid()])
+        assert announce(copies, buf, 4, size) == ""
+        peer = (buffers[long] if size == short else buffers[short]).tensor.numpy().copy()
+        peer[CHECKSUM_BLOCK + 1] ^= 1  # block 1 differs; block 0 is the local copy's
+        held = offer(peer, 4, 0.0)
+        assert decide(held, copies, 0.0) and held.copy is not None
+        assert held.wanted == ([1, 2, 3] if size == short else [1])  # a short copy has no blocks 2 and 3
+        frames = assemble(held, [P.block_views(peer)[i] for i in held.wanted])
+        assert b"".join(bytes(f) for f in frames) == peer.tobytes()
 
 
 def test_local_copies_keep_a_workers_two_newest_buffers_only():
