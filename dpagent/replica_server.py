@@ -26,7 +26,7 @@ import zmq
 
 from dpcommon.channel import Channel, Incoming
 from dpcommon.checksum import checksum_chunks
-from .dedup import EXPECT_RESTORE_S, LocalCopies, Offer, assemble, decide, parse_offer
+from .dedup import EXPECT_RESTORE_S, OFFER_WAIT_S, LocalCopies, Offer, assemble, decide, parse_offer
 from .loop_events import EventPipe
 from dpcommon.protocol import (FetchSnapshot, LoadSnapshots, LocalSnapshot, OfferSnapshot, PutSnapshot, ReserveSnapshot,
                        SaveSnapshots, SnapshotAck, SnapshotBlocks, SnapshotChunk, SnapshotData, SnapshotFiles,
@@ -185,6 +185,9 @@ class ReplicaServer:
         for offer in list(self._waiting):
             if decide(offer, self.local, now):
                 self._waiting.remove(offer)
+                if offer.copy is None and now >= offer.deadline:  # a wait sat out: the next step's gate waits too
+                    log.info("offer of rank %d step %d: no snapshot of that step on this node within %.1f s; "
+                             "asked for whole", offer.msg.rank, offer.msg.step, OFFER_WAIT_S)
                 self._ask(offer)
 
     def expect_local(self, step: int, now: float) -> None:
