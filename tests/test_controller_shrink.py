@@ -94,6 +94,10 @@ def test_a_node_that_joins_a_narrow_job_takes_its_rank_back_from_the_carrier_s_s
     assert ra.adopt_from == {} and ra.carry == []
     (grew,) = h.named("job_grew")
     assert grew == {"event": "job_grew", "generation": 2, "nodes": ["d"], "processes": 3, "ranks": 3, "slowdown": 1}
+    assert h.c.timeline.holder_key(1, 6) == 0, "until the grown generation trains, rank 1's newer state is in rank 0's"
+    for node, rank in (("a", 0), ("d", 1), ("c", 2)):
+        h.msg(node, p.WorkerReady(node, 2, rank, 0.02, 0.02, "replica"))
+    h.msg("d", p.Progress("d", 2, 1, 6))
     assert h.c.timeline.holder_key(1, 5) == 0 and h.c.timeline.holder_key(1, 6) == 1
 
 

@@ -19,16 +19,14 @@ pytestmark = pytest.mark.timeout(120)
 
 SEEDS = 300
 
-# seeds (drawn with shrink=1.0) on which the simulator finds a bug of the controller's shrink or grow (not fixed
-# here: dprun/controller is another engineer's); each class has one xfail(strict=True) test below
+# seeds (drawn with shrink=1.0) on which the simulator finds a bug of the controller's shrink or grow not fixed yet;
+# each class has one xfail(strict=True) test below
 KNOWN_BUGS = {
     25: "merged-restore-copy-replaces-held-part",
     29: "step-0-adoption-without-init", 49: "step-0-adoption-without-init", 87: "step-0-adoption-without-init",
     134: "step-0-adoption-without-init", 307: "step-0-adoption-without-init",
     151: "carried-part-at-restore-step-unknown", 340: "carried-part-at-restore-step-unknown",
-    123: "grown-key-bounded-by-its-old-copies", 187: "grown-key-bounded-by-its-old-copies",
     137: "grow-planned-as-the-job-finishes",
-    259: "grow-restore-step-overtaken", 331: "grow-restore-step-overtaken",
 }
 
 
@@ -107,14 +105,20 @@ def _xfail(seed: int, reason: str):
     _xfail(340, "state lost after a shrink then the loss of a carrier: the carrier's snapshot of the restore step "
                 "(retaken with the adopted parts, on a live replica) holds the ranks, but held_in says they are "
                 "in their lost keys' snapshots until the step after"),
-    _xfail(123, "a grown node dies before it restored: its key's plan bound is that key's own old copies (from "
-                "before the shrink), not the carrier's snapshot that holds it; survivors' rings passed that step: "
-                "state lost while a later step is whole"),
     _xfail(137, "a grow planned as the narrow job's last step completes: its process exited 0 before the "
                 "Reconfigure came, the new generation waits for it for ever (liveness)"),
-    _xfail(331, "a grow planned while the narrow job trains on: by the time the Reconfigure arrives the workers "
-                "made 2 more snapshot steps, the stores dropped the restore step, and the ledger's rollback "
-                "forgot the newer copies: state lost on a node joining"),
 ])
 def test_known_controller_bugs_found_by_shrink_schedules(seed):
+    run_schedule(random_schedule(seed, shrink=1.0))
+
+
+# seeds of the controller bugs fixed since the simulator found them: each replays clean
+FIXED = {
+    123: "grown-key-bounded-by-its-old-copies", 187: "grown-key-bounded-by-its-old-copies",
+    259: "grow-restore-step-overtaken", 331: "grow-restore-step-overtaken",
+}
+
+
+@pytest.mark.parametrize("seed", sorted(FIXED))
+def test_seeds_of_fixed_controller_bugs_replay_clean(seed):
     run_schedule(random_schedule(seed, shrink=1.0))

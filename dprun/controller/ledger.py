@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from dpcommon.replica_store import KEEP_STEPS as KEEP_PER_HOLDER  # what each replica store keeps per rank
 KEEP_SNAPSHOT_STEPS = 64  # newest distinct snapshot steps remembered (survivor floors look a few steps back)
+NEWEST = 1 << 62  # a step past any: keys_at(NEWEST) names the ranks whose snapshots hold the newest state
 INIT = "init"  # restore source: keep the freshly initialised state (a rank that never had a snapshot)
 
 
@@ -63,6 +64,18 @@ class ReplicaLedger:
                 self.newest_ever[rank] = step
         self.snapshot_steps[:] = [s for s in self.snapshot_steps if s <= step] or [0]
 
+    def trains_from(self, step: int) -> None:
+        """The job trains again from `step` (its abandoned timeline's copies already discarded): the newest step
+        ever replicated and the grid are those of the copies still held past it (the new timeline's own)."""
+        for rank, newest in self.newest_ever.items():
+            if newest > step:
+                self.newest_ever[rank] = max(step, max((s for s in self._steps_of(rank) if s > step), default=step))
+        held = {s for steps in self._step_lists() for s in steps}
+        self.snapshot_steps[:] = [s for s in self.snapshot_steps if s <= step or s in held] or [0]
+
+    def _steps_of(self, rank: int) -> list[int]:
+        return [s for steps in self.held.get(rank, {}).values() for s in steps]
+
     def forget(self, step: int) -> None:
         """No copy of `step` is to be counted on any more (a save of it failed: its copies damaged, or moved
         past by workers that trained on): plans pass it by, for an older step or a newer one reported since."""
@@ -76,8 +89,7 @@ class ReplicaLedger:
         return [steps for by_holder in self.held.values() for steps in by_holder.values()]
 
     def newest_live(self, rank: int) -> int | None:
-        steps = [s for held in self.held.get(rank, {}).values() for s in held]
-        return max(steps) if steps else None
+        return max(self._steps_of(rank), default=None)
 
     def newest_held_by(self, rank: int, holder: str) -> int:
         """The newest step of `rank` that `holder` reported it stores (-1: none)."""
@@ -117,8 +129,11 @@ class ReplicaLedger:
         floors, no_local = floors or {}, no_local or {}
         bounds: dict[int, int] = {}
         lost = []
-        for rank in ranks:
-            if rank in failed_ranks:
+        # the ranks whose snapshots hold the newest state: those of the width that trained last (a process
+        # that a grow or shrink planned but has not trained yet holds none of it)
+        bounded = ranks if keys_at is None else keys_at(NEWEST)
+        for rank in bounded:
+            if rank in failed_ranks or rank not in ranks:
                 live = self.newest_live(rank)
                 if live is not None:
                     bounds[rank] = live

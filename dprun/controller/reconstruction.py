@@ -321,7 +321,8 @@ class Reconstruction:
                               shrink, grow)
 
     def begin_generation(self, rec: Recovery, now: float, failed_slots: list[int], spares: list[Node],
-                         step: int, shrink: Narrowing | None = None, grow: list[Node] | None = None) -> None:
+                         step: int, shrink: Narrowing | None = None, grow: list[Node] | None = None,
+                         from_disk: bool = False) -> None:
         """The next generation: spares promoted into the failed slots, the nodes of `shrink` out of the layout
         (their ranks trained by the others) or those of `grow` into it, every rank going back to `step`."""
         timeline = self.timeline
@@ -339,9 +340,9 @@ class Reconstruction:
             timeline.layout[i] = spare.node_id
             self.out.publish("spare_promoted", spare=spare.node_id, node_rank=i, generation=timeline.generation + 1)
         if shrink:
-            self.reshaping.shrink(rec, shrink, step)
+            self.reshaping.shrink(rec, shrink)
         if grow:
-            self.reshaping.grow(rec, grow, step)
+            self.reshaping.grow(rec, grow)
         rec.peak_step = max(rec.peak_step, timeline.max_step)
         timeline.began(step, now)
         self.crashed_at = {}
@@ -349,7 +350,10 @@ class Reconstruction:
         rec.t_decide = now
         rec.restore_step = step
         rec.lost_steps = max(0, rec.peak_step - step)
-        self.ledger.rollback(step)
+        if step < 0 or from_disk:  # (a restart from scratch, or the stores' copies past `step` replaced by files)
+            self.ledger.rollback(step)
+        else:
+            timeline.abandon_after(self.ledger, step)
 
     def store_lost(self, node_id: str, cause: str, now: float) -> None:
         """A fenced node's kept store was lost: a rank that the recovery under way restores from it has its plan

@@ -49,7 +49,7 @@ class Reshaping:
         shrink keeps those processes, whose own snapshots are then their only state."""
         return frozenset(rank for rank in self.timeline.keys() if self.ledger.newest_live(rank) is None)
 
-    def shrink(self, rec: Recovery, shrink: Narrowing, step: int) -> None:
+    def shrink(self, rec: Recovery, shrink: Narrowing) -> None:
         """The nodes of shrink.leaving leave the layout; the ranks their processes trained go to the others. A
         sharded job's nodes that leave alive (the lost replica's others) keep their stores serving until the end."""
         timeline, narrower = self.timeline, shrink.width
@@ -57,7 +57,7 @@ class Reshaping:
         retired = [node_id for node_id in rec.shrunk if self.table.nodes[node_id].role == ACTIVE]
         for node_id in retired:
             self._retire(self.table.nodes[node_id])
-        timeline.reshaped(narrower, [timeline.layout[i] for i in shrink.nodes], self.table, step)
+        timeline.reshaped(narrower, [timeline.layout[i] for i in shrink.nodes], self.table)
         self.out.publish("job_shrunk", generation=timeline.generation + 1, nodes=rec.shrunk,
                          processes=narrower.processes, ranks=narrower.logical_world, slowdown=narrower.slowdown,
                          carried={str(ranks[0]): list(ranks[1:]) for ranks in narrower.assignment if len(ranks) > 1},
@@ -71,7 +71,7 @@ class Reshaping:
         self.table.set_role(node, FAILED)
         self.out.send(node.node_id, p.Stop(reason=f"node {node.node_id} {node.cause}", keep_store=True))
 
-    def grow(self, rec: Recovery, spares: list[Node], step: int) -> None:
+    def grow(self, rec: Recovery, spares: list[Node]) -> None:
         """The spares join the layout; their processes take back ranks that others trained. The nodes are put in
         the order of their processes' own ranks, so that a job grown back to full width is in order again (rank
         r on process r: DataParallel's own reduction, no ranks to tell the workers)."""
@@ -93,7 +93,7 @@ class Reshaping:
         for spare in spares:
             self.table.set_role(spare, ACTIVE)
             rec.promoted[layout.index(spare.node_id)] = spare.node_id
-        timeline.reshaped(wider, layout, self.table, step)
+        timeline.reshaped(wider, layout, self.table)
         self.out.publish("job_grew", generation=timeline.generation + 1, nodes=[s.node_id for s in spares],
                          processes=wider.processes, ranks=wider.logical_world, slowdown=wider.slowdown)
 

@@ -169,7 +169,7 @@ class Controller:
         timeline = self.timeline
         if msg.generation > timeline.trained_generation:  # (a generation after the first comes of a recovery)
             rec = self.reconstruction.recovery
-            timeline.first_step(self.ledger, rec.restore_step if rec is not None else p.NO_RANK)
+            timeline.first_step(self.ledger, rec.restore_step if rec is not None else None)
         node.last_step = max(node.last_step, msg.step)
         if msg.snapshot:
             self.ledger.snapshot_taken(msg.step)
@@ -317,7 +317,8 @@ class Controller:
             self.finish_job(1, decision.message)
         elif isinstance(decision, FromDisk):  # (the background save in flight is abandoned: an event says so)
             self.files.background_saved(self.saves.abandon(now, "a recovery from disk began"))
-            self.reconstruction.begin_generation(rec, now, decision.failed_slots, decision.spares, decision.step)
+            self.reconstruction.begin_generation(rec, now, decision.failed_slots, decision.spares, decision.step,
+                                                 from_disk=True)
             rec.from_disk = decision.folder
             self.files.load(decision.folder, decision.step, self.timeline.generation, rec, self.now)
         elif isinstance(decision, NextGeneration):

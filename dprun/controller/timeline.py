@@ -95,17 +95,23 @@ class Timeline:
         return {r: key for ranks in self.width.assignment for r in ranks
                 if (key := self.holder_key(r, step)) != ranks[0]}
 
-    def reshaped(self, width: Width, layout: list[str], table: NodeTable, step: int) -> None:
-        """The job goes on at `width` over `layout` from `step` (a shrink or a grow): each rank now trained by
-        another process is in that process's snapshots from the next step on."""
-        for process, ranks in enumerate(width.assignment):
-            for r in ranks:
-                if self.holder_key(r, step + 1) != ranks[0]:
-                    self.held_in[r] = [(since, key) for since, key in self.held_in[r] if since <= step]
-                    self.held_in[r].append((step + 1, ranks[0]))
+    def reshaped(self, width: Width, layout: list[str], table: NodeTable) -> None:
+        """The job goes on at `width` over `layout` (a shrink or a grow). Which snapshots hold a rank changes only
+        once the new generation trains (first_step): the copies of later steps until then are the old width's."""
         self.width, self.layout = width, layout
         for node_rank, node_id in enumerate(layout):
             table.nodes[node_id].node_rank = node_rank
+
+    def _trains_from(self, step: int) -> None:
+        """This generation trains from `step`: each rank trained by another process than held it is in that
+        process's snapshots from the next step on (the attributions of steps past `step` were of an abandoned
+        timeline)."""
+        for ranks in self.width.assignment:
+            for r in ranks:
+                kept = [(since, key) for since, key in self.held_in[r] if since <= step]
+                if kept[-1:] == [] or kept[-1][1] != ranks[0]:
+                    kept.append((step + 1, ranks[0]))
+                self.held_in[r] = kept
 
     def rank_of(self, node: Node, local_rank: int) -> int:
         """The own rank of a node's local worker: NO_RANK where the node holds no node rank (a spare)."""
@@ -212,14 +218,29 @@ class Timeline:
         older copy counted on may be gone, the newer one unknown, and the state said lost)."""
         return isinstance(msg, p.SnapshotStored) and self.trained_generation <= msg.generation < self.generation
 
-    def first_step(self, ledger: ReplicaLedger, restore_step: int) -> None:
-        """This generation trains from `restore_step` on: the late copies of steps past it are of an abandoned
-        timeline (the stores drop them as this generation's copies come), and the ledger forgets them too."""
+    def abandon_after(self, ledger: ReplicaLedger, step: int) -> None:
+        """A new generation goes back to `step`: the copies of later steps are of the timeline it abandons, but
+        they still hold every rank's newest state until it trains (a plan made again before, as when a grow's
+        restore step was passed by workers that trained on meanwhile, may need them). Counted on as late
+        copies: dropped as their holders store this generation's copies of those ranks, or once it trains."""
+        for rank, by_holder in ledger.held.items():
+            for holder, steps in by_holder.items():
+                self.late_copies.extend((rank, s, holder) for s in steps
+                                        if s > step and (rank, s, holder) not in self.late_copies)
+
+    def first_step(self, ledger: ReplicaLedger, restore_step: int | None) -> None:
+        """This generation trains from `restore_step` on (None: the first generation): the late copies of steps
+        past it are of an abandoned timeline (the stores drop them as this generation's copies come), and the
+        ledger forgets them too; the ranks it moved are in their new processes' snapshots from the next step."""
         self.trained_generation = self.generation
+        if restore_step is None:
+            return
         for rank, step, holder in self.late_copies:
             if step > restore_step:
                 ledger.discard(rank, step, holder)
         self.late_copies = []
+        ledger.trains_from(restore_step)
+        self._trains_from(restore_step)
 
     def copy_stored(self, ledger: ReplicaLedger, msg: p.SnapshotStored, holder: str) -> None:
         """`holder` stored a copy (SnapshotStored), of this generation or a late one of an older generation."""

@@ -1,0 +1,66 @@
+"""--on-spare-exhausted shrink in the controller, where a width change meets what the workers did meanwhile: a grow
+whose restore step the workers trained past, a node lost before a grown one restored (the simulator's seeds)."""
+
+import pytest
+
+from dpcommon import protocol as p
+from dprun.controller.state_machine import NodeGone, Tick
+from helpers.controller_harness import Harness
+from test_controller_shrink import shrunk_and_training
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def grow_planned_at_step_5() -> Harness:
+    """shrunk_and_training, then d joins: the grow goes back to step 5 (rank 0's newest copy the controller
+    knows of, rank 0's snapshots holding rank 1 that d takes back)."""
+    h = shrunk_and_training()
+    h.register("d", spare=True)
+    h.pong_all()
+    assert h.c.timeline.generation == 2 and h.sent_to("d", p.Reconfigure)[-1].restore_step == 5
+    return h
+
+
+def test_a_grow_whose_restore_step_the_workers_trained_past_goes_to_their_newer_step():
+    """Nothing stops a narrow job that trains while its grow is planned: a and c made steps 6 and 7 (their copies
+    reported late) and no longer hold step 5, so every restore fails. The copies of 6 and 7 still hold the job's
+    newest state (no generation trained since): the grow is planned again from step 7, not 'state lost'."""
+    h = grow_planned_at_step_5()
+    for step in (6, 7):
+        h.msg("c", p.SnapshotStored("c", 0, step, 1))
+        h.msg("a", p.SnapshotStored("a", 2, step, 1))
+    h.msg("a", p.RestoreFailed("a", 2, 0, 5, "", "no local copy"))
+    h.msg("a", p.PeerError("a", 2, 0, "snapshot of rank 0 at step 5 not found"))
+    h.msg("c", p.RestoreFailed("c", 2, 2, 5, "", "no local copy"))
+    h.msg("d", p.RestoreFailed("d", 2, 0, 5, "tcp://c:1", "not held"))
+    for _ in range(3):  # (the probe answered, the plan waits a heartbeat for exits in flight)
+        h.pong_all()
+        h.feed(Tick(), dt=0.3)
+    assert h.finish is None, h.finish
+    assert h.c.timeline.generation == 3 and h.c.timeline.layout == ["a", "d", "c"]
+    (rd,) = h.sent_to("d", p.Reconfigure)[-1:]
+    assert rd.restore_step == 7 and rd.adopt_from == {"1": 0} and rd.restore_from["0"] == "tcp://c:1"
+    assert h.sent_to("a", p.Reconfigure)[-1].restore_from["0"] in ("", "tcp://c:1")
+
+
+def test_a_generation_that_trained_drops_the_copies_of_the_timeline_it_abandoned():
+    h = grow_planned_at_step_5()
+    h.msg("c", p.SnapshotStored("c", 0, 6, 1))  # (a late copy: a trained step 6 before the grow reached it)
+    assert h.c.ledger.newest_live(0) == 6
+    for node, rank in (("a", 0), ("d", 1), ("c", 2)):
+        h.msg(node, p.WorkerReady(node, 2, rank, 0.02, 0.02, "local"))
+    h.msg("a", p.Progress("a", 2, 0, 6))
+    assert h.c.ledger.holders_of(0, 6) == [] and h.c.ledger.newest_ever[0] == 5
+
+
+def test_a_grown_node_lost_before_it_restored_takes_its_rank_from_the_carrier_s_newest_snapshot():
+    """d dies before it restored rank 1: rank 1's state is still in rank 0's snapshots (its own copies are
+    from before the shrink, of step 4), so it is bounded by those, not by its own old copies: the job shrinks
+    again from step 5 rather than saying rank 1 lost."""
+    h = grow_planned_at_step_5()
+    h.feed(NodeGone("d", "killed"), dt=1)
+    h.pong_all()
+    assert h.finish is None, h.finish
+    assert h.c.timeline.generation == 3 and h.c.timeline.layout == ["a", "c"]
+    (ra,) = h.sent_to("a", p.Reconfigure)[-1:]
+    assert ra.restore_step == 5 and ra.adopt_from == {} and ra.carry == [[0, 1], [2]]
