@@ -91,7 +91,9 @@ class RestoreModel:
                 return
         worker.parts = restored_parts(node.node_id, worker.carry, adopt, worker.fetched, msg.restore_step)
         merged = any(rank in adopt for rank in worker.carry)  # a new snapshot in place of the one restored
-        copy = dict(worker.parts) if merged else worker.fetched[key]
+        # (its own snapshot restored: the new one keeps the parts of the ranks it held and no longer carries)
+        copy = dict(worker.parts) if key in adopt else {**worker.fetched[key], **worker.parts} if merged \
+            else worker.fetched[key]
         self.restored(node, local, generation, "replica" if merged else where, copy)
 
     def _fetch(self, node: SimNode, local: int, generation: int, key: int, sources: list) -> None:

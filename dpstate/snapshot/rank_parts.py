@@ -48,7 +48,7 @@ def with_part(tree: dict, rank: int, part: dict) -> dict:
         out["state"][name] = {"per_rank": {**entries, str(rank): entry}}
     others = _entries(out["state"].get(RANKS_RNG_NAME)) or {}
     out["state"][RANKS_RNG_NAME] = {"per_rank": {**others, str(rank): part["rng"]}}
-    out["ranks"] = [*carried_by(tree), rank]
+    out["ranks"] = [*(r for r in carried_by(tree) if r != rank), rank]  # (a stale part it held is replaced)
     return out
 
 

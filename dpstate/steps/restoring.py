@@ -31,8 +31,9 @@ class Restoring:
     def restore(self, reconf: P.Reconfigure, carried: Carried, started: bool, world_size: int,
                 sharded: bool = False) -> tuple[P.RestoredFrom, Slot | None, bool]:
         """Bring the tracked state to reconf.restore_step; returns where it came from, the snapshot restored,
-        if any (to be replicated again for this generation), and whether other ranks' parts were taken in (or,
-        `sharded`, its shards cut anew: the job's mesh changed shape)."""
+        if any (to be replicated again for this generation), and whether the caller must capture the step anew
+        (its own rank's state came from another rank's snapshot, or, `sharded`, its shards were cut anew: the
+        job's mesh changed shape). Its own snapshot with other ranks' parts taken in is replicated here."""
         step, rep, sources, key = reconf.restore_step, self._rep, self._sources, carried.ranks[0]
         source = reconf.restore_from.get(str(key), "")
         adopt = {int(rank): holder for rank, holder in reconf.adopt_from.items()}
@@ -76,15 +77,24 @@ class Restoring:
         merged = any(rank in adopt for rank in carried.ranks[1:])
         # a sharded job whose process carries other ranks than its snapshot did: its shards are cut anew
         reshard = sharded and (merged or carried_by(tree) != list(carried.ranks))
-        self._restore_tree(reconf, tree, adopt, carried, [tree] if reshard else None)
-        return where, slot, merged or reshard
+        whole = self._restore_tree(reconf, tree, adopt, carried, [tree] if reshard else None)
+        if merged and not reshard:
+            # its snapshot of the step is taken anew: the tree restored, the adopted ranks' parts added. The parts
+            # of the ranks it held and no longer trains stay in it, so that a process adopting them from this
+            # snapshot (the job changed width again before it trained) finds them, before this put or after it
+            with rep.holding(step):  # (its tensors are views of `slot`: no capture writes there, let go once copied)
+                rep.submit(step, whole, self._tracked.shared_keys)
+                rep.wait_captured()
+            rep.forget(slot)
+            return where, None, False  # (sent here: nothing left for the caller to replicate)
+        return where, slot, reshard
 
     def _restore_tree(self, reconf: P.Reconfigure, tree: dict, adopt: dict[int, int], carried: Carried,
-                      shards: list[dict] | None = None) -> None:
+                      shards: list[dict] | None = None) -> dict:
         """Restore `tree`, with the part of each rank new to this process taken from the snapshot that holds it
         (a shrink: dpstate.snapshot.rank_parts), fetched into a spare buffer and let go once read. `shards`: a
         sharded job's trees whose shards make up this process's (dpstate.snapshot.reshard), to which the
-        fetched trees are added."""
+        fetched trees are added. Returns the tree restored, with those parts."""
         for rank in carried.ranks[1:]:
             if rank in adopt:
                 held = self._sources.fetch_any(reconf, adopt[rank], {})
@@ -96,6 +106,7 @@ class Restoring:
                 if shards is not None:
                     shards.append(other)
         self._tracked.restore(tree, reshard_from=shards)
+        return tree
 
     @staticmethod
     def _tree(slot: Slot, step: int) -> dict:
