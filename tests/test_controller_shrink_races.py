@@ -5,7 +5,7 @@ import pytest
 
 from dpcommon import protocol as p
 from dprun.controller.state_machine import NodeGone, Tick
-from helpers.controller_harness import Harness
+from helpers.controller_harness import Harness, spec
 from test_controller_shrink import shrunk_and_training
 
 pytestmark = pytest.mark.timeout(30)
@@ -64,3 +64,20 @@ def test_a_grown_node_lost_before_it_restored_takes_its_rank_from_the_carrier_s_
     assert h.c.timeline.generation == 3 and h.c.timeline.layout == ["a", "c"]
     (ra,) = h.sent_to("a", p.Reconfigure)[-1:]
     assert ra.restore_step == 5 and ra.adopt_from == {} and ra.carry == [[0, 1], [2]]
+
+
+def test_a_rank_lost_before_its_step_0_snapshot_reached_a_replica_is_not_carried_by_another_process():
+    """b dies before any of its snapshots was stored: rank 1's state before training is nowhere but in a process
+    started as rank 1 (its RNG is the script's own), so the job does not shrink (no generation that would fetch
+    it from no store, planned again and again): it says why, and ends as --shrink-fallback fail says."""
+    h = Harness(spec(nnodes=3, spares=0, on_spare_exhausted="shrink"))
+    for rank, node in enumerate("abc"):
+        h.register(node, rank=rank)
+    for rank, holder in ((0, "b"), (2, "a")):
+        h.msg(holder, p.SnapshotStored(holder, rank, 0, 0))
+    h.feed(NodeGone("b", "killed"), dt=1)
+    h.pong_all()
+    (refused,) = h.named("shrink_refused")
+    assert "ranks [1] were lost before their state at step 0 reached a replica" in refused["reason"]
+    assert not h.named("job_shrunk") and h.c.timeline.generation == 0
+    assert h.finish is not None and h.finish.exit_code == 1 and "could not shrink" in h.finish.message

@@ -22,8 +22,6 @@ SEEDS = 300
 # seeds (drawn with shrink=1.0) on which the simulator finds a bug of the controller's shrink or grow not fixed yet;
 # each class has one xfail(strict=True) test below
 KNOWN_BUGS = {
-    29: "step-0-adoption-without-init", 49: "step-0-adoption-without-init", 87: "step-0-adoption-without-init",
-    134: "step-0-adoption-without-init", 307: "step-0-adoption-without-init",
     151: "carried-part-at-restore-step-unknown", 340: "carried-part-at-restore-step-unknown",
     137: "grow-planned-as-the-job-finishes",
 }
@@ -95,9 +93,6 @@ def _xfail(seed: int, reason: str):
 
 
 @pytest.mark.parametrize("seed", [
-    _xfail(49, "a shrink to restore step 0 before the lost rank's step-0 snapshot was replicated: the plan's "
-               "source is init, but Reconfigure names no store for the adopted key (restore_from '' and "
-               "adopt_from set), dpstate fetches it, fails, and the same plan repeats until 'could not start'"),
     _xfail(340, "state lost after a shrink then the loss of a carrier: the carrier's snapshot of the restore step "
                 "(retaken with the adopted parts, on a live replica) holds the ranks, but held_in says they are "
                 "in their lost keys' snapshots until the step after"),
@@ -110,6 +105,8 @@ def test_known_controller_bugs_found_by_shrink_schedules(seed):
 
 # seeds of the controller bugs fixed since the simulator found them: each replays clean
 FIXED = {
+    29: "step-0-adoption-without-init", 49: "step-0-adoption-without-init", 87: "step-0-adoption-without-init",
+    134: "step-0-adoption-without-init", 307: "step-0-adoption-without-init",
     25: "merged-restore-copy-replaces-held-part",
     123: "grown-key-bounded-by-its-old-copies", 187: "grown-key-bounded-by-its-old-copies",
     259: "grow-restore-step-overtaken", 331: "grow-restore-step-overtaken",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dpcommon import protocol as p
 
-from .ledger import ReplicaLedger
+from .ledger import NEWEST, ReplicaLedger
 from .mesh_narrowing import MeshDims
 from .narrowing import Narrowing, Width
 from .nodes import ACTIVE, FAILED, Node, NodeTable
@@ -23,9 +23,20 @@ class Reshaping:
     def narrowing(self, failed_slots: list[int], spares: int) -> Narrowing | str:
         """The job without the failed nodes that no spare takes (a sharded job's: without all of them, its spares
         kept to grow it back whole), or why it cannot go on so."""
-        mesh = self.timeline.mesh
-        return self.timeline.without_nodes(failed_slots if mesh else failed_slots[spares:],
-                                           MeshDims.parse(mesh) if mesh else None, self.anchored())
+        mesh, nproc = self.timeline.mesh, self.spec.nproc_per_node
+        found = self.timeline.without_nodes(failed_slots if mesh else failed_slots[spares:],
+                                            MeshDims.parse(mesh) if mesh else None, self.anchored())
+        if isinstance(found, str):
+            return found
+        # a rank whose state before training is in no snapshot (its process was lost before its step-0 snapshot
+        # was replicated) comes back only in a process started as that rank: its RNG is the script's own
+        moved = [r for i in found.leaving for p in range(i * nproc, (i + 1) * nproc)
+                 for r in self.timeline.width.assignment[p]]
+        unheld = sorted(r for r in moved if self.timeline.holder_key(r, NEWEST) not in self.ledger.newest_ever)
+        if unheld:
+            return (f"ranks {unheld} were lost before their state at step 0 reached a replica: no other process "
+                    "can take them over (their RNG before training is their own process's)")
+        return found
 
     def waits_for_spares(self) -> bool:
         """With no spare left (and no shrink), the survivors wait for a node to join rather than end the job."""
