@@ -81,3 +81,47 @@ def test_a_rank_lost_before_its_step_0_snapshot_reached_a_replica_is_not_carried
     assert "ranks [1] were lost before their state at step 0 reached a replica" in refused["reason"]
     assert not h.named("job_shrunk") and h.c.timeline.generation == 0
     assert h.finish is not None and h.finish.exit_code == 1 and "could not shrink" in h.finish.message
+
+
+def test_a_rank_whose_old_copies_are_lost_comes_back_from_the_carrier_s_snapshot_taken_anew():
+    """4 nodes, 2 replicas. b (rank 1) dies: a carries rank 1, taken in from its copy on c, and replicates its
+    snapshot of the restore step anew, with rank 1 in it, to c and d. c dies before the narrow job trained:
+    rank 1's own copies died with it, but a's snapshot of step 4 taken anew on d holds it (as does a's local one):
+    the job shrinks again from step 4, a restoring its own snapshot from d, not 'state lost'."""
+    h = Harness(spec(nnodes=4, spares=0, replicas=2, on_spare_exhausted="shrink"))
+    for rank, node in enumerate("abcd"):
+        h.register(node, rank=rank)
+    for step in range(5):
+        for rank, holder in ((0, "b"), (0, "c"), (1, "c"), (2, "d"), (3, "a")):
+            h.msg(holder, p.SnapshotStored(holder, rank, step, 0))
+    h.msg("a", p.Progress("a", 0, 0, 5))
+    h.feed(NodeGone("b", "killed"), dt=1)
+    h.pong_all()
+    assert h.c.timeline.width.assignment == ((0, 1), (2,), (3,))
+    assert h.sent_to("a", p.Reconfigure)[-1].adopt_from == {"1": 1}
+    h.msg("a", p.WorkerReady("a", 1, 0, 0.02, 0.02, "local"))
+    h.msg("d", p.SnapshotStored("d", 0, 4, 1))  # (a's snapshot of step 4 taken anew, with rank 1's part)
+    h.feed(NodeGone("c", "killed"), dt=1)
+    h.pong_all()
+    assert h.finish is None, h.finish
+    assert h.c.timeline.generation == 2 and h.c.timeline.width.assignment == ((0, 1), (3, 2))
+    (ra,) = h.sent_to("a", p.Reconfigure)[-1:]
+    assert ra.restore_step == 4 and ra.adopt_from == {} and ra.restore_from["0"] == "tcp://d:1"
+    (rd,) = h.sent_to("d", p.Reconfigure)[-1:]
+    assert rd.adopt_from == {"2": 2} and rd.restore_from["2"] == "tcp://d:1"
+
+
+def test_a_copy_of_the_restore_step_from_before_it_was_taken_anew_is_not_planned_for_the_ranks_taken_in():
+    h = Harness(spec(nnodes=3, spares=0, on_spare_exhausted="shrink"))
+    for rank, node in enumerate("abc"):
+        h.register(node, rank=rank)
+    for step in range(5):
+        for rank, holder in ((0, "b"), (1, "c"), (2, "a")):
+            h.msg(holder, p.SnapshotStored(holder, rank, step, 0))
+    h.feed(NodeGone("b", "killed"), dt=1)
+    h.pong_all()
+    timeline, ledger = h.c.timeline, h.c.ledger
+    h.msg("c", p.SnapshotStored("c", 0, 4, 0))  # (a late copy of a's from before: without rank 1)
+    assert timeline.copies(ledger, 0, 4, {0: 0, 1: 0}) == [] and timeline.copies(ledger, 0, 4, {0: 0}) == ["c"]
+    h.msg("c", p.SnapshotStored("c", 0, 4, 1))  # taken anew
+    assert timeline.copies(ledger, 0, 4, {0: 0, 1: 0}) == ["c"]

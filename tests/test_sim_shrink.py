@@ -22,7 +22,6 @@ SEEDS = 300
 # seeds (drawn with shrink=1.0) on which the simulator finds a bug of the controller's shrink or grow not fixed yet;
 # each class has one xfail(strict=True) test below
 KNOWN_BUGS = {
-    151: "carried-part-at-restore-step-unknown", 340: "carried-part-at-restore-step-unknown",
     137: "grow-planned-as-the-job-finishes",
 }
 
@@ -93,9 +92,6 @@ def _xfail(seed: int, reason: str):
 
 
 @pytest.mark.parametrize("seed", [
-    _xfail(340, "state lost after a shrink then the loss of a carrier: the carrier's snapshot of the restore step "
-                "(retaken with the adopted parts, on a live replica) holds the ranks, but held_in says they are "
-                "in their lost keys' snapshots until the step after"),
     _xfail(137, "a grow planned as the narrow job's last step completes: its process exited 0 before the "
                 "Reconfigure came, the new generation waits for it for ever (liveness)"),
 ])
@@ -105,6 +101,7 @@ def test_known_controller_bugs_found_by_shrink_schedules(seed):
 
 # seeds of the controller bugs fixed since the simulator found them: each replays clean
 FIXED = {
+    151: "carried-part-at-restore-step-unknown", 340: "carried-part-at-restore-step-unknown",
     29: "step-0-adoption-without-init", 49: "step-0-adoption-without-init", 87: "step-0-adoption-without-init",
     134: "step-0-adoption-without-init", 307: "step-0-adoption-without-init",
     25: "merged-restore-copy-replaces-held-part",

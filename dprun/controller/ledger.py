@@ -116,7 +116,8 @@ class ReplicaLedger:
         """The newest step every one of `ranks` (whose snapshots hold the job's state) can come back to; failed
         nodes must already be `holder_lost`. `keys_at(step)`: the ranks whose snapshots of an older step hold
         the job's state, where they were others (a job that shrank or grew since): those not of `ranks` come
-        from their replicas.
+        from their replicas; where it has holders(rank, step) (dprun.controller.timeline.StepHolding), those are
+        the holders of its copies that hold what is taken from them (else: every holder of a copy of that step).
 
         A failed rank comes back from a live replica; one that never had a snapshot comes back from its
         fresh initial state at step 0; one whose every copy is gone is lost. A surviving rank is bounded
@@ -127,6 +128,7 @@ class ReplicaLedger:
         the plan goes down the snapshot grid to the newest step that every rank has a copy of.
         """
         floors, no_local = floors or {}, no_local or {}
+        holders = getattr(keys_at, "holders", self.holders_of)
         bounds: dict[int, int] = {}
         lost = []
         # the ranks whose snapshots hold the newest state: those of the width that trained last (a process
@@ -143,26 +145,28 @@ class ReplicaLedger:
                     bounds[rank] = 0
             else:
                 bounds[rank] = max(self.newest_ever.get(rank, 0), floors.get(rank, 0), 0)
-        if lost:
+        if lost and keys_at is None:
             return RestorePlan(step=-1, lost=lost)
+        # (with keys_at, a rank whose every copy is gone may be in another's snapshot of an older step, taken
+        # anew as that one restored it: dprun.controller.retaken; the steps below say, else it is lost)
         newest = min(bounds.values()) if bounds else 0
         first_lost: list[int] | None = None
         for step in [newest, *(s for s in reversed(self.snapshot_steps) if s < newest)]:
             keys = ranks if keys_at is None else keys_at(step)
             gone = failed_ranks | (set(keys) - set(ranks))
-            sources, lost = self._sources_at(step, keys, gone, no_local)
+            sources, lost = self._sources_at(step, keys, gone, no_local, holders)
             if not lost:
                 return RestorePlan(step=step, sources=sources)
             first_lost = lost if first_lost is None else first_lost
-        return RestorePlan(step=-1, lost=first_lost or [])
+        return RestorePlan(step=-1, lost=[rank for rank in bounded if rank not in bounds] or first_lost or [])
 
-    def _sources_at(self, step: int, ranks: Sequence[int], failed_ranks: set[int],
-                    no_local: dict[int, int]) -> tuple[dict[int, str], list[int]]:
-        """Where each rank's copy of `step` comes from, and the ranks that have none."""
+    def _sources_at(self, step: int, ranks: Sequence[int], failed_ranks: set[int], no_local: dict[int, int],
+                    holders: Callable[[int, int], list[str]]) -> tuple[dict[int, str], list[int]]:
+        """Where each rank's copy of `step` comes from (one of `holders`), and the ranks that have none."""
         sources: dict[int, str] = {}
         lost = []
         for rank in ranks:
-            holder = self.holder_of(rank, step)
+            holder = next(iter(holders(rank, step)), None)
             if rank in failed_ranks:
                 if holder is not None:
                     sources[rank] = holder

@@ -19,7 +19,7 @@ from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable, Role
 from .phase import Phase
 from .narrowing import Narrowing
 from .reshaping import Reshaping
-from .timeline import Timeline
+from .timeline import StepHolding, Timeline
 
 MAX_REPLANS = 3  # generations planned again in a row with no node lost before the job gives up
 
@@ -276,8 +276,7 @@ class Reconstruction:
                             | self.timeline.unrestored)
             if grow:  # the processes that give a rank back: their snapshots must be on replicas the new node reads
                 failed_ranks |= {ranks[0] for ranks in self.timeline.width.assignment if len(ranks) > 1}
-            plan = self.ledger.plan(self.timeline.keys(), failed_ranks, self.timeline.survivor_floors(self.ledger),
-                                    rec.no_local, keys_at=self.timeline.keys_at)
+            plan = self._plan(failed_ranks, rec)
         if plan.lost and not rec.probed_for_lost:
             # "lost" ends the job, so first probe every node once more: a copy stored just after its holder
             # answered the last probe (a restored snapshot re-replicated to a new holder) is reported then
@@ -320,6 +319,12 @@ class Reconstruction:
         return NextGeneration([i for i in failed_slots if i not in leaving], spares, plan.step, dict(plan.sources),
                               shrink, grow)
 
+    def _plan(self, failed_ranks: set[int], rec: Recovery) -> RestorePlan:
+        """The ledger's plan, each rank at each step taken from the snapshots that hold it (Timeline.holding)."""
+        timeline, ledger = self.timeline, self.ledger
+        holding = StepHolding(timeline, ledger, set(timeline.keys()) - failed_ranks)
+        return ledger.plan(timeline.keys(), failed_ranks, timeline.survivor_floors(ledger), rec.no_local, holding)
+
     def begin_generation(self, rec: Recovery, now: float, failed_slots: list[int], spares: list[Node],
                          step: int, shrink: Narrowing | None = None, grow: list[Node] | None = None,
                          from_disk: bool = False) -> None:
@@ -354,6 +359,7 @@ class Reconstruction:
             self.ledger.rollback(step)
         else:
             timeline.abandon_after(self.ledger, step)
+        timeline.restoring(self.ledger, step)
 
     def store_lost(self, node_id: str, cause: str, now: float) -> None:
         """A fenced node's kept store was lost: a rank that the recovery under way restores from it has its plan

@@ -191,8 +191,7 @@ class Controller:
         if msg.mesh and msg.mesh != self.timeline.mesh:  # said once: each rank's snapshots hold its own shards
             self.timeline.mesh = msg.mesh
             self.out.publish("mesh", layout=msg.mesh)
-        self.timeline.unrestored.discard(msg.rank)
-        self.timeline.restores_answered.add(msg.rank)
+        self.timeline.restored(msg.rank, msg.generation)
         self.reconstruction.news(now)
         if (rec := self.reconstruction.ready(msg.rank, msg.rebuild_s, msg.restore_s)) is not None:
             self._recovery_complete(rec, now)

@@ -17,8 +17,30 @@ from .ledger import INIT, ReplicaLedger
 from .mesh_narrowing import MeshDims, shrink_mesh
 from .narrowing import Narrowing, Width
 from .nodes import ACTIVE, SPARE, Node, NodeTable
+from .retaken import Retaken
 
 PROGRESS_EVERY_S = 1.0  # at most one "progress" event a second: days-long jobs must not flood the events file
+
+
+class StepHolding:
+    """ReplicaLedger.plan's keys_at: the ranks whose snapshots of a step hold the job's state (Timeline.holding,
+    `alive`: the keys of live processes with their local copies), and the holders of their copies that hold what
+    is taken from them (holders)."""
+
+    def __init__(self, timeline: "Timeline", ledger: ReplicaLedger, alive: set[int]):
+        self.timeline, self.ledger, self.alive = timeline, ledger, alive
+        self.held: dict[int, dict[int, int]] = {}
+
+    def of(self, step: int) -> dict[int, int]:
+        if step not in self.held:
+            self.held[step] = self.timeline.holding(step, self.ledger, self.alive)
+        return self.held[step]
+
+    def __call__(self, step: int) -> list[int]:
+        return sorted(set(self.of(step).values()))
+
+    def holders(self, key: int, step: int) -> list[str]:
+        return self.timeline.copies(self.ledger, key, step, self.of(step))
 
 
 @dataclass
@@ -43,6 +65,9 @@ class Timeline:
     late_copies: list[tuple[int, int, str]] = field(default_factory=list)  # (rank, step, holder) of an older one
     unrestored: set[int] = field(default_factory=set)  # ranks handed to a new node that has not restored them yet
     restores_answered: set[int] = field(default_factory=set)  # ranks that said restored or failed to, this generation
+    retaken: Retaken = field(default_factory=Retaken)  # snapshots of restore steps taken anew with others' parts
+    restore_step: int = -1  # this generation's
+    restore_holding: dict[int, int] = field(default_factory=dict)  # this generation's: holding(its restore step)
     last_progress_event: float = float("-inf")  # when a "progress" event was last said
     progress_said: int = 0  # the step it named
 
@@ -89,11 +114,42 @@ class Timeline:
         """The ranks whose snapshots of `step` hold the job's state."""
         return sorted({self.holder_key(r, step) for r in self.held_in})
 
-    def adoptions(self, step: int) -> dict[int, int]:
+    def holding(self, step: int, ledger: ReplicaLedger, alive: set[int]) -> dict[int, int]:
+        """Each logical rank -> the rank whose snapshot of `step` it comes back from: the one that held it then,
+        else (no copy of that one left on a replica, nor a live process of its own: `alive`) one that took it in
+        as it restored `step` and took that step anew (dprun.controller.retaken) where such a copy is left."""
+        out = {}
+        for r in self.held_in:
+            key = self.holder_key(r, step)
+            if not ledger.holders_of(key, step) and key not in alive:
+                key = next((k for k in self.retaken.holding(r, step) if self.copies(ledger, k, step, {r: k})
+                            or (k in alive and (k, step) in self.retaken.local)), key)
+            out[r] = key
+        return out
+
+    def copies(self, ledger: ReplicaLedger, key: int, step: int, held: dict[int, int]) -> list[str]:
+        """The holders of `key`'s copies of `step` that hold the ranks that `held` takes from them: where one of
+        those is there only in the snapshot taken anew, the copies of it alone."""
+        holders = ledger.holders_of(key, step)
+        if any(k == key and self.holder_key(r, step) != key for r, k in held.items()):
+            fresh = self.retaken.fresh.get((key, step), set())
+            holders = [h for h in holders if h in fresh]
+        return holders
+
+    def adoptions(self, step: int, held: dict[int, int] | None = None) -> dict[int, int]:
         """Each logical rank that this generation's process trains but whose state at `step` is in another
-        rank's snapshot -> that rank (dpstate restores it from there: Reconfigure.adopt_from)."""
+        rank's snapshot (`held`: holding's, by default where it was trained) -> that rank (dpstate restores it
+        from there: Reconfigure.adopt_from)."""
         return {r: key for ranks in self.width.assignment for r in ranks
-                if (key := self.holder_key(r, step)) != ranks[0]}
+                if (key := (held or {}).get(r, self.holder_key(r, step))) != ranks[0]}
+
+    def restoring(self, ledger: ReplicaLedger, step: int) -> None:
+        """This generation restores `step`: where each rank comes from, and the snapshots taken anew."""
+        self.restore_step, self.restore_holding = step, {}
+        if step >= 0:  # (not a fresh start)
+            self.restore_holding = self.holding(step, ledger, set(self.keys()) - self.unrestored)
+            self.retaken.began(self.generation, step, self.width.assignment,
+                               self.adoptions(step, self.restore_holding))
 
     def reshaped(self, width: Width, layout: list[str], table: NodeTable) -> None:
         """The job goes on at `width` over `layout` (a shrink or a grow). Which snapshots hold a rank changes only
@@ -159,6 +215,13 @@ class Timeline:
         self.rank_step = dict.fromkeys(self.keys(), max(step, 0))
         self.max_step = step
 
+    def restored(self, rank: int, generation: int) -> None:
+        """`rank`'s process restored this generation's step (WorkerReady)."""
+        self.unrestored.discard(rank)
+        self.restores_answered.add(rank)
+        if generation == self.generation:
+            self.retaken.restored(rank, generation, self.restore_step)
+
     def reconfigures(self, spec: JobSpec, table: NodeTable, ledger: ReplicaLedger, restore_step: int,
                      sources: dict[int, str], reason: str) -> list[Send]:
         """This generation's Reconfigure to every node of the layout (its replica holders recorded); a process
@@ -166,7 +229,7 @@ class Timeline:
         spares = [node.node_id for node in table.with_role(SPARE)]
         self.holders = {r: self.replica_holders(r, spec.replicas, spares) for r in range(len(self.layout))}
         endpoint = lambda node_id: table.nodes[node_id].replica_endpoint  # noqa: E731
-        adopted = self.adoptions(restore_step) if restore_step >= 0 else {}
+        adopted = self.adoptions(restore_step, self.restore_holding) if restore_step >= 0 else {}
         carry = [] if self.width.in_order else [list(ranks) for ranks in self.width.assignment]
         sends = []
         for node_rank, node_id in enumerate(self.layout):
@@ -176,12 +239,12 @@ class Timeline:
             adopt_from = {str(r): adopted[r] for p in processes for r in self.width.assignment[p] if r in adopted}
             for rank in self.ranks_of(node_rank):
                 source = sources.get(rank, "")
-                others = [h for h in ledger.holders_of(rank, restore_step) if h != source]
+                others = [h for h in self.copies(ledger, rank, restore_step, self.restore_holding) if h != source]
                 restore_from[str(rank)] = endpoint(source) if source not in ("", INIT) else source
                 if others and source != INIT:
                     restore_also[str(rank)] = [endpoint(h) for h in others]
             for key in set(adopt_from.values()) - set(map(int, restore_from)):  # another process's snapshot:
-                holders = ledger.holders_of(key, restore_step)  # from its replicas, never a local copy
+                holders = self.copies(ledger, key, restore_step, self.restore_holding)  # (never a local copy)
                 restore_from[str(key)] = endpoint(holders[0]) if holders else ""
                 restore_also[str(key)] = [endpoint(h) for h in holders[1:]]
             sends.append(Send(node_id, p.Reconfigure(
@@ -240,10 +303,12 @@ class Timeline:
                 ledger.discard(rank, step, holder)
         self.late_copies = []
         ledger.trains_from(restore_step)
+        self.retaken.trains_from(restore_step)
         self._trains_from(restore_step)
 
     def copy_stored(self, ledger: ReplicaLedger, msg: p.SnapshotStored, holder: str) -> None:
         """`holder` stored a copy (SnapshotStored), of this generation or a late one of an older generation."""
+        self.retaken.stored(msg.rank, msg.step, msg.generation, holder)
         if msg.generation != self.generation:
             self.late_copies.append((msg.rank, msg.step, holder))
         else:
