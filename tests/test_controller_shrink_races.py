@@ -125,3 +125,33 @@ def test_a_copy_of_the_restore_step_from_before_it_was_taken_anew_is_not_planned
     assert timeline.copies(ledger, 0, 4, {0: 0, 1: 0}) == [] and timeline.copies(ledger, 0, 4, {0: 0}) == ["c"]
     h.msg("c", p.SnapshotStored("c", 0, 4, 1))  # taken anew
     assert timeline.copies(ledger, 0, 4, {0: 0, 1: 0}) == ["c"]
+
+
+def test_a_grow_whose_reconfigure_comes_after_the_narrow_job_finished_ends_the_job_done():
+    """d joins as the narrow job makes its last step: a and c pass the final barrier and exit 0 before the grow's
+    Reconfigure reaches them, so its generation can never start; training is complete: the job ends 0."""
+    h = grow_planned_at_step_5()
+    for node, rank in (("a", 0), ("c", 2)):
+        h.msg(node, p.RankFinished(node, 1, rank, 30))
+    for node in "ac":
+        h.msg(node, p.WorkerExited(node, 1, 0, 10, 0))
+    assert h.finish is not None and h.finish.exit_code == 0, h.finish
+    assert h.finish.message.startswith("all 3 ranks finished (trained narrow to the end: the job ended before d")
+
+
+def test_a_node_that_joins_as_the_narrow_job_finishes_does_not_make_it_fail():
+    """d registers while the probe of its grow is out, and the narrow job finishes meanwhile: the grow is dropped
+    and the job ends 0 once its workers exited (not 'exited after training completed')."""
+    h = shrunk_and_training()
+    h.register("d", spare=True)
+    for node, rank in (("a", 0), ("c", 2)):
+        h.msg(node, p.RankFinished(node, 1, rank, 30))
+    h.msg("a", p.WorkerExited("a", 1, 0, 10, 0))
+    h.pong_all()
+    h.feed(Tick(), dt=0.6)
+    assert not h.named("job_grew") and h.finish is None
+    h.register("e", spare=True)  # (nor does one that joins once training is over)
+    h.pong_all()
+    assert not h.named("job_grew") and h.c.timeline.generation == 1
+    h.msg("c", p.WorkerExited("c", 1, 0, 10, 0))
+    assert h.finish is not None and h.finish.exit_code == 0, h.finish

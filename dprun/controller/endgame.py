@@ -21,11 +21,13 @@ class Endgame:
         self.all_finished_at: float | None = None  # when the last rank passed it: then the job waits for exits
         self.exit_notes = 0  # how often it said which workers the finished job still waits for
         self.diverged: dict[int, int] = {}  # rank -> the step at which a holder found it unlike its peers
+        self.finished_in = -1  # the newest generation a rank finished in (passed job.steps()' final barrier)
 
-    def rank_finished(self, rank: int, step: int, now: float) -> None:
+    def rank_finished(self, rank: int, step: int, now: float, generation: int) -> None:
         """The job ends when every active worker has exited 0 (as with torchrun); RankFinished tells a rank that
         finished job.steps() from one that exited 0 early, should the others fail without it."""
         self.finished_ranks[rank] = step
+        self.finished_in = max(self.finished_in, generation)
         if self.all_finished_at is None and len(self.finished_ranks) == self.timeline.width.processes:
             self.all_finished_at = now
 
@@ -38,6 +40,14 @@ class Endgame:
             self.all_finished_at = now
         if rec is not None and rec.failed:  # the job ended under a recovery that now can never complete
             return 1, self.after_exits(rec, max(rec.peak_step, self.timeline.max_step))
+        if rec is not None and self.finished_in == self.timeline.generation - 1 and rec.promoted:
+            # a grow that came as the narrow job passed its final barrier (its Reconfigure found those workers
+            # gone): training is complete once the narrow generation's workers exited, the joining node's unused
+            grown = set(rec.promoted.values())
+            if all(len(self.table.nodes[n].exited_ok) == self.spec.nproc_per_node
+                   for n in self.timeline.layout if n not in grown):
+                return 0, (f"all {self.spec.world_size} ranks finished (trained narrow to the end: the job ended "
+                           f"before {', '.join(sorted(grown))} could take its ranks back){self.divergence_note()}")
         if all(len(self.table.nodes[n].exited_ok) == self.spec.nproc_per_node for n in self.timeline.layout):
             return 0, f"all {self.spec.world_size} ranks finished{self.narrow_note()}{self.divergence_note()}"
         return None

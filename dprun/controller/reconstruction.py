@@ -198,6 +198,7 @@ class Reconstruction:
     def grow_if_due(self, now: float) -> None:
         """A narrow job with a spare to grow onto, and no recovery under way: plan a generation that grows."""
         if (self.timeline.width.narrow and self.pending is None and self.recovery is None
+                and not any(self.table.nodes[n].exited_ok for n in self.timeline.layout)  # (training is over)
                 and self.reshaping.growth(self.table.with_role(SPARE))):
             rec = self.replan(now, "a node joined: the job grows back")
             rec.free_replans += 1  # (growing is progress, not a retry)
@@ -225,14 +226,17 @@ class Reconstruction:
         if rec is not None and rec.restoring_until is not None:
             rec.restoring_until += seconds
 
-    def decide(self, rec: Recovery, now: float, paused_lately: bool, safe: tuple[str, int] | None) -> Decision:
+    def decide(self, rec: Recovery, now: float, paused_lately: bool, safe: tuple[str, int] | None,
+               training_over: bool = False) -> Decision:
         """The plan for `rec`, its probe answered: what the job does next (None: it waits, still pending).
-        `safe`: the (folder, step) known complete on disk, if any."""
+        `safe`: the (folder, step) known complete on disk, if any; `training_over`: every rank finished."""
         layout, nodes = self.timeline.layout, self.table.nodes
         failed_slots = [i for i, n in enumerate(layout) if nodes[n].role == FAILED]
         if not failed_slots and not rec.replan:
             return Unchanged()
         if any(nodes[n].exited_ok for n in layout):
+            if training_over and not failed_slots:  # (a grow that came as training completed: the end goes on)
+                return Unchanged()
             return AfterExits()  # ranks that exited cannot join a new generation: say so rather than wait for them
         spares = self.table.with_role(SPARE)
         shrink: Narrowing | None = None

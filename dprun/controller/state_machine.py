@@ -218,7 +218,7 @@ class Controller:
         self.reconstruction.restore_failed(node.node_id, msg, now)
 
     def _on_RankFinished(self, node: Node, msg: p.RankFinished, now: float) -> None:
-        self.endgame.rank_finished(msg.rank, msg.step, now)
+        self.endgame.rank_finished(msg.rank, msg.step, now, msg.generation)
 
     def _on_Diverged(self, node: Node, msg: p.Diverged, now: float) -> None:
         self.endgame.rank_diverged(node.node_id, msg.rank, msg.step, msg.blocks)
@@ -307,7 +307,8 @@ class Controller:
 
     def _reconstruct(self, rec: Recovery, now: float) -> None:
         paused = self.deadlines.paused_lately(self.now) is not None
-        decision = self.reconstruction.decide(rec, now, paused, self.saves.safe)
+        decision = self.reconstruction.decide(rec, now, paused, self.saves.safe,
+                                              training_over=self.endgame.all_finished_at is not None)
         if isinstance(decision, Unchanged):
             self._enter(Phase.TRAINING)
         elif isinstance(decision, AfterExits):

@@ -243,8 +243,12 @@ def judge_outcome(world) -> str:
     _every_save_said(world)
     if finish.exit_code == 0:
         last, parts = world.workers.steps, {}
+        rec = world.controller.reconstruction.recovery  # a grow that the job's end came before: its nodes unused
+        unused = set(rec.promoted.values()) if rec is not None and not rec.failed else set()
         for node_id in world.controller.timeline.layout:
             for worker in world.nodes[node_id].workers:
+                if node_id in unused and worker.phase != "done":
+                    continue
                 if worker.state != last:
                     raise InvariantViolation(f"finished with rank {worker.rank} at step {worker.state}")
                 parts.update(worker.parts)
