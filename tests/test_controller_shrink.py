@@ -7,6 +7,12 @@ from dprun.controller.narrowing import Width
 from helpers.controller_harness import Harness, spec
 
 
+def joins_set_up(h: Harness, node: str) -> None:
+    """`node` registers as a spare, then its heartbeat says its worker waits set up (idle): a grow can take it."""
+    h.register(node, spare=True)
+    h.msg(node, p.Heartbeat(node, -1, {"0": {"activity": "idle"}}))
+
+
 def three_nodes_shrinking(**kw) -> Harness:
     """a, b, c (ranks 0, 1, 2), no spare; each rank's snapshots of steps 0-4 on the next node of the ring."""
     h = Harness(spec(nnodes=3, spares=0, on_spare_exhausted="shrink", **kw))
@@ -82,7 +88,7 @@ def shrunk_and_training() -> Harness:
 
 def test_a_node_that_joins_a_narrow_job_takes_its_rank_back_from_the_carrier_s_snapshot():
     h = shrunk_and_training()
-    h.register("d", spare=True)
+    joins_set_up(h, "d")
     h.pong_all()
     assert h.finish is None and h.c.timeline.generation == 2
     assert h.c.timeline.layout == ["a", "d", "c"], "in the order of their ranks: rank r on process r again"

@@ -6,7 +6,7 @@ import pytest
 from dpcommon import protocol as p
 from dprun.controller.state_machine import NodeGone, Tick
 from helpers.controller_harness import Harness, spec
-from test_controller_shrink import shrunk_and_training
+from test_controller_shrink import joins_set_up, shrunk_and_training
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -15,7 +15,7 @@ def grow_planned_at_step_5() -> Harness:
     """shrunk_and_training, then d joins: the grow goes back to step 5 (rank 0's newest copy the controller
     knows of, rank 0's snapshots holding rank 1 that d takes back)."""
     h = shrunk_and_training()
-    h.register("d", spare=True)
+    joins_set_up(h, "d")
     h.pong_all()
     assert h.c.timeline.generation == 2 and h.sent_to("d", p.Reconfigure)[-1].restore_step == 5
     return h
@@ -143,15 +143,56 @@ def test_a_node_that_joins_as_the_narrow_job_finishes_does_not_make_it_fail():
     """d registers while the probe of its grow is out, and the narrow job finishes meanwhile: the grow is dropped
     and the job ends 0 once its workers exited (not 'exited after training completed')."""
     h = shrunk_and_training()
-    h.register("d", spare=True)
+    joins_set_up(h, "d")
     for node, rank in (("a", 0), ("c", 2)):
         h.msg(node, p.RankFinished(node, 1, rank, 30))
     h.msg("a", p.WorkerExited("a", 1, 0, 10, 0))
     h.pong_all()
     h.feed(Tick(), dt=0.6)
     assert not h.named("job_grew") and h.finish is None
-    h.register("e", spare=True)  # (nor does one that joins once training is over)
+    joins_set_up(h, "e")  # (nor does one that joins once training is over)
     h.pong_all()
     assert not h.named("job_grew") and h.c.timeline.generation == 1
     h.msg("c", p.WorkerExited("c", 1, 0, 10, 0))
     assert h.finish is not None and h.finish.exit_code == 0, h.finish
+
+
+def test_a_narrow_job_grows_onto_a_node_once_its_workers_are_set_up_not_when_it_registers():
+    """d registers while its worker still imports torch and builds its model: the narrow job trains on (the
+    survivors would wait for d's worker in the new generation); the grow comes with the heartbeat that says d's
+    worker waits set up."""
+    h = shrunk_and_training()
+    h.register("d", spare=True)
+    h.pong_all()
+    h.msg("d", p.Heartbeat("d", -1, {}))  # (its agent's first heartbeats: no worker status yet)
+    h.pong_all()
+    assert h.c.timeline.generation == 1 and not h.named("job_grew") and not h.sent_to("d", p.Reconfigure)
+    h.msg("d", p.Heartbeat("d", -1, {"0": {"activity": "idle"}}))
+    h.pong_all()
+    assert h.c.timeline.generation == 2 and h.named("job_grew") and h.sent_to("d", p.Reconfigure)
+
+
+def test_a_recovery_that_needs_a_spare_takes_one_not_set_up_yet_but_grows_onto_none():
+    """Two nodes join, neither set up, and a carrier dies: the one a lost node's ranks need is taken at once (a
+    hot swap waits for nobody else's readiness); the other is left for a grow once it is set up."""
+    h = shrunk_and_training()
+    h.register("d", spare=True)
+    h.register("e", spare=True)
+    h.feed(NodeGone("c", "killed"), dt=1)
+    h.pong_all()
+    assert h.c.timeline.generation == 2 and "d" in h.c.timeline.layout and "e" not in h.c.timeline.layout
+    assert not h.named("job_grew")
+
+
+def test_a_recovery_does_not_grow_where_the_carriers_snapshots_died_with_the_node_lost():
+    """c dies; d (not set up yet) takes its place, e (set up) could take rank 1 back from a, but a's snapshots
+    were on c: the new node could not read them, so the recovery goes on without the grow (a restores its own
+    copy), where planning it would have said rank 0 lost."""
+    h = shrunk_and_training()
+    h.feed(NodeGone("c", "killed"), dt=1)
+    h.register("d", spare=True)
+    joins_set_up(h, "e")
+    h.pong_all()
+    assert h.finish is None, h.finish
+    assert h.c.timeline.generation == 2 and h.c.timeline.layout == ["a", "d"] and not h.named("job_grew")
+    assert h.sent_to("a", p.Reconfigure)[-1].restore_from["0"] == ""

@@ -19,9 +19,16 @@ pytestmark = pytest.mark.timeout(120)
 
 SEEDS = 300
 
-# seeds (drawn with shrink=1.0) on which the simulator finds a bug of the controller's shrink or grow not fixed yet
-# (none now: those it found are in FIXED below, each replayed clean); give each class an xfail(strict=True) test
-KNOWN_BUGS: dict[int, str] = {}
+# seeds (drawn with shrink=1.0) on which the simulator finds a bug of the controller's shrink or grow not fixed yet,
+# each class with an xfail(strict=True) test (those fixed are in FIXED below, each replayed clean)
+KNOWN_BUGS: dict[int, str] = {156: "untrained-grow-carrier-copy-only-local"}
+
+
+@pytest.mark.xfail(strict=True, raises=InvariantViolation,
+                   reason="a grow never trained, and its carriers' snapshots died with their replica holder: the new "
+                          "node's ranks are in the carriers' local copies only, which it cannot fetch: 'state lost'")
+def test_known_controller_bug_found_by_shrink_schedules():
+    run_schedule(random_schedule(156, shrink=1.0))
 
 
 @pytest.fixture
@@ -71,8 +78,9 @@ def test_hundreds_of_shrink_schedules_keep_every_invariant(worlds):
     unknown = {seed: why for seed, why in violations.items() if seed not in KNOWN_BUGS}
     assert not unknown, unknown
     assert outcomes["completed"] > SEEDS // 2, outcomes
-    assert paths["job_shrunk"] > SEEDS // 4 and paths["job_grew"] > SEEDS // 20, paths
-    assert paths["grown back to full width"] > SEEDS // 20 and paths["shrink_refused"] > 0, paths
+    # (a grow waits for its node's workers to be set up, heartbeats apart: a node that joins late sees the end)
+    assert paths["job_shrunk"] > SEEDS // 4 and paths["job_grew"] > SEEDS // 25, paths
+    assert paths["grown back to full width"] > SEEDS // 30 and paths["shrink_refused"] > 0, paths
 
 
 def test_a_quarter_of_a_soak_is_drawn_shrink_and_earlier_schedules_are_unchanged():

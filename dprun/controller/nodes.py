@@ -41,6 +41,13 @@ class Node:
     last_step: int = -1  # newest step any of its ranks reported (any generation)
     workers: dict = field(default_factory=dict)  # str(local rank) -> status from its latest Heartbeat
 
+    @property
+    def initialized(self) -> bool:
+        """Each of its workers said, in its latest heartbeat, that it waits set up (idle): a spare that a grow
+        takes at once (one still importing torch or building its model would hold the others up meanwhile)."""
+        return len(self.workers) >= self.nproc and all(getattr(status, "activity", None) == "idle"
+                                                        for status in self.workers.values())
+
 
 class NodeTable:
     """Nodes by id, in registration order (spares are promoted first come, first served), indexed by role."""

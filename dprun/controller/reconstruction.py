@@ -21,6 +21,7 @@ from .narrowing import Narrowing
 from .reshaping import Reshaping
 from .timeline import StepHolding, Timeline
 
+GROWS = "a node joined: the job grows back"  # the reason of a generation planned to grow, no node lost
 MAX_REPLANS = 3  # generations planned again in a row with no node lost before the job gives up
 
 
@@ -200,7 +201,7 @@ class Reconstruction:
         if (self.timeline.width.narrow and self.pending is None and self.recovery is None
                 and not any(self.table.nodes[n].exited_ok for n in self.timeline.layout)  # (training is over)
                 and self.reshaping.growth(self.table.with_role(SPARE))):
-            rec = self.replan(now, "a node joined: the job grows back")
+            rec = self.replan(now, GROWS)
             rec.free_replans += 1  # (growing is progress, not a retry)
 
     def waits_over(self, now: float) -> str | None:
@@ -278,9 +279,16 @@ class Reconstruction:
             # a rank whose new node has not restored it yet has its state only on replicas, like a failed one
             failed_ranks = ({r for i in {*failed_slots, *leaving} for r in self.timeline.ranks_of(i)}
                             | self.timeline.unrestored)
-            if grow:  # the processes that give a rank back: their snapshots must be on replicas the new node reads
-                failed_ranks |= {ranks[0] for ranks in self.timeline.width.assignment if len(ranks) > 1}
             plan = self._plan(failed_ranks, rec)
+            if grow:  # the processes that give a rank back: their snapshots must be on replicas the new node reads
+                grown = self._plan(failed_ranks | {ranks[0] for ranks in self.timeline.width.assignment
+                                                   if len(ranks) > 1}, rec)
+                if not grown.lost:
+                    plan = grown
+                elif rec.why == GROWS:  # (their copies are on no live replica yet: it grows once they are)
+                    return Unchanged()
+                else:  # (a recovery goes on without the grow, rather than lose the state it needs)
+                    grow = []
         if plan.lost and not rec.probed_for_lost:
             # "lost" ends the job, so first probe every node once more: a copy stored just after its holder
             # answered the last probe (a restored snapshot re-replicated to a new holder) is reported then

@@ -46,9 +46,11 @@ class Reshaping:
 
     def growth(self, spares: list[Node]) -> list[Node]:
         """The spares that a narrow job grows onto: as many whole nodes as its carried ranks fill (a sharded
-        job's: all it lacks, or none)."""
+        job's: all it lacks, or none), of those whose workers are set up (Node.initialized: the survivors would
+        wait for the others' in the new generation)."""
         if self.spec.on_spare_exhausted != "shrink":
             return []
+        spares = [spare for spare in spares if spare.initialized]
         width = self.timeline.width
         wanted = (width.logical_world - width.processes) // self.spec.nproc_per_node
         if self.timeline.mesh and len(spares) < wanted:

@@ -161,6 +161,8 @@ class Controller:
 
     def _on_Heartbeat(self, node: Node, msg: p.Heartbeat, now: float) -> None:
         node.workers = msg.workers  # last_heard is already updated
+        if node.role == SPARE and node.initialized:  # (a narrow job grows onto it once it is set up)
+            self.reconstruction.grow_if_due(now)
 
     def _on_Pong(self, node: Node, msg: p.Pong, now: float) -> None:
         self.reconstruction.answered(node.node_id, msg.seq)

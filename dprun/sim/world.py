@@ -22,6 +22,7 @@ from .schedule import FETCH_TIMEOUT_S
 from .worker_model import WorkerModel, frozen
 
 CONTROLLER = "controller"
+WORKER_SETUP_S = 0.1  # from a node's start to its workers waiting set up (a spare's heartbeat says so from then)
 
 
 class World:
@@ -58,6 +59,7 @@ class World:
         # what lets thousands of nodes simulate in seconds: counters of the changes the per-event checks depend on
         self.owners_changed = 0  # a node's generation, node rank, or running (alive, frozen, stopped) changed
         self.deaths = 0  # a worker died or a node was killed (neither comes back)
+        self.set_up_at: dict[str, float] = {}  # node that joined later -> when its workers are set up
         self.workers = WorkerModel(self, steps, interval, measure_until, defer, fetch_timeout)
         for i, node in enumerate(self.nodes.values()):
             node.workers = [SimWorker() for _ in range(node.nproc)]
@@ -126,8 +128,16 @@ class World:
         if not node.alive or node.stopped:
             return
         if not node.frozen:
-            self.agent_send(node_id, p.Heartbeat(node_id, node.generation))
+            self.agent_send(node_id, p.Heartbeat(node_id, node.generation, self._set_up(node)))
         self.at(self.hb_interval, self._heartbeat, node_id)
+
+    def _set_up(self, node: SimNode) -> dict:
+        """A node's workers not given a generation yet say, once set up (torch imported, the model built:
+        WORKER_SETUP_S after the node came), that they wait idle: a spare a grow takes at once."""
+        if self.now < self.set_up_at.get(node.node_id, WORKER_SETUP_S) or any(
+                w.generation >= 0 or w.phase != "waiting" for w in node.workers):
+            return {}
+        return {str(local): p.WorkerSummary(activity="idle") for local in range(node.nproc)}
 
     # -- agent side ------------------------------------------------------------------------------
 
@@ -258,6 +268,7 @@ class World:
         node = self.nodes[node_id] = SimNode(node_id, self.spec.nproc_per_node)
         node.workers = [SimWorker() for _ in range(node.nproc)]
         self.log.append(f"{self.now:.3f} join {node_id}")
+        self.set_up_at[node_id] = self.now + WORKER_SETUP_S
         self.agent_send(node_id, p.Register(node_id, "sim", 100 + len(self.nodes), node.nproc, True, -1,
                                              node.endpoint))
         self.at(self.hb_interval, self._heartbeat, node_id)
