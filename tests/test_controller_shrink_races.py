@@ -4,6 +4,7 @@ whose restore step the workers trained past, a node lost before a grown one rest
 import pytest
 
 from dpcommon import protocol as p
+from dprun.controller.nodes import GROW_SETUP_WAIT_S
 from dprun.controller.state_machine import NodeGone, Tick
 from helpers.controller_harness import Harness, spec
 from test_controller_shrink import joins_set_up, shrunk_and_training
@@ -196,3 +197,34 @@ def test_a_recovery_does_not_grow_where_the_carriers_snapshots_died_with_the_nod
     assert h.finish is None, h.finish
     assert h.c.timeline.generation == 2 and h.c.timeline.layout == ["a", "d"] and not h.named("job_grew")
     assert h.sent_to("a", p.Reconfigure)[-1].restore_from["0"] == ""
+
+
+def test_a_grow_not_trained_yet_is_undone_where_its_new_node_cannot_reach_the_carrier_s_snapshot():
+    """d took rank 1 back (its state in rank 0's snapshot of step 5, held on c), then c dies before the grown job
+    trained: rank 0's snapshot is now only a's local copy, out of d's reach. The grow is undone (d leaves, its
+    store kept) and a carries every rank, as the job that trained last had it plus c's rank."""
+    h = grow_planned_at_step_5()
+    h.feed(NodeGone("c", "killed"), dt=1)
+    h.pong_all()
+    assert h.finish is None, h.finish
+    (undone,) = h.named("grow_undone")
+    assert undone["nodes"] == ["d"] and h.c.table.nodes["d"].keeps_store
+    assert h.sent_to("d", p.Stop)[-1].keep_store
+    assert h.c.timeline.generation == 3 and h.c.timeline.layout == ["a"]
+    assert h.c.timeline.width.assignment == ((0, 1, 2),)
+    (ra,) = h.sent_to("a", p.Reconfigure)[-1:]
+    assert ra.restore_step == 5 and ra.adopt_from == {"2": 2} and ra.restore_from["2"] == "tcp://a:1"
+
+
+def test_a_grow_waits_for_a_joining_node_s_workers_only_so_long():
+    """d's worker never says it is set up (a slow start): the narrow job grows onto it GROW_SETUP_WAIT_S after
+    it registered, the survivors waiting only for the rest of its start."""
+    h = shrunk_and_training()
+    h.register("d", spare=True)
+    h.pong_all()
+    h.feed(Tick(), dt=GROW_SETUP_WAIT_S / 2)
+    h.pong_all()
+    assert h.c.timeline.generation == 1
+    h.feed(Tick(), dt=GROW_SETUP_WAIT_S / 2)
+    h.pong_all()
+    assert h.c.timeline.generation == 2 and h.named("job_grew")

@@ -21,14 +21,7 @@ SEEDS = 300
 
 # seeds (drawn with shrink=1.0) on which the simulator finds a bug of the controller's shrink or grow not fixed yet,
 # each class with an xfail(strict=True) test (those fixed are in FIXED below, each replayed clean)
-KNOWN_BUGS: dict[int, str] = {156: "untrained-grow-carrier-copy-only-local"}
-
-
-@pytest.mark.xfail(strict=True, raises=InvariantViolation,
-                   reason="a grow never trained, and its carriers' snapshots died with their replica holder: the new "
-                          "node's ranks are in the carriers' local copies only, which it cannot fetch: 'state lost'")
-def test_known_controller_bug_found_by_shrink_schedules():
-    run_schedule(random_schedule(156, shrink=1.0))
+KNOWN_BUGS: dict[int, str] = {}
 
 
 @pytest.fixture
@@ -80,7 +73,7 @@ def test_hundreds_of_shrink_schedules_keep_every_invariant(worlds):
     assert outcomes["completed"] > SEEDS // 2, outcomes
     # (a grow waits for its node's workers to be set up, heartbeats apart: a node that joins late sees the end)
     assert paths["job_shrunk"] > SEEDS // 4 and paths["job_grew"] > SEEDS // 25, paths
-    assert paths["grown back to full width"] > SEEDS // 30 and paths["shrink_refused"] > 0, paths
+    assert paths["grown back to full width"] >= SEEDS // 30 and paths["shrink_refused"] > 0, paths
 
 
 def test_a_quarter_of_a_soak_is_drawn_shrink_and_earlier_schedules_are_unchanged():
@@ -95,6 +88,8 @@ def test_a_quarter_of_a_soak_is_drawn_shrink_and_earlier_schedules_are_unchanged
 
 # seeds of the controller bugs fixed since the simulator found them: each replays clean
 FIXED = {
+    156: "untrained-grow-carrier-copy-only-local", 1889: "untrained-grow-carrier-copy-only-local",
+    1350: "grow-with-a-recovery-carriers-copies-lost",
     137: "grow-planned-as-the-job-finishes",
     151: "carried-part-at-restore-step-unknown", 340: "carried-part-at-restore-step-unknown",
     29: "step-0-adoption-without-init", 49: "step-0-adoption-without-init", 87: "step-0-adoption-without-init",

@@ -22,6 +22,8 @@ class Role(enum.StrEnum):
 ACTIVE, SPARE, FAILED = Role.ACTIVE, Role.SPARE, Role.FAILED
 
 
+GROW_SETUP_WAIT_S = 3.0  # the longest a narrow job waits for a joining node's workers to say they are set up
+
 @dataclass
 class Node:
     node_id: str
@@ -40,6 +42,11 @@ class Node:
     exited_ok: set = field(default_factory=set)  # local ranks whose worker exited 0
     last_step: int = -1  # newest step any of its ranks reported (any generation)
     workers: dict = field(default_factory=dict)  # str(local rank) -> status from its latest Heartbeat
+
+    def set_up(self, now: float) -> bool:
+        """A grow takes it: its workers said they are set up, or it registered GROW_SETUP_WAIT_S ago (one whose
+        workers start slower, or never say, then costs the survivors only the rest of its start)."""
+        return self.initialized or now - self.registered_at >= GROW_SETUP_WAIT_S
 
     @property
     def initialized(self) -> bool:

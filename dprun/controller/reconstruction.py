@@ -200,7 +200,7 @@ class Reconstruction:
         """A narrow job with a spare to grow onto, and no recovery under way: plan a generation that grows."""
         if (self.timeline.width.narrow and self.pending is None and self.recovery is None
                 and not any(self.table.nodes[n].exited_ok for n in self.timeline.layout)  # (training is over)
-                and self.reshaping.growth(self.table.with_role(SPARE))):
+                and self.reshaping.growth(self.table.with_role(SPARE), now)):
             rec = self.replan(now, GROWS)
             rec.free_replans += 1  # (growing is progress, not a retry)
 
@@ -268,7 +268,7 @@ class Reconstruction:
             self.pending = rec  # decided again when a node registers as a spare
             self.enter(Phase.WAITING)
             return None
-        grow = [] if shrink else self.reshaping.growth(spares[len(failed_slots):])
+        grow = [] if shrink else self.reshaping.growth(spares[len(failed_slots):], now)
         if self.spec.restart_mode:
             if self.restarts >= self.spec.max_restarts:
                 return GiveUp(f"node {', '.join(rec.failed)} failed and --max-restarts {self.spec.max_restarts} "
@@ -289,6 +289,9 @@ class Reconstruction:
                     return Unchanged()
                 else:  # (a recovery goes on without the grow, rather than lose the state it needs)
                     grow = []
+        if ((plan.lost and rec.probed_for_lost or not plan.lost and self._adopted_out_of_reach(plan.step))
+                and self.reshaping.undo_grow(rec)):
+            return self.decide(rec, now, paused_lately, safe, training_over)  # (the width that trained last)
         if plan.lost and not rec.probed_for_lost:
             # "lost" ends the job, so first probe every node once more: a copy stored just after its holder
             # answered the last probe (a restored snapshot re-replicated to a new holder) is reported then
@@ -422,12 +425,26 @@ class Reconstruction:
         if msg.source:
             holder = next((n.node_id for n in self.table.nodes.values() if n.replica_endpoint == msg.source), None)
             dropped = holder is not None and self.ledger.discard(msg.rank, msg.step, holder)
+        elif not self._owns(node_id, msg.rank):  # another rank's snapshot that no store was named for: its own
+            holder, dropped = f"{node_id} (none named)", False  # process's local copy says nothing of it
         else:  # the rank's own copy: it holds only newer steps (a survivor asked to walk back past its ring)
             holder, dropped = f"{node_id} (local)", rec.no_local.get(msg.rank, -1) < msg.step
             rec.no_local[msg.rank] = max(rec.no_local.get(msg.rank, -1), msg.step)
         rec.bad_copies.append(f"rank {msg.rank} step {msg.step} on {holder or msg.source}: {msg.reason[:80]}")
         if dropped:  # each such plan has one copy fewer to choose from: they end, with a plan or "state lost"
             rec.free_replans += 1
+
+    def _adopted_out_of_reach(self, step: int) -> bool:
+        """Does a process of this width take a rank from another's snapshot of `step` that no live replica holds
+        (its local copy is out of the taker's reach)?"""
+        timeline = self.timeline
+        return step >= 0 and any(not self.ledger.holders_of(key, step)
+                                 for key in set(timeline.adoptions(step).values()))
+
+    def _owns(self, node_id: str, rank: int) -> bool:
+        """Is `rank` the own rank of one of the node's processes (the key of its local snapshots)?"""
+        node = self.table.nodes.get(node_id)
+        return node is None or node.node_rank < 0 or rank in self.timeline.ranks_of(node.node_rank)
 
     def stepped(self, rank: int, step: int) -> Recovery | None:
         """A rank made `step`: the recovery in flight, once every rank stepped past its restore step."""

@@ -44,13 +44,13 @@ class Reshaping:
         return spec.on_spare_exhausted == "wait" or (spec.on_spare_exhausted == "shrink"
                                                       and spec.shrink_fallback == "wait")
 
-    def growth(self, spares: list[Node]) -> list[Node]:
+    def growth(self, spares: list[Node], now: float) -> list[Node]:
         """The spares that a narrow job grows onto: as many whole nodes as its carried ranks fill (a sharded
-        job's: all it lacks, or none), of those whose workers are set up (Node.initialized: the survivors would
-        wait for the others' in the new generation)."""
+        job's: all it lacks, or none), of those whose workers are set up (Node.set_up: the survivors would wait
+        for the others' in the new generation)."""
         if self.spec.on_spare_exhausted != "shrink":
             return []
-        spares = [spare for spare in spares if spare.initialized]
+        spares = [spare for spare in spares if spare.set_up(now)]
         width = self.timeline.width
         wanted = (width.logical_world - width.processes) // self.spec.nproc_per_node
         if self.timeline.mesh and len(spares) < wanted:
@@ -75,6 +75,32 @@ class Reshaping:
                          processes=narrower.processes, ranks=narrower.logical_world, slowdown=narrower.slowdown,
                          carried={str(ranks[0]): list(ranks[1:]) for ranks in narrower.assignment if len(ranks) > 1},
                          **({"retired": retired} if retired else {}))
+
+    def undo_grow(self, rec: Recovery) -> bool:
+        """A grow that has not trained yet, whose plan now finds state lost (the carriers' snapshots died with
+        their replica holders, their local copies out of the new nodes' reach): its nodes leave (their stores
+        kept) and each process carries again the ranks its snapshots hold. False where there is none to undo."""
+        timeline = self.timeline
+        if timeline.trained_generation >= timeline.generation:
+            return False
+        grown = [i for i, node_id in enumerate(timeline.layout) if self.table.nodes[node_id].role == ACTIVE
+                 and all(timeline.holder_key(key, NEWEST) != key for key in timeline.ranks_of(i))]
+        kept = [i for i in range(len(timeline.layout)) if i not in grown]
+        keys = [key for i in kept for key in timeline.ranks_of(i)]
+        held = {r: timeline.holder_key(r, NEWEST) for r in timeline.held_in}
+        assignment = tuple((key, *sorted(r for r, k in held.items() if k == key and r != key)) for key in keys)
+        if not grown or sum(map(len, assignment)) != len(held):
+            return False
+        rec.undone = [timeline.layout[i] for i in grown]
+        for node_id in rec.undone:
+            node = self.table.nodes[node_id]
+            node.cause = "joined as the job grew, which it had not trained in when that grow was undone"
+            self._retire(node)
+        timeline.reshaped(Width(assignment), [timeline.layout[i] for i in kept], self.table)
+        self.out.publish("grow_undone", generation=timeline.generation + 1, nodes=rec.undone,
+                         processes=len(assignment), ranks=len(held),
+                         slowdown=max(len(ranks) for ranks in assignment))
+        return True
 
     def _retire(self, node: Node) -> None:
         """A live node leaves the layout with its lost replica: its workers stop, its store keeps the copies it

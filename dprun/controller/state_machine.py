@@ -362,6 +362,8 @@ class Controller:
         self._ping_due(now)
         self._fire_faults(now)
         self.files.save_if_due(now, self.phase is Phase.TRAINING)
+        if self.phase is Phase.TRAINING:  # (a joining node whose workers did not say they are set up in time)
+            self.reconstruction.grow_if_due(now)
 
     def _ping_due(self, now: float) -> None:
         if self.deadlines.ping_due(now):

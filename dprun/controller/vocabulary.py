@@ -196,6 +196,7 @@ class Recovery:
     from_disk: str = ""  # the step folder every rank went back to (state lost in memory: background saves)
     shrink_refused: str = ""  # --on-spare-exhausted shrink: why this job could not (said once)
     shrunk: list[str] = field(default_factory=list)  # the nodes that left the layout, their ranks trained by others
+    undone: list[str] = field(default_factory=list)  # the nodes of a grow not trained yet that left (undo_grow)
 
     def continued(self) -> "Recovery":
         """A new pending recovery that carries this one on (a failure or a replan before it completed)."""
