@@ -228,3 +228,39 @@ def test_a_grow_waits_for_a_joining_node_s_workers_only_so_long():
     h.feed(Tick(), dt=GROW_SETUP_WAIT_S / 2)
     h.pong_all()
     assert h.c.timeline.generation == 2 and h.named("job_grew")
+
+
+def test_a_node_lost_while_a_grow_is_planned_is_recovered_even_where_the_grow_cannot_be():
+    """d and e join set up (a grow onto d is being planned) when c dies, with a's snapshots, which e would have
+    read to take rank 1 back: the recovery promotes d into c's place and leaves the grow for later."""
+    h = shrunk_and_training()
+    joins_set_up(h, "d")
+    joins_set_up(h, "e")
+    assert h.c.reconstruction.pending is not None and h.c.reconstruction.pending.why.startswith("a node joined")
+    h.feed(NodeGone("c", "killed"), dt=1)
+    h.pong_all()
+    assert h.finish is None, h.finish
+    assert h.c.timeline.generation == 2 and h.c.timeline.layout == ["a", "d"] and not h.named("job_grew")
+    assert h.c.reconstruction.recovery is not None
+
+
+def test_a_process_that_went_back_to_a_failed_grow_s_step_is_planned_from_it():
+    """The grow went back to step 5; a restored it (letting its newer snapshots go) while c had trained on to 6,
+    so the grow fails and is planned again from 6, which a no longer holds. a holds step 5, which it was told to
+    restore since the job last trained: the plan goes back to 5 rather than say rank 0 lost."""
+    h = grow_planned_at_step_5()
+    h.msg("a", p.SnapshotStored("a", 2, 6, 1))  # (c's step 6, reported late)
+    h.msg("c", p.SnapshotStored("c", 0, 6, 1))  # (and a's, its only copy on c)
+    h.msg("c", p.RestoreFailed("c", 2, 2, 5, "", "no local copy"))
+    for _ in range(3):
+        h.pong_all()
+        h.feed(Tick(), dt=0.3)
+    assert h.c.timeline.generation == 3 and h.sent_to("a", p.Reconfigure)[-1].restore_step == 6
+    h.feed(NodeGone("c", "killed"), dt=0.1)  # (a's copy of 6 goes with it)
+    h.msg("a", p.RestoreFailed("a", 3, 0, 6, "", "no local copy"))
+    for _ in range(4):
+        h.pong_all()
+        h.feed(Tick(), dt=0.3)
+    assert h.finish is None, h.finish
+    (ra,) = h.sent_to("a", p.Reconfigure)[-1:]
+    assert ra.restore_step == 5 and ra.restore_from["0"] == ""

@@ -90,6 +90,9 @@ def test_a_quarter_of_a_soak_is_drawn_shrink_and_earlier_schedules_are_unchanged
 FIXED = {
     156: "untrained-grow-carrier-copy-only-local", 1889: "untrained-grow-carrier-copy-only-local",
     1350: "grow-with-a-recovery-carriers-copies-lost",
+    2588: "node-lost-while-a-grow-is-planned", 2979: "node-lost-while-a-grow-is-planned",
+    4558: "node-lost-while-a-grow-is-planned", 5683: "node-lost-while-a-grow-is-planned",
+    4983: "survivor-went-back-to-a-failed-grow-s-step",
     137: "grow-planned-as-the-job-finishes",
     151: "carried-part-at-restore-step-unknown", 340: "carried-part-at-restore-step-unknown",
     29: "step-0-adoption-without-init", 49: "step-0-adoption-without-init", 87: "step-0-adoption-without-init",

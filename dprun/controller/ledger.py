@@ -129,6 +129,7 @@ class ReplicaLedger:
         """
         floors, no_local = floors or {}, no_local or {}
         holders = getattr(keys_at, "holders", self.holders_of)
+        local: dict[int, set[int]] = getattr(keys_at, "local", {})  # rank -> steps it may hold, no_local aside
         bounds: dict[int, int] = {}
         lost = []
         # the ranks whose snapshots hold the newest state: those of the width that trained last (a process
@@ -154,14 +155,15 @@ class ReplicaLedger:
         for step in [newest, *(s for s in reversed(self.snapshot_steps) if s < newest)]:
             keys = ranks if keys_at is None else keys_at(step)
             gone = failed_ranks | (set(keys) - set(ranks))
-            sources, lost = self._sources_at(step, keys, gone, no_local, holders)
+            sources, lost = self._sources_at(step, keys, gone, no_local, holders, local)
             if not lost:
                 return RestorePlan(step=step, sources=sources)
             first_lost = lost if first_lost is None else first_lost
         return RestorePlan(step=-1, lost=[rank for rank in bounded if rank not in bounds] or first_lost or [])
 
     def _sources_at(self, step: int, ranks: Sequence[int], failed_ranks: set[int], no_local: dict[int, int],
-                    holders: Callable[[int, int], list[str]]) -> tuple[dict[int, str], list[int]]:
+                    holders: Callable[[int, int], list[str]],
+                    local: dict[int, set[int]]) -> tuple[dict[int, str], list[int]]:
         """Where each rank's copy of `step` comes from (one of `holders`), and the ranks that have none."""
         sources: dict[int, str] = {}
         lost = []
@@ -174,7 +176,7 @@ class ReplicaLedger:
                     sources[rank] = INIT
                 else:
                     lost.append(rank)
-            elif holder is None and step <= no_local.get(rank, -1):
+            elif holder is None and step <= no_local.get(rank, -1) and step not in local.get(rank, ()):
                 lost.append(rank)
             else:
                 sources[rank] = holder or ""

@@ -285,7 +285,7 @@ class Reconstruction:
                                                    if len(ranks) > 1}, rec)
                 if not grown.lost:
                     plan = grown
-                elif rec.why == GROWS:  # (their copies are on no live replica yet: it grows once they are)
+                elif rec.why == GROWS and not failed_slots:  # (their copies on no live replica yet: it grows later)
                     return Unchanged()
                 else:  # (a recovery goes on without the grow, rather than lose the state it needs)
                     grow = []
@@ -430,6 +430,7 @@ class Reconstruction:
         else:  # the rank's own copy: it holds only newer steps (a survivor asked to walk back past its ring)
             holder, dropped = f"{node_id} (local)", rec.no_local.get(msg.rank, -1) < msg.step
             rec.no_local[msg.rank] = max(rec.no_local.get(msg.rank, -1), msg.step)
+            self.timeline.restored_local.get(msg.rank, set()).discard(msg.step)
         rec.bad_copies.append(f"rank {msg.rank} step {msg.step} on {holder or msg.source}: {msg.reason[:80]}")
         if dropped:  # each such plan has one copy fewer to choose from: they end, with a plan or "state lost"
             rec.free_replans += 1

@@ -30,6 +30,7 @@ class StepHolding:
     def __init__(self, timeline: "Timeline", ledger: ReplicaLedger, alive: set[int]):
         self.timeline, self.ledger, self.alive = timeline, ledger, alive
         self.held: dict[int, dict[int, int]] = {}
+        self.local = timeline.restored_local  # rank -> steps its process may hold, whatever no_local says
 
     def of(self, step: int) -> dict[int, int]:
         if step not in self.held:
@@ -67,6 +68,9 @@ class Timeline:
     restores_answered: set[int] = field(default_factory=set)  # ranks that said restored or failed to, this generation
     retaken: Retaken = field(default_factory=Retaken)  # snapshots of restore steps taken anew with others' parts
     restore_step: int = -1  # this generation's
+    # rank -> the steps its process was told to restore since the job last trained: it may hold one of them
+    # locally whatever it said of newer steps (a restore goes back: its newer local snapshots are let go)
+    restored_local: dict[int, set[int]] = field(default_factory=dict)
     restore_holding: dict[int, int] = field(default_factory=dict)  # this generation's: holding(its restore step)
     last_progress_event: float = float("-inf")  # when a "progress" event was last said
     progress_said: int = 0  # the step it named
@@ -146,6 +150,8 @@ class Timeline:
     def restoring(self, ledger: ReplicaLedger, step: int) -> None:
         """This generation restores `step`: where each rank comes from, and the snapshots taken anew."""
         self.restore_step, self.restore_holding = step, {}
+        for key in self.keys():
+            self.restored_local.setdefault(key, set()).add(step)
         if step >= 0:  # (not a fresh start)
             self.restore_holding = self.holding(step, ledger, set(self.keys()) - self.unrestored)
             self.retaken.began(self.generation, step, self.width.assignment,
@@ -296,6 +302,7 @@ class Timeline:
         past it are of an abandoned timeline (the stores drop them as this generation's copies come), and the
         ledger forgets them too; the ranks it moved are in their new processes' snapshots from the next step."""
         self.trained_generation = self.generation
+        self.restored_local = {}
         if restore_step is None:
             return
         for rank, step, holder in self.late_copies:
