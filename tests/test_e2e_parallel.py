@@ -144,6 +144,31 @@ def test_a_sharded_job_out_of_spares_shrinks_to_one_replica_and_ends_as_the_full
     assert run.summary["loss"] == full["loss"]
 
 
+def test_a_shrunk_sharded_job_grows_back_to_the_full_mesh_when_two_nodes_join(procs, tmp_path, reference):
+    """The shrink above, then two nodes join: the job grows back to dp=2 x tp=2 (each joining process cuts its
+    shard out of the snapshot of the process that carried its rank; the carriers cut theirs down) and ends with
+    the failure-free run's shards, bit for bit."""
+    dims, _ = LAYOUTS["fsdp-tp"]
+    summary = tmp_path / "summary.json"
+    script = [TRAIN_3D, "--steps", STEPS["fsdp-tp"], *MODEL, *dims, "--step-sleep", "1.0", "--summary", summary]
+    job = multi_node_job(procs, tmp_path, "--nnodes", "4", "--spares", "0", "--on-spare-exhausted", "shrink",
+                         script=script, secret="grow-tests-secret", head_options=("--inject", "kill-node:1@step=5"))
+    for rank in (1, 2, 3):
+        job.start("--node-rank", str(rank))
+    wait_for(lambda: any(e["event"] == "job_shrunk" for e in read_events(job.events)), timeout=240,
+             what="the job to shrink")
+    job.start()
+    job.start()
+    _, err = job.head.communicate(timeout=240)
+    assert job.head.returncode == 0, err[-3000:]
+    events = read_events(job.events)
+    (grew,) = [e for e in events if e["event"] == "job_grew"]
+    assert (grew["processes"], grew["ranks"], len(grew["nodes"])) == (4, 4, 2), grew
+    done = json.loads(summary.read_text())
+    assert done["world_size"] == 4 and done["final_step"] == STEPS["fsdp-tp"], done
+    assert done["params_sha256"] == reference("fsdp-tp"), "the grown job's shards differ from the failure-free run"
+
+
 def test_a_3d_job_that_cannot_shrink_says_so_and_waits_for_a_node_to_join_as_its_fallback(procs, tmp_path,
                                                                                          reference):
     """pp=2 x dp=2 x tp=2 on 4 nodes of 2, no spare, --on-spare-exhausted shrink --shrink-fallback wait: node rank 2
