@@ -4,25 +4,7 @@ survivors take its ranks, each from the snapshots that hold it, and the job ends
 from dpcommon import protocol as p
 from dprun.controller.state_machine import NodeGone
 from dprun.controller.narrowing import Width
-from helpers.controller_harness import Harness, spec
-
-
-def joins_set_up(h: Harness, node: str) -> None:
-    """`node` registers as a spare, then its heartbeat says its worker waits set up (idle): a grow can take it."""
-    h.register(node, spare=True)
-    h.msg(node, p.Heartbeat(node, -1, {"0": {"activity": "idle"}}))
-
-
-def three_nodes_shrinking(**kw) -> Harness:
-    """a, b, c (ranks 0, 1, 2), no spare; each rank's snapshots of steps 0-4 on the next node of the ring."""
-    h = Harness(spec(nnodes=3, spares=0, on_spare_exhausted="shrink", **kw))
-    for rank, node in enumerate("abc"):
-        h.register(node, rank=rank)
-    for step in range(5):
-        for rank, holder in ((0, "b"), (1, "c"), (2, "a")):
-            h.msg(holder, p.SnapshotStored(holder, rank, step, 0))
-    h.msg("a", p.Progress("a", 0, 0, 5))
-    return h
+from helpers.controller_shrinking import shrunk_and_training, three_nodes_shrinking
 
 
 def test_a_lost_node_s_rank_goes_to_a_survivor_which_restores_it_from_its_replica():
@@ -70,25 +52,9 @@ def test_a_failure_before_the_narrow_job_trained_takes_the_adopted_rank_from_its
     assert rc.restore_from == {"2": "", "0": "tcp://c:1", "1": "tcp://c:1"}
 
 
-def shrunk_and_training() -> Harness:
-    """b lost at step 5 (restore step 4), a trains ranks 0 and 1, c rank 2; both stepped to 6 narrow, their
-    snapshots of step 5 held by each other."""
-    h = three_nodes_shrinking()
-    h.feed(NodeGone("b", "killed"), dt=1)
-    h.pong_all()
-    for node, rank in (("a", 0), ("c", 2)):
-        h.msg(node, p.WorkerReady(node, 1, rank, 0.02, 0.02, "local"))
-    h.msg("c", p.SnapshotStored("c", 0, 5, 1))
-    h.msg("a", p.SnapshotStored("a", 2, 5, 1))
-    h.msg("a", p.Progress("a", 1, 0, 6))
-    h.msg("c", p.Progress("c", 1, 2, 6))
-    assert h.named("recovery_complete")
-    return h
-
-
 def test_a_node_that_joins_a_narrow_job_takes_its_rank_back_from_the_carrier_s_snapshot():
     h = shrunk_and_training()
-    joins_set_up(h, "d")
+    h.join_set_up("d")
     h.pong_all()
     assert h.finish is None and h.c.timeline.generation == 2
     assert h.c.timeline.layout == ["a", "d", "c"], "in the order of their ranks: rank r on process r again"

@@ -7,7 +7,7 @@ from dpcommon import protocol as p
 from dprun.controller.nodes import GROW_SETUP_WAIT_S
 from dprun.controller.state_machine import NodeGone, Tick
 from helpers.controller_harness import Harness, spec
-from test_controller_shrink import joins_set_up, shrunk_and_training
+from helpers.controller_shrinking import shrunk_and_training
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -16,7 +16,7 @@ def grow_planned_at_step_5() -> Harness:
     """shrunk_and_training, then d joins: the grow goes back to step 5 (rank 0's newest copy the controller
     knows of, rank 0's snapshots holding rank 1 that d takes back)."""
     h = shrunk_and_training()
-    joins_set_up(h, "d")
+    h.join_set_up("d")
     h.pong_all()
     assert h.c.timeline.generation == 2 and h.sent_to("d", p.Reconfigure)[-1].restore_step == 5
     return h
@@ -144,14 +144,14 @@ def test_a_node_that_joins_as_the_narrow_job_finishes_does_not_make_it_fail():
     """d registers while the probe of its grow is out, and the narrow job finishes meanwhile: the grow is dropped
     and the job ends 0 once its workers exited (not 'exited after training completed')."""
     h = shrunk_and_training()
-    joins_set_up(h, "d")
+    h.join_set_up("d")
     for node, rank in (("a", 0), ("c", 2)):
         h.msg(node, p.RankFinished(node, 1, rank, 30))
     h.msg("a", p.WorkerExited("a", 1, 0, 10, 0))
     h.pong_all()
     h.feed(Tick(), dt=0.6)
     assert not h.named("job_grew") and h.finish is None
-    joins_set_up(h, "e")  # (nor does one that joins once training is over)
+    h.join_set_up("e")  # (nor does one that joins once training is over)
     h.pong_all()
     assert not h.named("job_grew") and h.c.timeline.generation == 1
     h.msg("c", p.WorkerExited("c", 1, 0, 10, 0))
@@ -192,7 +192,7 @@ def test_a_recovery_does_not_grow_where_the_carriers_snapshots_died_with_the_nod
     h = shrunk_and_training()
     h.feed(NodeGone("c", "killed"), dt=1)
     h.register("d", spare=True)
-    joins_set_up(h, "e")
+    h.join_set_up("e")
     h.pong_all()
     assert h.finish is None, h.finish
     assert h.c.timeline.generation == 2 and h.c.timeline.layout == ["a", "d"] and not h.named("job_grew")
@@ -234,8 +234,8 @@ def test_a_node_lost_while_a_grow_is_planned_is_recovered_even_where_the_grow_ca
     """d and e join set up (a grow onto d is being planned) when c dies, with a's snapshots, which e would have
     read to take rank 1 back: the recovery promotes d into c's place and leaves the grow for later."""
     h = shrunk_and_training()
-    joins_set_up(h, "d")
-    joins_set_up(h, "e")
+    h.join_set_up("d")
+    h.join_set_up("e")
     assert h.c.reconstruction.pending is not None and h.c.reconstruction.pending.why.startswith("a node joined")
     h.feed(NodeGone("c", "killed"), dt=1)
     h.pong_all()

@@ -5,7 +5,6 @@ grows back to the full mesh once enough nodes joined; a mesh that cannot shrink 
 from dpcommon import protocol as p
 from dprun.controller.state_machine import NodeGone
 from helpers.controller_harness import Harness, spec
-from test_controller_shrink import joins_set_up
 
 MESH = "dp=2 x tp=2"
 
@@ -65,10 +64,10 @@ def test_the_narrow_mesh_grows_back_whole_once_enough_nodes_joined():
     h.msg("a", p.SnapshotStored("a", 3, 5, 1))
     for node, rank in (("a", 0), ("d", 3)):
         h.msg(node, p.Progress(node, 1, rank, 6))
-    joins_set_up(h, "e")
+    h.join_set_up("e")
     h.pong_all()
     assert h.c.timeline.generation == 1 and not h.named("job_grew"), "one node cannot bring a replica of two back"
-    joins_set_up(h, "f")
+    h.join_set_up("f")
     h.pong_all()
     assert h.c.timeline.generation == 2
     assert h.c.timeline.layout == ["a", "e", "f", "d"] and h.c.timeline.width.assignment == ((0,), (1,), (2,), (3,))

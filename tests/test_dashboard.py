@@ -247,7 +247,7 @@ def test_the_controller_s_view_says_the_width_that_the_dashboard_heads():
     h.msg("a", p.SnapshotStored("a", 2, 5, 1))
     for node, rank in (("a", 0), ("c", 2)):
         h.msg(node, p.Progress(node, 1, rank, 6))
-    h.register("d", spare=True)
+    h.join_set_up("d")
     h.pong_all()
     assert h.c.view(h.now).width == WidthView(processes=3, ranks=3, slowdown=1)
     for i, e in enumerate(h.events):  # the events it published, as the dashboard's view folds them

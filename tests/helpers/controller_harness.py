@@ -42,6 +42,11 @@ class Harness:
     def register(self, node: str, spare=False, rank=-1, nproc=1, **terms):
         return self.msg(node, p.Register(node, "h", 1, nproc, spare, rank, f"tcp://{node}:1", p.JobTerms(**terms)))
 
+    def join_set_up(self, node: str) -> None:
+        """`node` registers as a spare, then its heartbeat says its worker waits set up (idle): a grow can take it."""
+        self.register(node, spare=True)
+        self.msg(node, p.Heartbeat(node, -1, {"0": {"activity": "idle"}}))
+
     def sent_to(self, node: str, kind) -> list:
         return [s.msg for s in self.sent if s.node_id == node and isinstance(s.msg, kind)]
 
