@@ -111,6 +111,10 @@ def describe(event: dict) -> str:
         pace = "full width" if e["processes"] == e["ranks"] else f"steps still about {e['slowdown']}x as long"
         return (f"{', '.join(e['nodes'])} joined: the job grows to {e['processes']} processes for its {e['ranks']} "
                 f"data-parallel ranks ({pace}, generation {e['generation']})")
+    if kind == "grow_undone":
+        return (f"the grow onto {', '.join(e['nodes'])} is undone before it trained (its new processes could not reach "
+                f"the snapshots holding their ranks): {e['processes']} processes train the job's {e['ranks']} "
+                f"data-parallel ranks again (generation {e['generation']})")
     if kind == "shrink_refused":
         then = {"wait": "; it waits for a node to join instead (--shrink-fallback wait)",
                 "fail": "; it stops instead (--shrink-fallback fail)"}.get(str(e.get("fallback")), "")

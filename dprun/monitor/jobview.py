@@ -27,7 +27,8 @@ LEVELS = {"node_failed": "error", "worker_exited": "error", "spare_lost": "warn"
           "fault_skipped": "warn", "saving_state": "warn", "save_retried": "warn", "message_refused": "warn",
           "divergence": "error", "node_refused": "warn", "node_warning": "warn", "restoring_from_disk": "warn",
           "save_failed": "warn", "save_skipped": "warn", "resume_fallback": "warn", "state_saved": "dim",
-          "job_shrunk": "promote", "job_grew": "promote", "shrink_refused": "warn"}
+          "job_shrunk": "promote", "job_grew": "promote", "shrink_refused": "warn",
+          "grow_undone": "warn"}
 WARNING_EVENTS = ("node_refused", "node_warning", "divergence")  # what `dprun report` lists under "warnings"
 WARNINGS_KEPT = 20
 STEPS_ARGS = ("--steps", "--max-steps", "--total-steps", "--num-steps", "--max-iters", "--iters", "--max_steps",

@@ -4,7 +4,7 @@ with the step it went on from and what it cost; the dashboard's header field and
 
 from __future__ import annotations
 
-CHANGES = {"job_shrunk": "shrank", "job_grew": "grew"}
+CHANGES = {"job_shrunk": "shrank", "job_grew": "grew", "grow_undone": "undid a grow"}
 
 
 def first_step_s(rec: dict, joined: float | None = None) -> float:
@@ -111,10 +111,11 @@ def report_lines(model: dict, t0: float) -> list[str]:
     narrow = sum(n for change, n in zip(changes, steps)
                  if n is not None and is_narrow(change) and change["cost_s"] is not None)
     shrank = sum(1 for change in changes if change["kind"] == "shrank")
-    lines = [f"width: shrank {shrank} time(s), grew {len(changes) - shrank} time(s); {narrow} of "
+    grew = sum(1 for change in changes if change["kind"] == "grew")
+    lines = [f"width: shrank {shrank} time(s), grew {grew} time(s); {narrow} of "
              f"{model.get('step') or 0} steps trained narrow"]
     for i, (change, n) in enumerate(zip(changes, steps)):
-        how = "lost" if change["kind"] == "shrank" else "joined"
+        how = {"shrank": "lost", "grew": "joined"}.get(change["kind"], "left")
         at = f"+{change['time'] - t0:.1f}s"
         line = (f"  {at} {change['kind']} at step {change['step'] if change['step'] is not None else '?'} (node "
                 f"{', '.join(change['nodes']) or '?'} {how}): {change['ranks']} ranks on {processes(change)} "
