@@ -28,8 +28,8 @@ from .liveness import Liveness
 from .placement import Placement
 from .process import descendants, reap_orphans, set_child_subreaper, signal_procs
 from dpcommon.protocol import (
-    REFUSALS, Codec, Heartbeat, Hello, Inject, LoadSnapshots, Ping, Pong, Reconfigure, Register, SaveSnapshots,
-    SnapshotFiles, Standby, Stop, ToController, Welcome,
+    NO_RANK, REFUSALS, Codec, Demote, Heartbeat, Hello, Inject, LoadSnapshots, Ping, Pong, Reconfigure, Register,
+    SaveSnapshots, SnapshotFiles, Standby, Stop, ToController, Welcome,
 )
 from .replica_server import FilesDone, RelabelChecked, ReplicaServer
 from dpcommon.replica_store import ReplicaStore
@@ -283,7 +283,7 @@ class Agent:
             self._to_controller(Pong(self.cfg.node_id, msg.seq))
         elif isinstance(msg, Welcome):
             self._on_welcome(msg, now)
-        elif self.stopping.retired and isinstance(msg, (Reconfigure, Standby, Inject)):
+        elif self.stopping.retired and isinstance(msg, (Reconfigure, Standby, Inject, Demote)):
             self.control.drop_unexpected(incoming)
         elif isinstance(msg, Reconfigure):
             place.generation, place.role, place.latest = msg.generation, "active", msg
@@ -300,6 +300,10 @@ class Agent:
             if place.latest is None:  # still a spare: its workers make room for a restore
                 place.standby = msg
                 self.link.to_workers(msg)
+        elif isinstance(msg, Demote):  # out of the layout, alive: a spare again, its store kept
+            attempt = place.generation + 1
+            place.generation, place.role, place.latest, place.standby = NO_RANK, "spare", None, None
+            self.restart.respawn_spares(msg, attempt)
         elif isinstance(msg, Stop):
             self.stopping.begin(msg.exit_code, f"stop from controller: {msg.reason}", StopPhase.STOP, msg)
         elif isinstance(msg, SaveSnapshots) and msg.background:  # written on a thread; training goes on

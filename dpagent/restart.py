@@ -16,7 +16,7 @@ from .agent_config import AgentConfig
 from dpcommon.exit_wording import describe_exit
 from .output import CRASHES, exception_name, raised_exception
 from .placement import Placement
-from dpcommon.protocol import PeerError, Reconfigure, ToController, WorkerExited, WorkerReady
+from dpcommon.protocol import Demote, PeerError, Reconfigure, ToController, WorkerExited, WorkerReady
 from .worker_link import WorkerLink
 from .workers import restart_env
 
@@ -73,7 +73,7 @@ class HeldExits:
 class RestartMode:
     """A part of the agent that replaces its workers on each Reconfigure and holds back their crashes (it owns
     the HeldExits); it is handed the worker link (which spawns them), the way to the controller and the node's
-    place (read only). Used only where place.restart_mode (Welcome(prespawn=False))."""
+    place (read only). Used only where place.restart_mode (Welcome(prespawn=False)), but for a demotion."""
 
     def __init__(self, cfg: AgentConfig, link: WorkerLink, to_controller: Callable[[ToController], None],
                  place: Placement) -> None:
@@ -83,9 +83,8 @@ class RestartMode:
         self.place = place
         self.held_exits = HeldExits()  # crashes held back, replaced workers' exits
 
-    def restart_workers(self, msg: Reconfigure) -> None:
-        """Replace this node's workers by fresh ones that know their ranks; WorkerReady for each."""
-        started = time.monotonic()
+    def _kill_workers(self, started: float) -> int:
+        """Kill this node's workers (their exits are not news); how many there were."""
         workers = self.link.workers
         old = workers.alive()
         self.held_exits.retire([w.pid for w in old])
@@ -97,6 +96,20 @@ class RestartMode:
                 worker.popen.wait(timeout=max(0.1, 5.0 - (time.monotonic() - started)))
             except subprocess.TimeoutExpired:
                 log.warning("worker %d (pid %d) did not die after SIGKILL", worker.local_rank, worker.pid)
+        return len(old)
+
+    def respawn_spares(self, msg: Demote, attempt: int) -> None:
+        """Demoted (in either mode): the workers of the generation it left give way to fresh spare ones, which
+        wait set up for a Reconfigure as a spare's do."""
+        killed = self._kill_workers(time.monotonic())
+        log.info("demoted to spare (%s): %d worker(s) replaced by spare ones", msg.reason, killed)
+        for local_rank in range(self.cfg.nproc):
+            self.link.spawn(local_rank, self.link.base_env(local_rank, "spare"), attempt=attempt)
+
+    def restart_workers(self, msg: Reconfigure) -> None:
+        """Replace this node's workers by fresh ones that know their ranks; WorkerReady for each."""
+        started = time.monotonic()
+        old = self._kill_workers(started)
         log.info("generation %d (%s): %s %d worker(s) as node rank %d of %d", msg.generation, msg.reason or "start",
                  "restarting" if old else "starting", self.cfg.nproc, msg.node_rank, msg.nnodes)
         for local_rank in range(self.cfg.nproc):

@@ -65,9 +65,11 @@ class WorkerLink:
         return worker
 
     def forget(self, worker: Worker) -> None:
-        """A worker replaced by a restart: what it says from now on is not heard as a peer's."""
+        """A worker replaced by a restart: what it says from now on is not heard as a peer's, nor its last status
+        as its successor's."""
         if worker.identity is not None:
             self.peers.pop(worker.identity, None)
+        self._statuses.pop(worker.local_rank, None)
 
     def statuses(self, now: float) -> dict[str, WorkerSummary]:
         """Each worker's latest status and its age: a stopped or wedged worker's age keeps growing."""

@@ -305,6 +305,14 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class Demote:
+    """To a live node that leaves the layout with its data-parallel replica (a sharded job's shrink): its workers
+    are replaced by fresh spare ones, which wait set up as any spare's do; its store keeps what it holds."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Ping:
     seq: int
 

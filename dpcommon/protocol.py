@@ -26,17 +26,17 @@ from typing import Any, Callable, Literal, Sequence, Union
 from .checksum import CHECKSUM_BLOCK
 from .exit_wording import OOM_KILLED, OWN_SIGNALS, describe_end, describe_exit  # (older call sites name them here)
 from .control_messages import (
-    NO_RANK, Activity, AgentExited, Diverged, FaultKind, Heartbeat, Hello, Inject, JobTerms, Leaving, LoadSnapshots,
-    PeerError, Ping, Pong, Progress, RankFinished, Reconfigure, Register, RestoredFrom, RestoreFailed, Role,
-    SaveSnapshots, SnapshotFiles, SnapshotStored, Standby, Stop, Welcome, WorkerExited, WorkerReady, WorkerStatus,
-    WorkerSummary,
+    NO_RANK, Activity, AgentExited, Demote, Diverged, FaultKind, Heartbeat, Hello, Inject, JobTerms, Leaving,
+    LoadSnapshots, PeerError, Ping, Pong, Progress, RankFinished, Reconfigure, Register, RestoredFrom, RestoreFailed,
+    Role, SaveSnapshots, SnapshotFiles, SnapshotStored, Standby, Stop, Welcome, WorkerExited, WorkerReady,
+    WorkerStatus, WorkerSummary,
 )
 from .snapshot_messages import (
     FetchSnapshot, LocalSnapshot, OfferSnapshot, PutSnapshot, ReserveSnapshot, SnapshotAck, SnapshotBlocks,
     SnapshotChunk, SnapshotData, SnapshotReserved, SnapshotWants,
 )
 
-PROTOCOL_VERSION = 22  # what each version changed: docs/protocol.md
+PROTOCOL_VERSION = 23  # what each version changed: docs/protocol.md
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 CHUNK_BYTES = 4 << 20  # snapshot data frames (why chunks: docs/protocol.md); a whole number of CHECKSUM_BLOCKs
@@ -50,7 +50,7 @@ ToController = Union[
     AgentExited,  # from a member node's dprun, for its agent that died
 ]
 ToAgent = Union[
-    Welcome, Reconfigure, Stop, Ping, Inject, Standby, SaveSnapshots, LoadSnapshots,  # from the controller
+    Welcome, Reconfigure, Stop, Demote, Ping, Inject, Standby, SaveSnapshots, LoadSnapshots,  # from the controller
     Hello, WorkerStatus, Progress, WorkerReady, PeerError, RestoreFailed, RankFinished, Diverged,  # from its workers
     SnapshotFiles,
 ]
@@ -281,7 +281,8 @@ __all__ = [
     "ToController", "ToAgent", "ToWorker", "ToReplica", "Message", "message_types",
     "Register", "Heartbeat", "WorkerSummary", "Pong", "WorkerExited", "AgentExited", "Leaving", "SnapshotStored",
     "Hello", "Progress", "WorkerReady", "PeerError", "WorkerStatus", "RestoreFailed", "Diverged", "RankFinished",
-    "Welcome", "Reconfigure", "Stop", "Ping", "Standby", "SaveSnapshots", "LoadSnapshots", "SnapshotFiles", "Inject",
+    "Welcome", "Reconfigure", "Stop", "Demote", "Ping", "Standby", "SaveSnapshots", "LoadSnapshots", "SnapshotFiles",
+    "Inject",
     "PutSnapshot", "ReserveSnapshot", "SnapshotReserved", "SnapshotAck", "FetchSnapshot", "SnapshotData",
     "SnapshotChunk", "LocalSnapshot", "OfferSnapshot", "SnapshotWants", "SnapshotBlocks",
     "JobTerms", "Activity", "RestoredFrom", "Role", "FaultKind", "NO_RANK",

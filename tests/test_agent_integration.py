@@ -24,7 +24,7 @@ from conftest import gone
 from dpcommon.checksum import checksum_chunks
 from dpcommon.protocol import (
     Codec, Heartbeat, Inject, Leaving, Ping, Pong, Progress, PutSnapshot, Reconfigure, Register, SnapshotAck,
-    SaveSnapshots, SnapshotChunk, SnapshotData, SnapshotFiles, SnapshotStored, Standby, Stop, FetchSnapshot, Welcome,
+    SaveSnapshots, SnapshotChunk, SnapshotData, SnapshotFiles, SnapshotStored, Standby, Stop, FetchSnapshot, Welcome, Demote,
     WorkerExited, chunk_views,
 )
 from dpcommon.snapshot_files import read_snapshot
@@ -217,6 +217,32 @@ def test_a_spare_relays_standby_to_its_workers_until_it_is_promoted(start_agent)
     agent.ctl.send(Standby([9 << 20, 9 << 20]))  # no longer a spare: not relayed, so no echo before the exits
     agent.ctl.send(Stop("done", 0))
     assert sorted(e.local_rank for e in agent.ctl.recv_all(WorkerExited, 2)) == [0, 1]
+    assert agent.wait() == 0
+
+
+def test_a_demoted_node_replaces_its_workers_by_spare_ones_and_reports_no_exit(start_agent):
+    """Demote (a sharded job's shrink took its replica out of the mesh): the workers of the generation it left
+    are killed, their exits not reported, and fresh spare ones wait, relayed the next Reconfigure."""
+    agent = start_agent(nproc=2)
+    agent.welcome()
+    agent.reconfigure(generation=0, node_rank=1)
+    assert sorted(p.rank for p in agent.ctl.recv_all(Progress, 2)) == [2, 3]
+    old = [r["pid"] for r in agent.reports(2).values()]
+    agent.ctl.send(Demote("its data-parallel replica left the mesh"))
+    assert wait_gone(old)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        new = agent.reports(2)
+        if not {r["pid"] for r in new.values()} & set(old):
+            break
+        time.sleep(0.02)
+    assert {r["env"]["DP_ROLE"] for r in new.values()} == {"spare"}, new
+    assert agent.ctl.recv(Heartbeat) == Heartbeat("n1", -1), "a spare's heartbeat"
+    agent.reconfigure(generation=1, node_rank=0)  # promoted again
+    assert sorted(p.rank for p in agent.ctl.recv_all(Progress, 2, skip=(Heartbeat,))) == [0, 1]
+    agent.ctl.send(Stop("done", 0))
+    exits = agent.ctl.recv_all(WorkerExited, 2)
+    assert sorted(e.pid for e in exits) == sorted(r["pid"] for r in new.values()), "no exit of the old workers"
     assert agent.wait() == 0
 
 
