@@ -35,11 +35,12 @@ def test_a_lost_node_takes_its_replica_out_and_each_tp_place_carries_its_ranks()
     assert ra.restore_from == {"0": "", "2": "tcp://d:1"}
     (rd,) = h.sent_to("d", p.Reconfigure)[-1:]
     assert rd.adopt_from == {"1": 1} and rd.restore_from == {"3": "tcp://a:1", "1": "tcp://c:1"}, "b's on c"
-    (stop,) = h.sent_to("c", p.Stop)
-    assert stop.keep_store and stop.exit_code == 0 and "left the mesh" in stop.reason
+    (demote,) = h.sent_to("c", p.Demote)
+    assert "left the mesh" in demote.reason and not h.sent_to("c", p.Stop)
     assert not h.sent_to("c", p.Reconfigure)[1:], "c is out of the new generation"
+    assert h.c.table.nodes["c"].role == "spare" and h.c.table.nodes["c"].node_rank == -1, "c waits as a spare"
     (shrunk,) = h.named("job_shrunk")
-    assert (shrunk["nodes"], shrunk["retired"], shrunk["processes"], shrunk["ranks"]) == (["b", "c"], ["c"], 2, 4)
+    assert (shrunk["nodes"], shrunk["demoted"], shrunk["processes"], shrunk["ranks"]) == (["b", "c"], ["c"], 2, 4)
 
     h.msg("a", p.WorkerReady("a", 1, 0, 0.02, 0.03, "local"))
     h.msg("d", p.WorkerReady("d", 1, 3, 0.02, 0.01, "local"))
@@ -51,10 +52,10 @@ def test_a_lost_node_takes_its_replica_out_and_each_tp_place_carries_its_ranks()
         h.msg(node, p.WorkerExited(node, 1, 0, 10, 0))
     assert h.finish is not None and h.finish.exit_code == 0
     assert h.finish.message.startswith("all 4 ranks finished (trained by 2 processes: the job shrank)")
-    assert not h.sent_to("c", p.Stop)[-1].keep_store, "the retired store is let go at the end"
+    assert h.sent_to("c", p.Stop)[-1].exit_code == 0, "the spare is stopped at the end, as any"
 
 
-def test_the_narrow_mesh_grows_back_whole_once_enough_nodes_joined():
+def test_the_narrow_mesh_grows_back_whole_with_the_demoted_node_and_one_that_joins():
     h = four_nodes()
     h.feed(NodeGone("b", "killed"), dt=1)
     h.pong_all()
@@ -64,18 +65,18 @@ def test_the_narrow_mesh_grows_back_whole_once_enough_nodes_joined():
     h.msg("a", p.SnapshotStored("a", 3, 5, 1))
     for node, rank in (("a", 0), ("d", 3)):
         h.msg(node, p.Progress(node, 1, rank, 6))
-    h.join_set_up("e")
+    h.msg("c", p.Heartbeat("c", -1, {"0": {"activity": "idle"}}))  # c's spare workers are set up
     h.pong_all()
     assert h.c.timeline.generation == 1 and not h.named("job_grew"), "one node cannot bring a replica of two back"
-    h.join_set_up("f")
+    h.join_set_up("e")
     h.pong_all()
     assert h.c.timeline.generation == 2
-    assert h.c.timeline.layout == ["a", "e", "f", "d"] and h.c.timeline.width.assignment == ((0,), (1,), (2,), (3,))
+    assert h.c.timeline.layout == ["a", "c", "e", "d"] and h.c.timeline.width.assignment == ((0,), (1,), (2,), (3,))
+    (rc,) = h.sent_to("c", p.Reconfigure)[-1:]
     (re,) = h.sent_to("e", p.Reconfigure)
-    (rf,) = h.sent_to("f", p.Reconfigure)
-    assert (re.node_rank, re.world_size, re.carry, re.adopt_from) == (1, 4, [], {"1": 3})
-    assert (rf.node_rank, rf.adopt_from) == (2, {"2": 0})
-    assert re.restore_from["3"] == "tcp://a:1" and rf.restore_from["0"] == "tcp://d:1"
+    assert (rc.node_rank, rc.world_size, rc.carry, rc.adopt_from) == (1, 4, [], {"1": 3})
+    assert (re.node_rank, re.adopt_from) == (2, {"2": 0})
+    assert rc.restore_from["3"] == "tcp://a:1" and re.restore_from["0"] == "tcp://d:1"
     assert h.named("job_grew")[0]["processes"] == 4
 
 

@@ -126,7 +126,7 @@ def test_a_sharded_job_out_of_spares_shrinks_to_one_replica_and_ends_as_the_full
                                                                                           reference):
     """FSDP2 dp=2 x tp=2 on 4 nodes, no spare: node rank 1 (dp 0, tp 1) is killed at step 6. Its replica leaves
     the mesh: node rank 0, whose newest state only its own process held (its replica was on node 1), goes on for
-    tp 0, node rank 3 for tp 1, node rank 2 retires (its store serving the copies it holds). The job trains
+    tp 0, node rank 3 for tp 1, node rank 2 waits as a spare (its store serving the copies it holds). The job trains
     dp=1 x tp=2, each process the batches of both replicas in turn, its shards cut anew from the snapshots of the
     ranks it carries, and ends with the failure-free run's whole parameters, loss and data positions: bit for
     bit (the tolerance measured is 0)."""
@@ -135,7 +135,7 @@ def test_a_sharded_job_out_of_spares_shrinks_to_one_replica_and_ends_as_the_full
     assert run.returncode == 0, run.stderr[-4000:]
     (shrunk,) = run.named("job_shrunk")
     assert (shrunk["processes"], shrunk["ranks"], shrunk["carried"]) == (2, 4, {"0": [2], "3": [1]}), shrunk
-    assert shrunk["nodes"] == ["node1", "node2"] and shrunk["retired"] == ["node2"], shrunk
+    assert shrunk["nodes"] == ["node1", "node2"] and shrunk["demoted"] == ["node2"], shrunk
     assert "all 4 ranks finished (trained by 2 processes" in run.named("job_finished")[0]["message"]
     full = reference("fsdp-tp", whole=True)
     assert run.summary["final_step"] == STEPS["fsdp-tp"] and run.summary["world_size"] == 2, run.summary
@@ -144,10 +144,11 @@ def test_a_sharded_job_out_of_spares_shrinks_to_one_replica_and_ends_as_the_full
     assert run.summary["loss"] == full["loss"]
 
 
-def test_a_shrunk_sharded_job_grows_back_to_the_full_mesh_when_two_nodes_join(procs, tmp_path, reference):
-    """The shrink above, then two nodes join: the job grows back to dp=2 x tp=2 (each joining process cuts its
-    shard out of the snapshot of the process that carried its rank; the carriers cut theirs down) and ends with
-    the failure-free run's shards, bit for bit."""
+def test_a_shrunk_sharded_job_grows_back_to_the_full_mesh_when_a_node_joins_its_demoted_one(procs, tmp_path,
+                                                                                           reference):
+    """The shrink above (node rank 2 waits as a spare), then a node joins: with the two the job grows back to
+    dp=2 x tp=2 (each new process cuts its shard out of the snapshot of the process that carried its rank; the
+    carriers cut theirs down) and ends with the failure-free run's shards, bit for bit."""
     dims, _ = LAYOUTS["fsdp-tp"]
     summary = tmp_path / "summary.json"
     script = [TRAIN_3D, "--steps", STEPS["fsdp-tp"], *MODEL, *dims, "--step-sleep", "1.0", "--summary", summary]
@@ -158,12 +159,13 @@ def test_a_shrunk_sharded_job_grows_back_to_the_full_mesh_when_two_nodes_join(pr
     wait_for(lambda: any(e["event"] == "job_shrunk" for e in read_events(job.events)), timeout=240,
              what="the job to shrink")
     job.start()
-    job.start()
     _, err = job.head.communicate(timeout=240)
     assert job.head.returncode == 0, err[-3000:]
     events = read_events(job.events)
+    (shrunk,) = [e for e in events if e["event"] == "job_shrunk"]
     (grew,) = [e for e in events if e["event"] == "job_grew"]
     assert (grew["processes"], grew["ranks"], len(grew["nodes"])) == (4, 4, 2), grew
+    assert len(shrunk["demoted"]) == 1 and shrunk["demoted"][0] in grew["nodes"], "the demoted node is taken back"
     done = json.loads(summary.read_text())
     assert done["world_size"] == 4 and done["final_step"] == STEPS["fsdp-tp"], done
     assert done["params_sha256"] == reference("fsdp-tp"), "the grown job's shards differ from the failure-free run"

@@ -146,11 +146,11 @@ def test_the_console_line_of_the_recovery_that_completes_a_shrink_or_grow_says_i
     EventSink(None, console=None).emit({"event": "job_shrunk", "generation": "x"})  # (its cost untold, no raise)
 
 
-def test_a_sharded_shrink_names_the_nodes_that_leave_alive_and_a_refusal_its_fallback():
-    shrunk = describe({"event": "job_shrunk", "generation": 1, "nodes": ["node1", "node2"], "retired": ["node2"],
+def test_a_sharded_shrink_names_the_nodes_demoted_to_spares_and_a_refusal_its_fallback():
+    shrunk = describe({"event": "job_shrunk", "generation": 1, "nodes": ["node1", "node2"], "demoted": ["node2"],
                        "processes": 2, "ranks": 4, "slowdown": 2, "carried": {"0": [2], "3": [1]}})
     assert shrunk.startswith("no spare left: the job goes on without node1, node2 (node2 of the lost data-parallel "
-                             "replica too; their stores keep serving), 2 processes training its 4 data-parallel "
+                             "replica too, waiting as spares), 2 processes training its 4 data-parallel "
                              "ranks (rank 0's process also trains 2; rank 3's process also trains 1)"), shrunk
     refused = describe({"event": "shrink_refused", "reason": "its mesh (pp=2 x dp=2) has pipeline-parallel dims",
                         "fallback": "wait"})

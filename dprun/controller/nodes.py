@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 class Role(enum.StrEnum):
     """A node's role. Transitions: SPARE -> ACTIVE (promoted into a failed node's ranks, or placed as the first
-    generation forms); ACTIVE or SPARE -> FAILED (fenced: its later messages are refused). FAILED is final: a
+    generation forms); ACTIVE -> SPARE (demoted: its data-parallel replica left a sharded job's mesh as the job
+    shrank); ACTIVE or SPARE -> FAILED (fenced: its later messages are refused). FAILED is final: a
     node that comes back registers afresh under a new id. (Strings on the wire and in events: "active"...)"""
 
     ACTIVE = "active"

@@ -360,7 +360,7 @@ class Reconstruction:
             timeline.layout[i] = spare.node_id
             self.out.publish("spare_promoted", spare=spare.node_id, node_rank=i, generation=timeline.generation + 1)
         if shrink:
-            self.reshaping.shrink(rec, shrink)
+            self.reshaping.shrink(rec, shrink, now)
         if grow:
             self.reshaping.grow(rec, grow)
         rec.peak_step = max(rec.peak_step, timeline.max_step)

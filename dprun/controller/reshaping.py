@@ -9,7 +9,7 @@ from dpcommon import protocol as p
 from .ledger import NEWEST, ReplicaLedger
 from .mesh_narrowing import MeshDims
 from .narrowing import Narrowing, Width
-from .nodes import ACTIVE, FAILED, Node, NodeTable
+from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .timeline import Timeline
 from .vocabulary import JobSpec, Outbox, Recovery
 
@@ -62,19 +62,27 @@ class Reshaping:
         shrink keeps those processes, whose own snapshots are then their only state."""
         return frozenset(rank for rank in self.timeline.keys() if self.ledger.newest_live(rank) is None)
 
-    def shrink(self, rec: Recovery, shrink: Narrowing) -> None:
+    def shrink(self, rec: Recovery, shrink: Narrowing, now: float) -> None:
         """The nodes of shrink.leaving leave the layout; the ranks their processes trained go to the others. A
-        sharded job's nodes that leave alive (the lost replica's others) keep their stores serving until the end."""
+        sharded job's nodes that leave alive (the lost replica's others) wait as spares, their stores serving."""
         timeline, narrower = self.timeline, shrink.width
         rec.shrunk = [timeline.layout[i] for i in shrink.leaving]
-        retired = [node_id for node_id in rec.shrunk if self.table.nodes[node_id].role == ACTIVE]
-        for node_id in retired:
-            self._retire(self.table.nodes[node_id])
+        demoted = [node_id for node_id in rec.shrunk if self.table.nodes[node_id].role == ACTIVE]
+        for node_id in demoted:
+            self._demote(self.table.nodes[node_id], now)
         timeline.reshaped(narrower, [timeline.layout[i] for i in shrink.nodes], self.table)
         self.out.publish("job_shrunk", generation=timeline.generation + 1, nodes=rec.shrunk,
                          processes=narrower.processes, ranks=narrower.logical_world, slowdown=narrower.slowdown,
                          carried={str(ranks[0]): list(ranks[1:]) for ranks in narrower.assignment if len(ranks) > 1},
-                         **({"retired": retired} if retired else {}))
+                         **({"demoted": demoted} if demoted else {}))
+
+    def _demote(self, node: Node, now: float) -> None:
+        """A live node leaves the layout with its lost replica and waits as a spare: its agent replaces its workers
+        by spare ones (p.Demote), which a grow or a hot swap takes once they say they are set up."""
+        self.table.set_role(node, SPARE)
+        node.node_rank, node.workers, node.registered_at = -1, {}, now
+        node.exited_ok.clear()
+        self.out.send(node.node_id, p.Demote(reason="its data-parallel replica left the mesh as the job shrank"))
 
     def undo_grow(self, rec: Recovery) -> bool:
         """A grow that has not trained yet, whose plan now finds state lost (the carriers' snapshots died with
@@ -94,18 +102,17 @@ class Reshaping:
         rec.undone = [timeline.layout[i] for i in grown]
         for node_id in rec.undone:
             node = self.table.nodes[node_id]
-            node.cause = "joined as the job grew, which it had not trained in when that grow was undone"
-            self._retire(node)
+            self._retire(node, "joined as the job grew, which it had not trained in when that grow was undone")
         timeline.reshaped(Width(assignment), [timeline.layout[i] for i in kept], self.table)
         self.out.publish("grow_undone", generation=timeline.generation + 1, nodes=rec.undone,
                          processes=len(assignment), ranks=len(held),
                          slowdown=max(len(ranks) for ranks in assignment))
         return True
 
-    def _retire(self, node: Node) -> None:
-        """A live node leaves the layout with its lost replica: its workers stop, its store keeps the copies it
-        holds for the others (as a fenced node's does for a save: dprun.controller.files releases it)."""
-        node.cause = "left the mesh with its data-parallel replica, lost when the job shrank"
+    def _retire(self, node: Node, cause: str) -> None:
+        """A live node leaves the layout: its workers stop, its store keeps the copies it holds for the others (as
+        a fenced node's does for a save: dprun.controller.files releases it)."""
+        node.cause = cause
         node.keeps_store = True
         self.table.set_role(node, FAILED)
         self.out.send(node.node_id, p.Stop(reason=f"node {node.node_id} {node.cause}", keep_store=True))

@@ -101,9 +101,9 @@ def describe(event: dict) -> str:
     if kind == "job_shrunk":
         carried = "; ".join(f"rank {own}'s process also trains {', '.join(map(str, more))}"
                             for own, more in e["carried"].items())
-        retired = e.get("retired") or []
-        left = (f" ({', '.join(retired)} of the lost data-parallel replica too; their stores keep serving)"
-                if retired else "")
+        demoted = e.get("demoted") or []
+        left = (f" ({', '.join(demoted)} of the lost data-parallel replica too, waiting as spares)"
+                if demoted else "")
         return (f"no spare left: the job goes on without {', '.join(e['nodes'])}{left}, {e['processes']} processes "
                 f"training its {e['ranks']} data-parallel ranks ({carried}); same samples and result, each step "
                 f"about {e['slowdown']}x as long (generation {e['generation']})")
