@@ -5,6 +5,7 @@ grows back to the full mesh once enough nodes joined; a mesh that cannot shrink 
 from dpcommon import protocol as p
 from dprun.controller.state_machine import NodeGone
 from helpers.controller_harness import Harness, spec
+from helpers.controller_shrinking import trains_narrow
 
 MESH = "dp=2 x tp=2"
 
@@ -59,12 +60,7 @@ def test_the_narrow_mesh_grows_back_whole_with_the_demoted_node_and_one_that_joi
     h = four_nodes()
     h.feed(NodeGone("b", "killed"), dt=1)
     h.pong_all()
-    for node, rank in (("a", 0), ("d", 3)):
-        h.msg(node, p.WorkerReady(node, 1, rank, 0.02, 0.02, "local"))
-    h.msg("d", p.SnapshotStored("d", 0, 5, 1))
-    h.msg("a", p.SnapshotStored("a", 3, 5, 1))
-    for node, rank in (("a", 0), ("d", 3)):
-        h.msg(node, p.Progress(node, 1, rank, 6))
+    trains_narrow(h, {"a": 0, "d": 3})
     h.msg("c", p.Heartbeat("c", -1, {"0": {"activity": "idle"}}))  # c's spare workers are set up
     h.pong_all()
     assert h.c.timeline.generation == 1 and not h.named("job_grew"), "one node cannot bring a replica of two back"

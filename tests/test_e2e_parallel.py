@@ -144,29 +144,36 @@ def test_a_sharded_job_out_of_spares_shrinks_to_one_replica_and_ends_as_the_full
     assert run.summary["loss"] == full["loss"]
 
 
+def _a_node_lost_then_one_joins(procs, tmp_path: Path, layout: str, inject: str, waited: str,
+                                options: tuple = (), script_options: tuple = ()) -> tuple[list[dict], dict]:
+    """`layout`'s job as 4 dprun nodes with no spare and --on-spare-exhausted shrink (and OPTIONS), the head
+    injecting INJECT; once a `waited` event is out, a node joins. Its events and summary, once it ended (exit 0)."""
+    dims, _ = LAYOUTS[layout]
+    summary = tmp_path / "summary.json"
+    script = [TRAIN_3D, "--steps", STEPS[layout], *MODEL, *dims, *script_options, "--summary", summary]
+    job = multi_node_job(procs, tmp_path, "--nnodes", "4", "--spares", "0", "--on-spare-exhausted", "shrink",
+                         *options, script=script, secret="joining-tests-secret", head_options=("--inject", inject))
+    for rank in (1, 2, 3):
+        job.start("--node-rank", str(rank))
+    wait_for(lambda: any(e["event"] == waited for e in read_events(job.events)), timeout=240,
+             what=f"a {waited} event")
+    job.start()
+    _, err = job.head.communicate(timeout=240)
+    assert job.head.returncode == 0, err[-3000:]
+    return read_events(job.events), json.loads(summary.read_text())
+
+
 def test_a_shrunk_sharded_job_grows_back_to_the_full_mesh_when_a_node_joins_its_demoted_one(procs, tmp_path,
                                                                                            reference):
     """The shrink above (node rank 2 waits as a spare), then a node joins: with the two the job grows back to
     dp=2 x tp=2 (each new process cuts its shard out of the snapshot of the process that carried its rank; the
     carriers cut theirs down) and ends with the failure-free run's shards, bit for bit."""
-    dims, _ = LAYOUTS["fsdp-tp"]
-    summary = tmp_path / "summary.json"
-    script = [TRAIN_3D, "--steps", STEPS["fsdp-tp"], *MODEL, *dims, "--step-sleep", "1.0", "--summary", summary]
-    job = multi_node_job(procs, tmp_path, "--nnodes", "4", "--spares", "0", "--on-spare-exhausted", "shrink",
-                         script=script, secret="grow-tests-secret", head_options=("--inject", "kill-node:1@step=5"))
-    for rank in (1, 2, 3):
-        job.start("--node-rank", str(rank))
-    wait_for(lambda: any(e["event"] == "job_shrunk" for e in read_events(job.events)), timeout=240,
-             what="the job to shrink")
-    job.start()
-    _, err = job.head.communicate(timeout=240)
-    assert job.head.returncode == 0, err[-3000:]
-    events = read_events(job.events)
+    events, done = _a_node_lost_then_one_joins(procs, tmp_path, "fsdp-tp", "kill-node:1@step=5", "job_shrunk",
+                                               script_options=("--step-sleep", "1.0"))
     (shrunk,) = [e for e in events if e["event"] == "job_shrunk"]
     (grew,) = [e for e in events if e["event"] == "job_grew"]
     assert (grew["processes"], grew["ranks"], len(grew["nodes"])) == (4, 4, 2), grew
     assert len(shrunk["demoted"]) == 1 and shrunk["demoted"][0] in grew["nodes"], "the demoted node is taken back"
-    done = json.loads(summary.read_text())
     assert done["world_size"] == 4 and done["final_step"] == STEPS["fsdp-tp"], done
     assert done["params_sha256"] == reference("fsdp-tp"), "the grown job's shards differ from the failure-free run"
 
@@ -176,25 +183,13 @@ def test_a_3d_job_that_cannot_shrink_says_so_and_waits_for_a_node_to_join_as_its
     """pp=2 x dp=2 x tp=2 on 4 nodes of 2, no spare, --on-spare-exhausted shrink --shrink-fallback wait: node rank 2
     is killed at step 6; a pipeline-parallel mesh cannot narrow yet, so the job says so once and waits; a node
     that joins then takes the lost ranks (a hot swap) and the job ends bit for bit as the failure-free run."""
-    dims, _ = LAYOUTS["3d"]
-    summary = tmp_path / "summary.json"
-    script = [TRAIN_3D, "--steps", STEPS["3d"], *MODEL, *dims, "--summary", summary]
-    job = multi_node_job(procs, tmp_path, "--nnodes", "4", "--nproc-per-node", "2", "--spares", "0",
-                         "--on-spare-exhausted", "shrink", "--shrink-fallback", "wait", script=script,
-                         secret="fallback-tests-secret", head_options=("--inject", "kill-node:2@step=6"))
-    for rank in (1, 2, 3):
-        job.start("--node-rank", str(rank))
-    wait_for(lambda: any(e["event"] == "waiting_for_spare" for e in read_events(job.events)), timeout=240,
-             what="the job to wait for a node")
-    job.start()
-    _, err = job.head.communicate(timeout=240)
-    assert job.head.returncode == 0, err[-3000:]
-    events = read_events(job.events)
+    events, done = _a_node_lost_then_one_joins(procs, tmp_path, "3d", "kill-node:2@step=6", "waiting_for_spare",
+                                               options=("--nproc-per-node", "2", "--shrink-fallback", "wait"))
     (refused,) = [e for e in events if e["event"] == "shrink_refused"]
     assert "pipeline-parallel" in refused["reason"] and refused["fallback"] == "wait", refused
     assert not [e for e in events if e["event"] == "job_shrunk"]
     assert [e["node_rank"] for e in events if e["event"] == "spare_promoted"] == [2]
-    assert json.loads(summary.read_text())["params_sha256"] == reference("3d"), "the recovered run diverged"
+    assert done["params_sha256"] == reference("3d"), "the recovered run diverged"
 
 
 def test_two_nodes_lost_together_with_two_replicas(procs, tmp_path, reference):

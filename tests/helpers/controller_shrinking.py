@@ -25,11 +25,18 @@ def shrunk_and_training() -> Harness:
     h = three_nodes_shrinking()
     h.feed(NodeGone("b", "killed"), dt=1)
     h.pong_all()
-    for node, rank in (("a", 0), ("c", 2)):
-        h.msg(node, p.WorkerReady(node, 1, rank, 0.02, 0.02, "local"))
-    h.msg("c", p.SnapshotStored("c", 0, 5, 1))
-    h.msg("a", p.SnapshotStored("a", 2, 5, 1))
-    h.msg("a", p.Progress("a", 1, 0, 6))
-    h.msg("c", p.Progress("c", 1, 2, 6))
-    assert h.named("recovery_complete")
+    trains_narrow(h, {"a": 0, "c": 2})
     return h
+
+
+def trains_narrow(h: Harness, processes: dict[str, int]) -> None:
+    """The narrow generation's processes (node -> own rank, two of them) restored, each one's snapshot of step 5
+    held by the other, and both stepped to 6: the shrink's recovery completes."""
+    (one, first), (other, second) = processes.items()
+    for node, rank in processes.items():
+        h.msg(node, p.WorkerReady(node, 1, rank, 0.02, 0.02, "local"))
+    h.msg(other, p.SnapshotStored(other, first, 5, 1))
+    h.msg(one, p.SnapshotStored(one, second, 5, 1))
+    for node, rank in processes.items():
+        h.msg(node, p.Progress(node, 1, rank, 6))
+    assert h.named("recovery_complete")
