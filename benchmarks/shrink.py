@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--narrow-steps", type=int, default=None,
                     help="narrow steps before a node joins (20; --quick 8)")
     ap.add_argument("--tail-steps", type=int, default=None,
-                    help="steps left for the grow and after it (30): the job must not end first")
+                    help="steps left for the grow and after it (30; --quick 100): the job must not end first (a grow "
+                         "waits for the joining node's workers to be set up, up to 3 s after it registered)")
     ap.add_argument("--heartbeat-timeout", type=float, default=20.0,
                     help="high: a busy host must not fail nodes that are only slow (a kill is seen at once)")
     ap.add_argument("--quick", action="store_true", help="small model, 2 nodes, 1 repetition: a smoke run")
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per run")
     args = ap.parse_args(argv)
-    defaults = ({"nnodes": 2, "repeats": 1, "kill_at": 8, "narrow_steps": 8, "tail_steps": 30} if args.quick else
+    defaults = ({"nnodes": 2, "repeats": 1, "kill_at": 8, "narrow_steps": 8, "tail_steps": 100} if args.quick else
                 {"nnodes": 3, "repeats": 3, "kill_at": 20, "narrow_steps": 20, "tail_steps": 30})
     for key, value in defaults.items():
         if getattr(args, key) is None:
