@@ -8,33 +8,34 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dprun.controller.mesh_narrowing import MeshDims, shrink_mesh
+from dpcommon.mesh_dims import MeshDims
+from dprun.controller.mesh_narrowing import shrink_mesh
 from dprun.controller.narrowing import Width
 from dpstate.groups.carried import Carried
 from dpstate.groups.mesh import MeshLayout, narrow_mesh_problem
 
 
 def test_a_lost_replica_s_ranks_go_to_the_survivors_of_their_place():
-    shrunk = shrink_mesh(Width.full(4), {1}, MeshDims.parse("dp=2 x tp=2"), nproc=1, anchored={0})
+    shrunk = shrink_mesh(Width.full(4), {1}, MeshDims.described("dp=2 x tp=2"), nproc=1, anchored={0})
     assert not isinstance(shrunk, str)
     assert shrunk.width.assignment == ((0, 2), (3, 1)) and shrunk.kept == (0, 3)
 
 
 def test_a_node_holding_a_whole_replica_leaves_whole():
-    shrunk = shrink_mesh(Width.full(4), {3}, MeshDims.parse("dp=2 x tp=2"), nproc=2, anchored=set())
+    shrunk = shrink_mesh(Width.full(4), {3}, MeshDims.described("dp=2 x tp=2"), nproc=2, anchored=set())
     assert not isinstance(shrunk, str)
     assert shrunk.width.assignment == ((0, 2), (1, 3)) and shrunk.kept == (0, 1)
 
 
 def test_a_width_that_does_not_divide_the_replicas_narrows_further():
     """dp=4 loses one replica: three cannot carry four evenly, so two carry two each."""
-    shrunk = shrink_mesh(Width.full(8), {2}, MeshDims.parse("dp=4 x tp=2"), nproc=1, anchored=set())
+    shrunk = shrink_mesh(Width.full(8), {2}, MeshDims.described("dp=4 x tp=2"), nproc=1, anchored=set())
     assert not isinstance(shrunk, str)
     assert shrunk.width.assignment == ((0, 2), (1, 3), (4, 6), (5, 7))
 
 
 def test_a_process_whose_state_only_it_holds_goes_on_even_out_of_its_row():
-    shrunk = shrink_mesh(Width.full(8), {2, 3}, MeshDims.parse("dp=4 x tp=2"), nproc=1, anchored={6})
+    shrunk = shrink_mesh(Width.full(8), {2, 3}, MeshDims.described("dp=4 x tp=2"), nproc=1, anchored={6})
     assert not isinstance(shrunk, str)
     assert shrunk.kept == (0, 1, 6, 5) and shrunk.width.assignment[2] == (6, 4)
 
@@ -48,7 +49,7 @@ def test_a_process_whose_state_only_it_holds_goes_on_even_out_of_its_row():
     ("dp=2 x tp=3", {0, 1}, 2, "no narrower mesh keeps whole nodes and tensor-parallel groups"),
 ])
 def test_a_mesh_that_cannot_shrink_says_why(mesh, lost, nproc, why):
-    shrunk = shrink_mesh(Width.full(MeshDims.parse(mesh).total), lost, MeshDims.parse(mesh), nproc, set())
+    shrunk = shrink_mesh(Width.full(MeshDims.described(mesh).total), lost, MeshDims.described(mesh), nproc, set())
     assert isinstance(shrunk, str) and why in shrunk
 
 
@@ -57,7 +58,7 @@ def test_a_mesh_that_cannot_shrink_says_why(mesh, lost, nproc, why):
        st.data())
 def test_every_shrink_the_controller_plans_is_one_its_workers_accept(shape, data):
     dp, tp, nproc = shape
-    mesh = MeshDims.parse(f"dp={dp} x tp={tp}")
+    mesh = MeshDims.described(f"dp={dp} x tp={tp}")
     world = dp * tp
     lost_nodes = data.draw(st.sets(st.integers(0, world // nproc - 1), min_size=1, max_size=world // nproc - 1))
     lost = {p for node in lost_nodes for p in range(node * nproc, (node + 1) * nproc)}

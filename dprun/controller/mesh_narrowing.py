@@ -10,70 +10,11 @@ block are contiguous, so each process's new shards are made of its block's (dpst
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from dpcommon.mesh_dims import MeshDims
+
 from .narrowing import Width
-
-DATA_DIMS = ("dp", "dp_shard")
-
-
-@dataclass(frozen=True)
-class MeshDims:
-    """A mesh's named dims and sizes, outermost first, as its workers describe it ("dp=2 x tp=2")."""
-
-    dims: tuple[tuple[str, int], ...]
-
-    @classmethod
-    def parse(cls, described: str) -> "MeshDims":
-        dims = []
-        for part in described.split(" x "):
-            name, _, size = part.partition("=")
-            dims.append((name.strip(), int(size)))
-        return cls(tuple(dims))
-
-    @property
-    def data(self) -> str | None:
-        return next((name for name, _ in self.dims if name in DATA_DIMS), None)
-
-    def size(self, name: str) -> int:
-        return dict(self.dims).get(name, 1)
-
-    @property
-    def total(self) -> int:
-        return math.prod(size for _, size in self.dims)
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for name, size in reversed(self.dims):
-            rank, out[name] = divmod(rank, size)
-        return out
-
-    def rank(self, coordinates: dict[str, int]) -> int:
-        rank = 0
-        for name, size in self.dims:
-            rank = rank * size + coordinates[name]
-        return rank
-
-    def place(self, rank: int) -> tuple[int, ...]:
-        """A rank's coordinates in every dim but the data dim: the processes of one place form a column."""
-        coordinates = self.coordinates(rank)
-        return tuple(coordinates[name] for name, _ in self.dims if name != self.data)
-
-    def cannot_narrow(self) -> str | None:
-        """Why a job of this mesh cannot shrink at all, or None."""
-        if self.data is None:
-            return f"its mesh ({self.describe()}) has no data-parallel dim (dp or dp_shard) to narrow"
-        if self.size("pp") > 1 or self.size("dp_replicate") > 1:
-            return (f"its mesh ({self.describe()}) has pipeline-parallel or replicated (HSDP) dims: only a dp (or "
-                    "dp_shard) dim with tp can narrow yet")
-        if self.size(self.data) < 2:
-            return f"its data-parallel dim is of size 1 ({self.describe()}): no replica to go on without"
-        return None
-
-    def describe(self) -> str:
-        return " x ".join(f"{name}={size}" for name, size in self.dims)
-
 
 @dataclass(frozen=True)
 class MeshShrink:
@@ -90,8 +31,8 @@ def shrink_mesh(width: Width, lost: set[int], mesh: MeshDims, nproc: int, anchor
     why = mesh.cannot_narrow()
     if why:
         return why
-    assert mesh.data is not None
-    size = mesh.size(mesh.data)
+    assert mesh.data_dim is not None
+    size = mesh.size(mesh.data_dim)
     own = [ranks[0] for ranks in width.assignment]
     survivors = [p for p in range(len(own)) if p not in lost]
     if not survivors:
@@ -106,8 +47,8 @@ def shrink_mesh(width: Width, lost: set[int], mesh: MeshDims, nproc: int, anchor
 
 
 def _block(mesh: MeshDims, rank: int, per: int) -> int:
-    assert mesh.data is not None
-    return mesh.coordinates(rank)[mesh.data] // per
+    assert mesh.data_dim is not None
+    return mesh.coordinates(rank)[mesh.data_dim] // per
 
 
 def _by_place(own: list[int], survivors: list[int], mesh: MeshDims, per: int, n: int,
@@ -128,10 +69,10 @@ def _by_row(own: list[int], survivors: list[int], mesh: MeshDims, per: int, n: i
             anchored: set[int]) -> dict[tuple[int, tuple[int, ...]], int] | None:
     """For each block, one data coordinate whose every place survives (the processes of a node often are one
     replica's places: they go on together)."""
-    assert mesh.data is not None
+    assert mesh.data_dim is not None
     by_coordinate: dict[int, list[int]] = {}
     for p in survivors:
-        by_coordinate.setdefault(mesh.coordinates(own[p])[mesh.data], []).append(p)
+        by_coordinate.setdefault(mesh.coordinates(own[p])[mesh.data_dim], []).append(p)
     places = len({mesh.place(r) for r in own})
     chosen: dict[tuple[int, tuple[int, ...]], int] = {}
     for block in range(n):
@@ -148,7 +89,7 @@ def _ordered(chosen: dict[tuple[int, tuple[int, ...]], int], own: list[int], mes
              anchored: set[int]) -> MeshShrink | None:
     """The chosen processes in the narrow mesh's rank order (block, then place), or None where that order splits
     a node or a process whose state only it holds would leave."""
-    assert mesh.data is not None
+    assert mesh.data_dim is not None
     order = [chosen[key] for key in sorted(chosen)]
     if any(own[p] in anchored for p in range(len(own)) if p not in order):
         return None
@@ -156,7 +97,7 @@ def _ordered(chosen: dict[tuple[int, tuple[int, ...]], int], own: list[int], mes
         node = order[start:start + nproc]
         if node != list(range(node[0] - node[0] % nproc, node[0] - node[0] % nproc + nproc)):
             return None
-    data = mesh.data
+    data = mesh.data_dim
     assignment = []
     for p in order:
         coordinates = mesh.coordinates(own[p])

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dpcommon import protocol as p
 
 from .ledger import NEWEST, ReplicaLedger
-from .mesh_narrowing import MeshDims
+from dpcommon.mesh_dims import MeshDims
 from .narrowing import Narrowing, Width
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .timeline import Timeline
@@ -25,7 +25,7 @@ class Reshaping:
         kept to grow it back whole), or why it cannot go on so."""
         mesh, nproc = self.timeline.mesh, self.spec.nproc_per_node
         found = self.timeline.without_nodes(failed_slots if mesh else failed_slots[spares:],
-                                            MeshDims.parse(mesh) if mesh else None, self.anchored())
+                                            MeshDims.described(mesh) if mesh else None, self.anchored())
         if isinstance(found, str):
             return found
         # a rank whose state before training is in no snapshot (its process was lost before its step-0 snapshot

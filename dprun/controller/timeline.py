@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpcommon import protocol as p
+from dpcommon.mesh_dims import MeshDims
 
 from .vocabulary import JobSpec, Send
 from .ledger import INIT, ReplicaLedger
-from .mesh_narrowing import MeshDims, shrink_mesh
+from .mesh_narrowing import shrink_mesh
 from .narrowing import Narrowing, Width
 from .nodes import ACTIVE, SPARE, Node, NodeTable
 from .retaken import Retaken

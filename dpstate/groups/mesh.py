@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import torch.distributed as dist
 
+from dpcommon.mesh_dims import MeshDims
+
 from .carried import Carried
 from .torch_private import check_mesh_group_ranks, dtensor_caches_for, mesh_group_names
 
@@ -20,10 +22,9 @@ DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "dp", "tp")
 
 
 @dataclass(frozen=True)
-class MeshLayout:
-    """Named dims and their sizes, outermost first; their product is the world size."""
-
-    dims: tuple[tuple[str, int], ...]
+class MeshLayout(MeshDims):
+    """Named dims and their sizes, outermost first (dpcommon.mesh_dims: their coordinates, as the controller reads
+    them too); their product is the world size."""
 
     @classmethod
     def parse(cls, dims: Mapping[str, int], world_size: int) -> "MeshLayout":
@@ -45,33 +46,9 @@ class MeshLayout:
                              "make the product of the dims the world size (--nnodes x --nproc-per-node)")
         return cls(tuple((name, dims[name]) for name in DIM_ORDER if name in dims))
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(name for name, _ in self.dims)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(size for _, size in self.dims)
-
-    def size(self, name: str) -> int:
-        return dict(self.dims).get(name, 1)
-
-    @property
-    def data_dim(self) -> str | None:
-        """The dim a shrink narrows (the data-parallel replicas that shard the state), if the layout has one."""
-        return next((name for name in ("dp", "dp_shard") if name in self.names), None)
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """Rank `rank`'s coordinate along each dim (ranks run over the dims outermost first)."""
-        out: dict[str, int] = {}
-        for name, size in reversed(self.dims):
-            rank, out[name] = divmod(rank, size)
-        return {name: out[name] for name in self.names}
-
     def at_width(self, world_size: int) -> "MeshLayout":
         """This layout over `world_size` ranks: its data dim narrowed (or as asked, at full width)."""
-        total = math.prod(self.shape)
-        name = self.data_dim
+        total, name = self.total, self.data_dim
         if world_size == total:
             return self
         others = total // self.size(name) if name else total
@@ -79,9 +56,6 @@ class MeshLayout:
             raise ValueError(f"dpstate: the mesh {self.describe()} cannot run on {world_size} ranks: only its "
                              "data-parallel dim (dp or dp_shard) can narrow")
         return MeshLayout(tuple((n, world_size // others if n == name else size) for n, size in self.dims))
-
-    def describe(self) -> str:
-        return " x ".join(f"{name}={size}" for name, size in self.dims)
 
     def tp_span_warning(self, nproc_per_node: int) -> str | None:
         """A warning when a tensor parallel group spans nodes (each group's ranks are consecutive)."""
@@ -122,10 +96,10 @@ def narrow_mesh_problem(layout: MeshLayout, carried: Carried, rank: int, world_s
     ranks, or None.
     Each process must carry whole data-parallel replicas' ranks that share its place in every other dim, as
     many as every other process (dprun.controller.narrowing plans so: this guards the assumption)."""
+    why = layout.cannot_narrow()
+    if why:
+        return f"the mesh {layout.describe()} cannot run narrow: {why}"
     name = layout.data_dim
-    if name is None or layout.size("pp") > 1 or layout.size("dp_replicate") > 1:
-        return (f"the mesh {layout.describe()} cannot run narrow: only a dp (or dp_shard) dim with tp can "
-                "(pipeline parallel and HSDP jobs cannot shrink yet)")
     try:
         narrow = layout.at_width(world_size)
     except ValueError as exc:
