@@ -262,7 +262,7 @@ class Job:
     def _micro_batches(self) -> Iterator[int]:
         """Step.data_ranks() (dpstate.steps.data_ranks)."""
         sharded = None
-        if self._parts is not None:
+        if self._parts is not None and not self.carried.in_order:  # (at full width FSDP2 reduces as it is)
             layout = self._parts.layout
             narrow = layout.at_width(self.world_size)
             name = layout.data_dim or "dp"
