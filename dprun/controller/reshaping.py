@@ -5,9 +5,9 @@ which nodes leave with it, and how a narrow job grows back as nodes join. A part
 from __future__ import annotations
 
 from dpcommon import protocol as p
+from dpcommon.mesh_dims import MeshDims
 
 from .ledger import NEWEST, ReplicaLedger
-from dpcommon.mesh_dims import MeshDims
 from .narrowing import Narrowing, Width
 from .nodes import ACTIVE, FAILED, SPARE, Node, NodeTable
 from .timeline import Timeline
@@ -30,8 +30,8 @@ class Reshaping:
             return found
         # a rank whose state before training is in no snapshot (its process was lost before its step-0 snapshot
         # was replicated) comes back only in a process started as that rank: its RNG is the script's own
-        moved = [r for i in found.leaving for p in range(i * nproc, (i + 1) * nproc)
-                 for r in self.timeline.width.assignment[p]]
+        moved = [r for i in found.leaving for process in range(i * nproc, (i + 1) * nproc)
+                 for r in self.timeline.width.assignment[process]]
         unheld = sorted(r for r in moved if self.timeline.holder_key(r, NEWEST) not in self.ledger.newest_ever)
         if unheld:
             return (f"ranks {unheld} were lost before their state at step 0 reached a replica: no other process "
