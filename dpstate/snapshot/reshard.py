@@ -22,11 +22,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .shards import _dtensor_type
-
-
-class ReshardError(RuntimeError):
-    """The snapshots at hand do not hold every piece of this rank's shards."""
+from .shards import ReshardError, _dtensor_type
 
 
 class ShardsInMemory(StorageReader):

@@ -20,6 +20,10 @@ if TYPE_CHECKING:  # imported for real only once something else imported it (_dt
     from torch.distributed.tensor import DTensor
 
 
+class ReshardError(RuntimeError):
+    """The snapshots at hand do not hold every piece of this rank's shards (dpstate.snapshot.reshard)."""
+
+
 def _dtensor_type() -> type[DTensor] | None:
     """DTensor, once something imported it (a job without one never pays for the import)."""
     if "torch.distributed.tensor" not in sys.modules:
