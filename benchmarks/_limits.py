@@ -64,7 +64,7 @@ def _peer(role: str, port: int, nbytes: int, reps: int, store_port: int) -> None
         srv.close()
         out["tcp_s"] = statistics.median(times)
     else:
-        conn = socket.create_connection(("127.0.0.1", port))
+        conn = _connect(port)
         c0 = time.process_time()
         for _ in range(reps):
             got = 0
@@ -95,6 +95,19 @@ def _peer(role: str, port: int, nbytes: int, reps: int, store_port: int) -> None
     print(json.dumps(out), flush=True)
 
 
+def _connect(port: int, timeout: float = 120) -> socket.socket:
+    """The receiver's connection to the sender, which it starts beside: until the sender (importing torch too)
+    listens."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port))
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -111,10 +124,12 @@ def measure(nbytes: int, reps: int = 3, timeout: float = 300) -> dict:
                               text=True, start_new_session=True)
     receiver = None
     try:
-        if sender.stdout.readline().strip() != "ready":
-            raise RuntimeError("limits: the sender did not start")
+        # both start at once (each imports torch: seconds of a busy host's CPU); the receiver connects once the
+        # sender listens
         receiver = subprocess.Popen([sys.executable, me, "--peer", "recv", *args], env=env,
                                     stdout=subprocess.PIPE, text=True, start_new_session=True)
+        if sender.stdout.readline().strip() != "ready":
+            raise RuntimeError("limits: the sender did not start")
         out_s, _ = sender.communicate(timeout=timeout)
         out_r, _ = receiver.communicate(timeout=timeout)
         if sender.returncode or receiver.returncode:
