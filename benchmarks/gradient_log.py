@@ -20,6 +20,9 @@ import _common as C  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_gradient_log_train.py"
 SMALL = ["--n-layer", "2", "--n-embd", "128", "--n-head", "4", "--block-size", "64"]
+# --quick: the 10 steps left out, then one window of each mode (a plain step, the mode's, a plain one) and of 3
+# plain steps in a row (steps 19-21: the turn's last plain step and the next turn's first two)
+QUICK_STEPS = 22
 
 
 def window_ms(steps: list[dict], mode: str, skip: int) -> float | None:
@@ -36,12 +39,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=500, help="steps per run (10 in turn: 4 modes, 6 plain)")
     ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="a small model, 60 steps, 1 run (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="a small model, 22 steps, 1 run (smoke test)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     C.install_cleanup()
-    steps, runs, model = (60, 1, SMALL) if args.quick else (args.steps, args.runs, [])
+    steps, runs, model = (QUICK_STEPS, 1, SMALL) if args.quick else (args.steps, args.runs, [])
     work = C.Workdir("gradlog", args.keep)
     failures = C.Failures("gradient_log", work)
     modes = ("gradient", "gradient_after", "whole", "by_reference")
@@ -49,7 +52,7 @@ def main() -> int:
     try:
         folder = work.new("alone")
         out = folder / "alone.json"
-        run = C.run("alone", [sys.executable, WORKER, "--alone-steps", 6 if args.quick else 12, "--out", out, *model],
+        run = C.run("alone", [sys.executable, WORKER, "--alone-steps", 3 if args.quick else 12, "--out", out, *model],
                     folder=folder, env={"OMP_NUM_THREADS": "1"})
         if not failures.check(run):
             return failures.exit_code()
