@@ -15,6 +15,8 @@ from typing import Any, List, NoReturn, Optional
 import typer
 from typer.core import TyperCommand
 
+from dpcommon.interpreter_exit import exit_quickly
+
 from .launcher import option_checks as checks
 from .launcher.job import run_multinode, run_standalone
 from .launcher.run_options import OptionsError, RunArgs, options_from_args
@@ -257,6 +259,7 @@ def report(
 def main(argv: list[str] | None = None) -> None:
     """`dprun status ...`, `dprun report ...`, `dprun ckpt ...`, or `dprun [OPTIONS] SCRIPT ...`; one line per
     usage error."""
+    exit_quickly()
     args = list(sys.argv[1:] if argv is None else argv)
     target, prog = app, "dprun"
     if args and args[0] in ("status", "report"):

@@ -16,6 +16,7 @@ import zmq
 from .abort import AbortSignal
 from .agent_link import Control
 from .session import Job
+from dpcommon.interpreter_exit import exit_quickly
 from dpstate.snapshot.warmheap import warm_while_idle
 
 
@@ -53,6 +54,7 @@ def init() -> Job:
     global _job
     if _job is not None:
         return _job
+    exit_quickly()
     endpoint = os.environ.get("DP_AGENT_ENDPOINT", "")
     abort = AbortSignal()
     if not endpoint:
