@@ -5,7 +5,6 @@ A failing seed replays exactly: `python -m dprun.sim --only SEED`. A longer soak
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 
@@ -16,6 +15,7 @@ from dprun.controller.ledger import ReplicaLedger, RestorePlan
 from dprun.sim.invariants import InvariantViolation
 from dprun.sim.runner import run_schedule
 from dprun.sim.schedule import Fault, Schedule, random_schedule
+from helpers.sim_runs import run_seeds
 
 SCHEDULES = int(os.environ.get("DP_SIM_SCHEDULES", "1500"))
 
@@ -50,10 +50,7 @@ EXTENDED_REGRESSIONS = {
 def test_thousands_of_random_fault_schedules_keep_every_invariant():
     """... a third of them with background saves, many of those losing every copy of some ranks in memory: they go
     through a restore from disk (each path counted, so that a change of the draws cannot drop it unseen)."""
-    outcomes: collections.Counter = collections.Counter()
-    paths: collections.Counter = collections.Counter()
-    for seed in range(SCHEDULES):
-        outcomes[run_schedule(random_schedule(seed), paths)] += 1
+    outcomes, paths = run_seeds(range(SCHEDULES))
     assert outcomes["completed"] > SCHEDULES * 0.75, outcomes  # (0.8 before: memory lost before a save is lost)
     assert set(outcomes) <= {"completed", "spares-exhausted", "state-lost", "failed-at-exit", "spare-wait-timeout",
                              "script-error"}
@@ -86,8 +83,7 @@ def test_a_job_of_a_thousand_nodes_survives_failures_during_recovery_with_every_
 @pytest.mark.slow  # in-process, but 14-25 s on a 2-core host
 def test_hundreds_of_schedules_of_up_to_sixteen_nodes_keep_every_invariant():
     """Wider jobs meet races the 4-node ones rarely do (seed 16106 was found so)."""
-    for seed in range(SCHEDULES // 3):
-        run_schedule(random_schedule(seed, max_nodes=16))
+    run_seeds(range(SCHEDULES // 3), max_nodes=16)
 
 
 @pytest.mark.parametrize("seed", sorted(REGRESSIONS))
@@ -319,9 +315,5 @@ def test_a_save_said_whole_that_is_not_is_caught(monkeypatch):
 @pytest.mark.timeout(900)
 def test_many_more_schedules_with_background_saves_and_restores_from_disk():
     """The soak's next seeds, the background-saving ones only (about a third): `python -m dprun.sim` for more."""
-    paths: collections.Counter = collections.Counter()
-    for seed in range(SCHEDULES, SCHEDULES + 12000):
-        schedule = random_schedule(seed)
-        if schedule.background:
-            run_schedule(schedule, paths)
+    _, paths = run_seeds(range(SCHEDULES, SCHEDULES + 12000), background_only=True)
     assert paths["restoring_from_disk"] > 300, paths
