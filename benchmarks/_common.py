@@ -23,24 +23,11 @@ from typing import Any, Iterable, Sequence
 
 import psutil
 
+from dpcommon.thread_cpu import thread_cpu_times
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_gpt.py"
 
-
-def _load_profile() -> Any:
-    """dpstate/replication/profile.py alone: importing it as dpstate.replication.profile runs dpstate's
-    __init__, which imports torch (2-4 s of CPU in every benchmark's driver, on the cores its runs need)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_dpstate_profile", REPO / "dpstate" / "replication" / "profile.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    return module
-
-
-thread_cpu_times = _load_profile().thread_cpu_times
 
 # The benchmark model: 9.0 M parameters, AdamW -> 108 MB of parameters + optimizer state per node (2 nodes).
 BIG_MODEL = ["--n-layer", "5", "--n-embd", "384", "--n-head", "6", "--block-size", "128", "--batch-size", "8",
