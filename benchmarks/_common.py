@@ -28,7 +28,6 @@ from dpcommon.thread_cpu import thread_cpu_times
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_gpt.py"
 
-
 # The benchmark model: 9.0 M parameters, AdamW -> 108 MB of parameters + optimizer state per node (2 nodes).
 BIG_MODEL = ["--n-layer", "5", "--n-embd", "384", "--n-head", "6", "--block-size", "128", "--batch-size", "8",
              "--max-bytes", "1000000"]

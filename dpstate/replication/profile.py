@@ -14,6 +14,7 @@ from typing import Any
 
 from dpcommon.thread_cpu import thread_cpu_times
 
+
 @dataclass
 class SnapshotStats:
     """Where snapshot time goes in this worker (seconds summed over snapshots). The background thread's:

@@ -8,13 +8,13 @@ import collections
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from typing import Any, Sequence
 
 from dprun.sim.runner import run_schedule
 from dprun.sim.schedule import random_schedule
 
 
-def _run_some(seeds: list[int], draw: dict[str, Any], background_only: bool) -> tuple[collections.Counter,
+def _run_some(seeds: Sequence[int], draw: dict[str, Any], background_only: bool) -> tuple[collections.Counter,
                                                                                        collections.Counter]:
     outcomes: collections.Counter = collections.Counter()
     paths: collections.Counter = collections.Counter()
@@ -31,7 +31,7 @@ def run_seeds(seeds: range, background_only: bool = False,
     """random_schedule(seed, **draw) run for every seed (only those with background saves, if asked): how many
     ended each way, and how often each path was taken. A schedule's failure raises here, naming its seed."""
     procs = max(1, min(2, os.cpu_count() or 1))
-    shares = [list(seeds)[i::procs] for i in range(procs)]
+    shares = [seeds[i::procs] for i in range(procs)]  # (a range's slices: ranges, no lists)
     outcomes: collections.Counter = collections.Counter()
     paths: collections.Counter = collections.Counter()
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork")) as pool:
