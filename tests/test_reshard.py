@@ -4,6 +4,8 @@ rank's group is torch's fake one, as test_ckpt_export builds its saved job."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -115,3 +117,67 @@ def test_a_missing_piece_fails_saying_so_rather_than_leaving_zeros(wide_trees):
             tracked.restore(wide_trees[0], reshard_from=[wide_trees[0]])
     finally:
         _done()
+
+
+class _Replicator:
+    """What Restoring asks of dpstate's replicator, recorded: a local copy of one step, and what it is told to
+    replicate (the slot restored, as it is, or a capture taken anew)."""
+
+    def __init__(self, slot: SimpleNamespace):
+        self.slot, self.policy = slot, SimpleNamespace(enabled=True)
+        self.packed: list[SimpleNamespace] = []
+        self.captured: list[dict] = []
+
+    def local(self, step: int) -> SimpleNamespace | None:
+        return self.slot if step == self.slot.step else None
+
+    def forget_after(self, step: int) -> None:
+        pass
+
+    def forget(self, slot: SimpleNamespace) -> None:
+        pass
+
+    def submit_packed(self, slot: SimpleNamespace, held_at: object = ()) -> None:
+        self.packed.append(slot)
+
+    def submit(self, step: int, tree: dict, shared: object = None) -> None:
+        self.captured.append(tree)
+
+
+def test_a_sharded_carrier_that_lets_a_rank_go_replicates_the_snapshot_that_still_holds_it(wide_trees):
+    """The grow: process 3 carried ranks 3 and 1 on the narrow mesh and trains rank 3 alone again. It cuts its
+    shard out of its own snapshot and replicates that snapshot as it was, with rank 1's columns: the process that
+    takes rank 1 cuts its shard out of that copy, whether it fetches it before this put or after (a capture of
+    what process 3 now trains, replacing it, would hold rank 3 alone)."""
+    from dpcommon import protocol as P
+    from dpstate.groups.carried import Carried
+    from dpstate.snapshot.rank_parts import carried_by
+    from dpstate.steps.abort import AbortSignal
+    from dpstate.steps.restoring import Restoring
+
+    weight, _ = _after_one_step()
+    try:
+        model, opt = _on_mesh(1, 2, (1, 2), with_state=False)
+        narrow = Tracked()
+        narrow.add(model=model, optimizer=opt)
+        narrow.ranks = (3, 1)
+        narrow.restore(wide_trees[1], reshard_from=[wide_trees[1], wide_trees[3]])
+        meta, data = S.pack(narrow.capture(3))
+    finally:
+        _done()
+    held = SimpleNamespace(step=3, meta=meta, data=data)
+    try:
+        model, opt = _on_mesh(3, 4, (2, 2), with_state=False)  # dp 1, tp 1
+        wide = Tracked()
+        wide.add(model=model, optimizer=opt)
+        wide.ranks = (3,)
+        replicator = _Replicator(held)
+        sources = SimpleNamespace(take_prefetched=lambda reconf, key: (None, {}))
+        restoring = Restoring(wide, replicator, sources, [], AbortSignal())  # type: ignore[arg-type]
+        reconf = P.Reconfigure(2, 3, 4, 1, 4, 3, "127.0.0.1:1", "", restore_from={"3": ""})
+        where = restoring.restore(reconf, Carried.full(3, 4), started=True, world_size=4, sharded=True)
+        assert where == "local" and torch.equal(model.weight.to_local(), weight[4:, 3:])
+    finally:
+        _done()
+    assert replicator.captured == [] and replicator.packed == [held], "the restored snapshot is replicated as it was"
+    assert carried_by(S.unpack(held.meta, held.data, clone=True)) == [3, 1]

@@ -11,7 +11,7 @@ from dpcommon import protocol as P
 from dpstate.groups.carried import Carried
 from dpstate.groups.ddp import DataParallel, sync_from_rank0
 from dpstate.replication.replicator import Replicator, Slot
-from dpstate.replication.sources import SnapshotSources
+from dpstate.replication.sources import SnapshotSources, named_sources
 from dpstate.snapshot import packing as S
 from dpstate.snapshot.rank_parts import as_own, carried_by, rank_part, with_part
 from dpstate.snapshot.state import Tracked
@@ -29,11 +29,31 @@ class Restoring:
             tracked, replicator, sources, proxies, abort)
 
     def restore(self, reconf: P.Reconfigure, carried: Carried, started: bool, world_size: int,
-                sharded: bool = False) -> tuple[P.RestoredFrom, Slot | None, bool]:
-        """Bring the tracked state to reconf.restore_step; returns where it came from, the snapshot restored,
-        if any (to be replicated again for this generation), and whether the caller must capture the step anew
-        (its own rank's state came from another rank's snapshot, or, `sharded`, its shards were cut anew: the
-        job's mesh changed shape). Its own snapshot with other ranks' parts taken in is replicated here."""
+                sharded: bool = False) -> P.RestoredFrom:
+        """Bring the tracked state to reconf.restore_step and replicate this generation's snapshot of it (its
+        holders keep the copy they have where it is the one restored); returns where the state came from."""
+        where, restored, anew = self._restored(reconf, carried, started, world_size, sharded)
+        rep = self._rep
+        if anew:  # its own rank's state, or a sharded job's shards, came from other snapshots: taken anew
+            if restored is not None:
+                rep.forget(restored)
+            rep.submit(reconf.restore_step, self._tracked.capture(reconf.restore_step), self._tracked.shared_keys)
+        elif restored is not None:
+            # re-replicated at once, while the other ranks still restore (a survivor otherwise idles at the
+            # barrier; sending after it cost 0.13 s of detect -> first step, median of 8 A/B recoveries).
+            # The stores the plan names as holding this step keep their copy for this generation instead
+            # of receiving it again (they check it first), so a survivor sends it whole only where its
+            # holder died; the first step's snapshot gate waits for it, as for any snapshot.
+            rep.submit_packed(restored, held_at=named_sources(reconf, carried.ranks[0]))
+        return where
+
+    def _restored(self, reconf: P.Reconfigure, carried: Carried, started: bool, world_size: int,
+                  sharded: bool) -> tuple[P.RestoredFrom, Slot | None, bool]:
+        """The state brought back: where from, the snapshot restored (to be replicated again as it is) and
+        whether the step is to be captured anew instead: its own rank's state came from another rank's snapshot,
+        or, `sharded`, it took in other ranks' shards. A sharded process that only lets ranks go (the job grows)
+        keeps its snapshot as it was: the processes that take them cut their shards out of it, before its put
+        or after."""
         step, rep, sources, key = reconf.restore_step, self._rep, self._sources, carried.ranks[0]
         source = reconf.restore_from.get(str(key), "")
         adopt = {int(rank): holder for rank, holder in reconf.adopt_from.items()}
@@ -78,6 +98,8 @@ class Restoring:
         # a sharded job whose process carries other ranks than its snapshot did: its shards are cut anew
         reshard = sharded and (merged or carried_by(tree) != list(carried.ranks))
         whole = self._restore_tree(reconf, tree, adopt, carried, [tree] if reshard else None)
+        if reshard and not merged:
+            return where, slot, False
         if merged and not reshard:
             # its snapshot of the step is taken anew: the tree restored, the adopted ranks' parts added. The parts
             # of the ranks it held and no longer trains stay in it, so that a process adopting them from this
@@ -87,7 +109,7 @@ class Restoring:
                 rep.wait_captured()
             rep.forget(slot)
             return where, None, False  # (sent here: nothing left for the caller to replicate)
-        return where, slot, reshard
+        return where, slot, merged
 
     def _restore_tree(self, reconf: P.Reconfigure, tree: dict, adopt: dict[int, int], carried: Carried,
                       shards: list[dict] | None = None) -> dict:

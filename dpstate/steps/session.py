@@ -32,9 +32,9 @@ from dpstate.groups.narrow_sharded import fsdp_roots
 from .metrics import sendable_metrics
 from dpstate.snapshot.optim import AdamW
 from dpstate.groups.parallel import Build, Parts
-from dpstate.replication.replicator import Replicator, ReplicationError, Slot
+from dpstate.replication.replicator import Replicator, ReplicationError
 from dpstate.replication.saving import save_local
-from dpstate.replication.sources import SnapshotSources, named_sources
+from dpstate.replication.sources import SnapshotSources
 from dpstate.snapshot.standby import RestoreRoom
 from dpstate.snapshot.state import Tracked
 from .data_ranks import DataRanks
@@ -408,21 +408,9 @@ class Job:
         t0 = time.perf_counter()
         replicator.quiesce()
         replicator.configure(reconf.generation, [reconf.replica_to, *reconf.replica_also], self._key)
-        self.restored_from, restored, merged = self._restore(reconf)
+        self.restored_from = self._restore(reconf)
         self._started, self._last_step = True, max(reconf.restore_step, 0)
         restore_s = time.perf_counter() - t0
-        if merged:  # another rank's part taken in: its snapshot is a new one, in place of the one restored
-            if restored is not None:
-                replicator.forget(restored)
-            replicator.submit(reconf.restore_step, self._tracked.capture(reconf.restore_step),
-                              self._tracked.shared_keys)
-        elif restored is not None:
-            # re-replicated at once, while the other ranks still restore (a survivor otherwise idles at the
-            # barrier; sending after it cost 0.13 s of detect -> first step, median of 8 A/B recoveries).
-            # The stores the plan names as holding this step keep their copy for this generation instead
-            # of receiving it again (they check it first), so a survivor sends it whole only where its
-            # holder died; the first step's snapshot gate waits for it, as for any snapshot.
-            replicator.submit_packed(restored, held_at=named_sources(reconf, self._key))
         # restored: said before the barrier, which a failure elsewhere can hold up (the controller, planning
         # for that failure, then knows this rank's state is here, not only on the replicas it came from)
         self._send(P.WorkerReady(node_id=self.node_id, generation=self.generation, rank=self._key,
@@ -464,7 +452,7 @@ class Job:
                           NODE_RANK=str(self.node_rank), LOCAL_RANK=str(self.local_rank),
                           LOCAL_WORLD_SIZE=str(self.local_world_size), MASTER_ADDR=host, MASTER_PORT=port)
 
-    def _restore(self, reconf: P.Reconfigure) -> tuple[P.RestoredFrom, Slot | None, bool]:
+    def _restore(self, reconf: P.Reconfigure) -> P.RestoredFrom:
         """(dpstate.steps.restoring)"""
         return self._agent.restoring.restore(reconf, self.carried, self._started, self.world_size,
                                              sharded=self._parts is not None)
