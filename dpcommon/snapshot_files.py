@@ -183,17 +183,30 @@ def copy_out(copies: dict[int, Snapshot], step: int, room: CopyRoom) -> tuple[di
     return out, missed
 
 
-def write_copies(folder: str | os.PathLike, step: int, copies: dict[int, Snapshot], world_size: int,
-                 writer: str) -> dict[str, str]:
-    """Write each copy as its rank's file in `folder`, then `writer`'s manifest part naming those written
-    (dpcommon.save_manifest): for each rank, "" or why not (a damaged copy, a full disk, a copy whose local buffer
-    was written meanwhile: dpagent.dedup)."""
-    results = {}
+def check_copies(copies: dict[int, Snapshot], step: int) -> tuple[dict[int, int], dict[str, str]]:
+    """Each intact copy's file check (its every block digested, as write_snapshot's "check"), and why each other
+    one is not to be written: a file that could not be resumed from is worse than none said."""
+    checks, corrupt = {}, {}
     for rank, snap in copies.items():
         planned, every = checksums_both(frame_view(snap.meta), [frame_view(c) for c in snap.chunks])
-        if planned != snap.checksum:  # a file that could not be resumed from is worse than none said
-            results[str(rank)] = f"the copy of rank {rank} step {step} held here is corrupt"
-            continue
+        if planned != snap.checksum:
+            corrupt[str(rank)] = f"the copy of rank {rank} step {step} held here is corrupt"
+        else:
+            checks[rank] = every
+    return checks, corrupt
+
+
+def write_copies(folder: str | os.PathLike, step: int, copies: dict[int, Snapshot], world_size: int,
+                 writer: str, checks: dict[int, int] | None = None) -> dict[str, str]:
+    """Write each copy as its rank's file in `folder`, then `writer`'s manifest part naming those written
+    (dpcommon.save_manifest): for each rank, "" or why not (a damaged copy, a full disk, a copy whose local buffer
+    was written meanwhile: dpagent.dedup). `checks`: check_copies's, done before (a background save does that
+    pass before it yields to training); the copies it leaves out are not written."""
+    results: dict[str, str] = {}
+    if checks is None:
+        checks, results = check_copies(copies, step)
+    for rank, every in checks.items():
+        snap = copies[rank]
         try:
             path = write_snapshot(folder, rank, step, snap.checksum, snap.meta, list(snap.chunks), check=every)
             results[str(rank)] = ""

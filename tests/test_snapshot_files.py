@@ -17,7 +17,7 @@ from dpcommon.replica_store import ReplicaStore
 from dpagent.lost_save import LostSave, save_store
 from dpcommon.protocol import SnapshotFiles
 from dpcommon.snapshot_files import (
-    rank_file, read_files, read_snapshot, save_held, step_folder, store_loaded,
+    check_copies, rank_file, read_files, read_snapshot, save_held, step_folder, store_loaded,
     write_snapshot,
 )
 
@@ -51,6 +51,7 @@ def test_a_copy_damaged_in_memory_is_not_saved(tmp_path):
     assert store.corrupt_all() == 1
     assert save_held(store, tmp_path, 7, [0], 1, "n0") == {"0": "the copy of rank 0 step 7 held here is corrupt"}
     assert not list(tmp_path.iterdir())
+    assert check_copies({0: store.get(0, 7)}, 7) == ({}, {"0": "the copy of rank 0 step 7 held here is corrupt"})
 
 
 def test_a_copy_whose_local_buffer_is_written_while_it_is_saved_leaves_no_file(tmp_path):
@@ -88,7 +89,7 @@ def test_a_background_save_copies_out_only_what_refers_to_a_worker_s_buffer_and_
     file reads back bit for bit. A buffer written again before its copy-out is done leaves no file."""
     import mmap
 
-    from dpcommon.snapshot_files import CopyRoom, copy_out, write_copies
+    from dpcommon.snapshot_files import CopyRoom, check_copies, copy_out, write_copies
 
     received = os.urandom(2 * CHECKSUM_BLOCK)
     worker = mmap.mmap(-1, 3 * CHECKSUM_BLOCK)
@@ -105,10 +106,12 @@ def test_a_background_save_copies_out_only_what_refers_to_a_worker_s_buffer_and_
     copies = {0: store.get(0, 7)}
     held, changed = copy_out(copies, 7, room)
     assert changed == {} and held[0].base is None
-    assert write_copies(step_folder(tmp_path, 7), 7, held, 1, "n0") == {"0": ""}
-    assert room.take(0).base.size == 3 * CHECKSUM_BLOCK  # the worker's blocks only, not the received ones
+    checks, corrupt = check_copies(held, 7)  # (digested before the save's thread yields to training)
+    assert corrupt == {} and list(checks) == [0]
     worker.seek(0)
     worker.write(b"\0" * len(worker))  # the worker's next snapshots, after the copy-out: the file is the copy's
+    assert write_copies(step_folder(tmp_path, 7), 7, held, 1, "n0", checks) == {"0": ""}
+    assert room.take(0).base.size == 3 * CHECKSUM_BLOCK  # the worker's blocks only, not the received ones
     _, meta, read = read_snapshot(rank_file(step_folder(tmp_path, 7), 0), generation=4)
     assert meta == META and b"".join(read) == whole
     counter[0] += np.uint64(1)  # written again before a save's copy-out: the bytes are not the step's any more
