@@ -20,11 +20,12 @@ slow phases of a shared host hit both.
   one writer >= 0.8. The plain write runs while nothing trains; the save runs beside training, which keeps both
   cores busy. Beside it, the CPU part of one writer's share alone (copied out of the buffer it refers to, then
   digested; cpu_part_s_per_writer): not the disk.
-* The control ("write"): a third run, without saves, during which a thread of the benchmark at the save
-  thread's priority (nice 19) writes the save's bytes as the plain write does (by as many concurrent writers)
-  each time training passes a multiple of N steps: what writing that much beside training costs on this host,
-  whatever writes it. Its bandwidth is the baseline the saves can be held to where training fills every core
-  (bandwidth_ratio_beside = save / that), and its step cost (below) the floor of theirs.
+* The control ("write"): a third run, without saves, during which the benchmark writes the save's bytes as the
+  plain write does (by as many concurrent writers) each time training passes a multiple of N steps, at the save
+  thread's priority: nice 19, from a session whose scheduling group (Linux's autogroup) is niced too, as a save
+  thread's share of its node's group is (benchmarks/_aside_write.py): what writing that much beside training
+  costs on this host, whatever writes it. Its bandwidth is the baseline the saves can be held to where training
+  fills every core (bandwidth_ratio_beside = save / that), and its step cost (below) the floor of theirs.
 * Step cost around a save, from the save runs' own timelines: the steps whose span overlaps a save (the
   event's [time - seconds, time]) against the median of the 2 steps before and 2 after that overlap none:
   the time they took beyond it, median over saves, and that over N of those steps (step_cost.overhead: the
@@ -42,8 +43,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -118,10 +121,21 @@ def plain_write(folder: Path, nbytes: int, writers: int, nice: int = 0) -> float
     return took
 
 
+def write_aside(folder: Path, nbytes: int, writers: int) -> float:
+    """plain_write at nice 19 from a new session whose scheduling group is niced too (benchmarks/_aside_write.py):
+    the seconds it took, measured there (its process's start is not counted)."""
+    res = subprocess.run([sys.executable, str(Path(__file__).with_name("_aside_write.py")), str(folder), str(nbytes),
+                          str(writers)], capture_output=True, text=True, start_new_session=True, timeout=600)
+    if res.returncode != 0:
+        raise OSError(f"the control's write exited {res.returncode}: {res.stderr.strip()[-500:]}")
+    return float(json.loads(res.stdout)["seconds"])
+
+
 class BesideWriter:
     """The control run's writer: a thread that, each time the run in `folder` has passed a multiple of `every`
-    steps (its timings.jsonl), writes `nbytes` into `plain_dir` by `writers` writers at nice 19, as a save of
-    that step would, and keeps each write's [start, end] (Unix time) and bytes per second."""
+    steps (its timings.jsonl), writes `nbytes` into `plain_dir` by `writers` writers at nice 19 in a niced
+    scheduling group of their own (write_aside), as a save of that step would, and keeps each write's [start, end]
+    (Unix time) and bytes per second."""
 
     def __init__(self, folder: Path, plain_dir: Path, nbytes: int, writers: int, every: int, last: int):
         self.folder, self.plain_dir, self.nbytes, self.writers = folder, plain_dir, nbytes, writers
@@ -152,7 +166,7 @@ class BesideWriter:
                 continue
             t0 = time.time()
             try:
-                took = plain_write(self.plain_dir, self.nbytes, self.writers, nice=19)
+                took = write_aside(self.plain_dir, self.nbytes, self.writers)
             except OSError as exc:
                 self.error = exc
                 return
@@ -273,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
                                   "mb_per_s": e["bytes"] / 1e6 / e["seconds"] if e["seconds"] > 0 else None,
                                   # begun before the last step ended: written beside training
                                   "beside_training": bool(last_end and e["time"] - e["seconds"] < last_end)})
-                writers = len(list(save_dir.glob("step-*/manifest.*.json"))) // max(
-                    1, len(list(save_dir.glob("step-*")))) if config == "save" else None
+                # the nodes that wrote a step: the most manifest parts of a step folder (the save on stop may be
+                # written by fewer: the node that holds every rank's newest copy)
+                writers = max((len(list(d.glob("manifest.*.json"))) for d in save_dir.glob("step-*")),
+                              default=None) if config == "save" else None
                 runs.append({"rep": rep, "config": config, "wall_s": round(res.wall_s, 2),
                              "others_cpu_share": round(res.others_cpu_share, 3),
                              "steps_per_s": C.window_rate(timings, STEADY_FROM, args.steps),
