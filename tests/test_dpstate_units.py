@@ -459,14 +459,14 @@ def test_restore_sources_local_init_fresh_and_missing():
     job.track(model=model, optimizer=opt)
     job._apply(_reconf(0, "init"))
     initial = model.weight.detach().clone()
-    assert job._restore(_reconf(0, "init"))[0] == "init"  # a spare keeps its fresh state as step 0
+    assert job._restore(_reconf(0, "init")) == "init"  # a spare keeps its fresh state as step 0
     job._agent.replicator.wait_acked(timeout=5)
     assert job._agent.replicator.local_steps() == [0]
     job._started = True
     # a process that trained never pretends to be fresh: step 0 comes back from its own copy, bit for bit
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
-    assert job._restore(_reconf(0, "init"))[0] == "local"
+    assert job._restore(_reconf(0, "init")) == "local"
     assert torch.equal(model.weight, initial)
     weights = {}
     for step in (1, 2, 3):
@@ -479,7 +479,7 @@ def test_restore_sources_local_init_fresh_and_missing():
     assert job._agent.replicator.local_steps() == [1, 2]  # the ring holds NSLOTS (2)
     model(torch.ones(1, 3)).sum().backward()  # live state at step 3, partly through step 4's backward
 
-    assert job._restore(_reconf(1, ""))[0] == "local"
+    assert job._restore(_reconf(1, "")) == "local"
     assert torch.equal(model.weight, weights[1]) and model.weight.grad is None
     assert opt.state_dict()["state"][0]["step"].item() == 1
     assert job._agent.replicator.local_steps() == [1]  # the abandoned later steps are forgotten
