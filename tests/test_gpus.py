@@ -11,7 +11,7 @@ import pytest
 
 from dpstate.steps.abort import classify
 from dpstate.groups.pgroup import GpuPlacementError
-from dprun.launcher.gpus import gpu_devices, plan_local_gpus
+from dprun.launcher.gpus import plan_local_gpus
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -57,7 +57,6 @@ def test_nccl_duplicate_gpu_is_not_taken_for_a_peer_failure():
     assert classify(error) is None  # propagates: the worker ends with the message, no recovery loop
 
 
-@pytest.mark.slow  # (a python process of its own)
 def test_hidden_cuda_is_known_without_importing_torch():
     """CUDA_VISIBLE_DEVICES empty: no GPU, said without torch's import (seconds on the path to every job's
     start, where CI and these tests run)."""
@@ -65,20 +64,4 @@ def test_hidden_cuda_is_known_without_importing_torch():
             "assert visible_gpus() == [] and 'torch' not in sys.modules, sorted(sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "CUDA_VISIBLE_DEVICES": " "},
                           capture_output=True, text=True, timeout=8)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(gpu_devices(), reason="this host has GPU device files")
-def test_a_host_without_gpu_device_files_is_known_to_have_no_gpu_without_importing_torch():
-    """CUDA_VISIBLE_DEVICES unset on a CPU host (a user's laptop, this project's CI): neither dprun's placement nor
-    --nproc-per-node auto imports torch to learn that there is no GPU."""
-    code = ("import sys; from dprun.launcher.gpus import visible_gpus; from dprun.launcher.run_options import "
-            "OptionsError, workers_per_node as n\n"
-            "assert visible_gpus() == [] and n('auto') == n('cpu') >= 1\n"
-            "try:\n    n('gpu')\nexcept OptionsError as e:\n    assert 'no GPU is visible' in str(e)\n"
-            "else:\n    raise AssertionError('gpu on a host without one')\n"
-            "assert 'torch' not in sys.modules, sorted(sys.modules)")
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=8)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -6,7 +6,6 @@ slices, as separate machines would; where the host has too few GPUs for that, CU
 
 from __future__ import annotations
 
-import glob
 import os
 from dataclasses import dataclass
 
@@ -41,17 +40,11 @@ def plan_local_gpus(nodes: int, nproc_per_node: int, visible: list[str], backend
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (indices where it is unset)."""
     names = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if (names is not None and not names.strip()) or not gpu_devices():  # known without importing torch (seconds
-        return []  # on the path to every job's start)
+    if names is not None and not names.strip():  # none, known without importing torch (seconds before launch)
+        return []
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if names is None:
         return [str(i) for i in range(count)]
     return [name.strip() for name in names.split(",")][:count]
-
-
-def gpu_devices() -> bool:
-    """Are there device files that CUDA (/dev/nvidia0, ...) or ROCm (/dev/kfd) would open? Without any, no GPU can
-    be used here, container or not."""
-    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")

@@ -25,7 +25,6 @@ from dprun.controller import faults
 from dprun.controller.vocabulary import OnSpareExhausted, ShrinkFallback
 from dprun.slurm import rendezvous as slurm
 from dprun.slurm.orphaned_job import OnControllerLost
-from .gpus import gpu_devices
 from .job import JobOptions, is_local, parse_endpoint, uses_dpstate
 
 
@@ -120,12 +119,12 @@ def workers_per_node(text: str) -> int:
     if text not in ("cpu", "auto", "gpu"):
         raise OptionsError(f"--nproc-per-node must be a whole number, auto, cpu or gpu, got {text!r}")
     gpus = 0
-    if text != "cpu" and gpu_devices():
-        import torch  # (slow to import: only for these two, where a GPU may be)
+    if text != "cpu":
+        import torch  # (slow to import: only for these two)
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if text == "gpu" and gpus == 0:
-        raise OptionsError("--nproc-per-node gpu: no GPU is visible here")
+        if text == "gpu" and gpus == 0:
+            raise OptionsError("--nproc-per-node gpu: no GPU is visible here")
     return gpus or os.cpu_count() or 1
 
 
