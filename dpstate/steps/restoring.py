@@ -98,8 +98,6 @@ class Restoring:
         # a sharded job whose process carries other ranks than its snapshot did: its shards are cut anew
         reshard = sharded and (merged or carried_by(tree) != list(carried.ranks))
         whole = self._restore_tree(reconf, tree, adopt, carried, [tree] if reshard else None)
-        if reshard and not merged:
-            return where, slot, False
         if merged and not reshard:
             # its snapshot of the step is taken anew: the tree restored, the adopted ranks' parts added. The parts
             # of the ranks it held and no longer trains stay in it, so that a process adopting them from this
@@ -109,6 +107,7 @@ class Restoring:
                 rep.wait_captured()
             rep.forget(slot)
             return where, None, False  # (sent here: nothing left for the caller to replicate)
+        # sharded and merged: captured anew; its own shards only cut anew: kept, holding the ranks it let go
         return where, slot, merged
 
     def _restore_tree(self, reconf: P.Reconfigure, tree: dict, adopt: dict[int, int], carried: Carried,
