@@ -48,6 +48,15 @@ def _leave_sigterm_to_the_agent() -> None:
     signal.signal(signal.SIGTERM, first)
 
 
+def _shut_groups_down_after_a_clean_end() -> None:
+    """(atexit, under torchrun) Shut the process groups down while the interpreter still runs: a Gloo worker
+    thread lets go of the script's last collective (an all_gather_object's tensors) a moment after the script saw
+    it done, and when that falls in the interpreter's finalization the process aborts (-6, "terminate called
+    without an active exception"; docs/sequences.md). After an uncaught error they stay: a peer may be stuck."""
+    if getattr(sys, "last_value", None) is None and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init() -> Job:
     """Join the job: connect to the agent, wait (spares: until promoted) for a generation and build its group.
     Without DP_AGENT_ENDPOINT: no snapshots; a single process (world 1), or torchrun's env:// group."""
@@ -63,6 +72,7 @@ def init() -> Job:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("MASTER_ADDR"):
             # started by torchrun (or another env:// launcher): its process group, no snapshots
             dist.init_process_group(job.backend, init_method="env://", timeout=job._groups.timeout)
+            atexit.register(_shut_groups_down_after_a_clean_end)
             job._groups.generation = 0
             job.rank, job.world_size = dist.get_rank(), dist.get_world_size()
             job.node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
