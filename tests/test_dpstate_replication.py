@@ -13,6 +13,7 @@ import torch
 import zmq
 
 from dpcommon import protocol as P
+from dpcommon.checksum import BlockDigester
 from dpcommon.replica_store import intact
 from dpstate.snapshot import packing as S
 from dpstate.replication import holders
@@ -149,6 +150,32 @@ def test_a_snapshot_larger_than_a_chunk_travels_in_chunks_and_comes_back_whole(r
     assert not intact(replica.store.get(1, 2))
     with pytest.raises(ReplicationError, match="checksum mismatch"):
         replicator(rank=0).fetch(replica.replica_endpoint, 1, 2, timeout=10)
+
+
+def test_a_fetch_digests_its_chunks_as_they_arrive_and_still_catches_a_flipped_byte(replica, monkeypatch):
+    """41 MB of state: the fetch hands ranges of blocks to the digest threads while later chunks are still on
+    their way, its checksum is the capture's, and a byte flipped in a middle chunk is caught."""
+    handed: list[tuple[int, int]] = []  # (blocks handed to the threads so far, of how many) after each chunk
+    ready = BlockDigester.ready
+
+    def recording(self, upto, wait=None):
+        ready(self, upto, wait)
+        handed.append((self.done_to, self.blocks))
+
+    monkeypatch.setattr(BlockDigester, "ready", recording)
+    tracked = Tracked()
+    tracked.add(model=torch.nn.Linear(3200, 3200))
+    rep = replicator()
+    rep.configure(0, replica.replica_endpoint, 1)
+    rep.submit(2, tracked.capture(2))
+    rep.wait_acked(timeout=20)
+    handed.clear()
+    fetched = replicator(rank=0).fetch(replica.replica_endpoint, 1, 2, timeout=20)
+    assert fetched.checksum == rep.local(2).checksum and torch.equal(fetched.data, rep.local(2).data)
+    assert any(0 < done < blocks for done, blocks in handed), handed  # (4 MB chunks; 16 blocks a range)
+    replica.store.corrupt_all()
+    with pytest.raises(ReplicationError, match="checksum mismatch"):
+        replicator(rank=0).fetch(replica.replica_endpoint, 1, 2, timeout=20)
 
 
 def test_without_replica_snapshots_stay_local():

@@ -107,11 +107,22 @@ class Slot:
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
+@dataclass
+class Received:
+    """A fetched snapshot in its slot (meta and size set; its step and checksum are the caller's to set once it
+    checked `digester`'s checksum against the reply's)."""
+
+    slot: Slot
+    reply: P.SnapshotData
+    digester: BlockDigester  # the data's block digests, made on other threads as the chunks came in
+
+
 def receive_snapshot(ctx: zmq.Context, codec: P.Codec, abort: AbortSignal, endpoint: str, rank: int, step: int,
-                     timeout: float, reserve: Callable[[int], Slot]) -> tuple[Slot, P.SnapshotData]:
-    """Ask the store at `endpoint` for rank's snapshot of `step` and receive it into reserve(data size) (its
-    meta and size set, its step and checksum left to the caller, who verifies it). ReplicationError: not
-    held, or not received whole in `timeout` s; Aborted when `abort` is triggered meanwhile."""
+                     timeout: float, reserve: Callable[[int], Slot], digest_threads: int) -> Received:
+    """Ask the store at `endpoint` for rank's snapshot of `step` and receive it into reserve(data size), each
+    range of chunks digested on `digest_threads` threads while the next arrive (a restore costs about its
+    transfer, not the transfer plus the check). ReplicationError: not held, a meta without a check plan, or
+    not received whole in `timeout` s; Aborted when `abort` is triggered meanwhile."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
@@ -131,13 +142,19 @@ def receive_snapshot(ctx: zmq.Context, codec: P.Codec, abort: AbortSignal, endpo
         if not msg.found or not payload:
             raise ReplicationError(f"the replica store at {endpoint} has no snapshot of rank {rank} step {step}")
         meta = bytes(P.payload_bytes(payload[0]))
+        try:
+            plan = CheckPlan.from_meta(meta)
+        except ValueError as exc:
+            raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: {exc}") from None
         nbytes = msg.nbytes - len(meta)
         slot = reserve(max(nbytes, 0))
+        data = slot.buffer[: max(nbytes, 0)]
+        digester = BlockDigester(data.numpy(), plan, digest_threads)
         reader = _ChunkReader(sock, codec, msg, abort, deadline, endpoint)
-        if reader.receive_into(slot.buffer[: max(nbytes, 0)]) != nbytes:
+        if reader.receive_into(data, digester.ready) != nbytes:
             raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: size mismatch")
         slot.meta, slot.nbytes = meta, nbytes
-        return slot, msg
+        return Received(slot, msg, digester)
     finally:
         sock.close(0)
 
@@ -177,10 +194,10 @@ class _ChunkReader:
     deadline: float
     endpoint: str
 
-    def receive_into(self, buffer: torch.Tensor) -> int:
-        """Copy the chunks into `buffer`, back to back. Returns their total size; data that does not fit is
-        dropped (the total then differs from the buffer's size). ReplicationError: one missing, out of
-        order or not in time."""
+    def receive_into(self, buffer: torch.Tensor, received: Callable[[int], Any]) -> int:
+        """Copy the chunks into `buffer`, back to back, calling received(bytes so far) after each. Returns their
+        total size; data that does not fit is dropped (the total then differs from the buffer's size).
+        ReplicationError: one missing, out of order or not in time."""
         view = buffer.numpy().data  # memoryview(array), which numpy's stubs accept only from Python 3.12 on
         total = 0
         for index in range(self.reply.chunks):
@@ -188,6 +205,7 @@ class _ChunkReader:
             while self.sock.get(zmq.RCVMORE):
                 room = view[total:]  # empty once full (or past full)
                 total += self.sock.recv_into(room) if len(room) else len(self.sock.recv(copy=False))
+            received(min(total, len(view)))
         return total
 
     def _expect(self, index: int) -> None:

@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from dpcommon import protocol as P
-from dpcommon.checksum import BlockDigester, CheckPlan, digest_threads
+from dpcommon.checksum import BlockDigester, digest_threads
 
 from dpstate.snapshot import shared
 from dpstate.snapshot import packing as S
@@ -300,7 +300,8 @@ class Replicator:
 
     def fetch(self, endpoint: str, rank: int, step: int, timeout: float = 60.0) -> Slot:
         """Pull rank's snapshot of `step` from the replica store at `endpoint` into a local slot (pinned with
-        CUDA): its data chunks are copied into the slot's buffer as they arrive, then the checksum is checked."""
+        CUDA): its data chunks are copied into the slot's buffer and digested as they arrive; then the checksum is
+        checked."""
         t0 = time.perf_counter()
 
         def reserve(nbytes: int) -> Slot:
@@ -309,13 +310,14 @@ class Replicator:
                 slot.reserve(nbytes, self.pin, self.share)
             return slot
 
-        slot, reply = receive_snapshot(self.ctx, self.codec, self.abort, endpoint, rank, step, timeout, reserve)
+        got = receive_snapshot(self.ctx, self.codec, self.abort, endpoint, rank, step, timeout, reserve,
+                               self.digest_threads)
         t1 = time.perf_counter()
+        slot, reply = got.slot, got.reply
         slot.layout = FETCHED
-        try:
-            plan = CheckPlan.from_meta(slot.meta)
-            S.check(slot.seal(slot.meta, slot.nbytes, plan), reply.checksum)  # digests kept: its re-put announces it
-        except (S.SnapshotError, ValueError) as exc:
+        try:  # (the digests are kept: its re-put announces them)
+            S.check(slot.seal(slot.meta, slot.nbytes, got.digester.plan, got.digester), reply.checksum)
+        except S.SnapshotError as exc:
             raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: {exc}") from None
         slot.checksum, slot.step = reply.checksum, step
         st = self.stats
