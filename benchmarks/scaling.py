@@ -11,10 +11,11 @@ ReplicaServer + ReplicaStore, keeping one snapshot): the state is float32 tensor
 parameters + optimizer state); each size is captured, replicated and restored --reps times against one
 holder. As in training, each snapshot is announced (ReserveSnapshot) and lands in the memory of the copy the
 holder drops: repetitions 2.. are the steady state (medians, *_s); the first, into memory new to both
-processes, is reported apart (*_s_cold: this VM backs a page on its first touch, slowly). Memory stays within
-about 3 x the state (live state + one host buffer + the holder's copy; the local buffer is dropped before
-the fetch, which copies the chunks into a new one as they arrive); a size that does not fit in the free
-memory is skipped and reported.
+processes, is reported apart (*_s_cold: this VM backs a page on its first touch, slowly). A restore's fetch
+lands in the buffer the capture used, as a spare's lands in the buffer it reserved while idle; the first
+repetition's, on the CPU, in a buffer new to the process (its cold figure). Memory stays within about 3 x the
+state (live state + one host buffer + the holder's copy); a size that does not fit in the free memory is
+skipped and reported.
 The limits are measured at min(size, 512 MB): memcpy (one thread) and loopback TCP (sendall / recv_into).
 Ratios: capture / memcpy, replication / TCP, restore / TCP (achieved bandwidth over the limit). The stages'
 own throughputs (copy, checksum, send; fetch, verify, load) are reported too, and the pipeline's time over
@@ -123,11 +124,13 @@ def worker(mb: float, endpoint: str, token: str, reps: int, device_name: str = "
         out["replicate_s"].append(st.send_s - s0)
         out["copy_s"].append(st.copy_s - copy0)
         out["crc_s"].append(st.crc_s - crc0)
-        # restore: drop every local copy (peak memory), fetch from the holder, verify, load into the live state;
-        # on a GPU the page-locked buffer stays (the state is on the device: no peak of host memory to avoid)
+        # restore: the local copy is forgotten, its buffer kept, and the fetch lands there, as a spare's restore
+        # lands in the buffer it reserved and faulted in while it idled (Replicator.reserve_ahead). The first
+        # repetition on the CPU fetches into memory new to the process instead (dpstate outside dprun, or a spare
+        # that had not reserved yet): the cold figure
         rep.quiesce()
         for slot in rep.slots:
-            rep.forget(slot) if device.type == "cuda" else slot.release()
+            slot.release() if r == 0 and device.type == "cpu" else rep.forget(slot)
         f0, v0 = st.fetch_s, st.fetch_verify_s
         t0 = time.perf_counter()
         slot = rep.fetch(endpoint, 0, r + 1, timeout=600)
@@ -143,15 +146,7 @@ def worker(mb: float, endpoint: str, token: str, reps: int, device_name: str = "
         out["load_s"].append(t2 - t1)
         out["restore_s"].append(t2 - t0)
         del tree
-        if device.type == "cuda":
-            rep.forget(slot)  # the next capture writes into it
-            continue
-        slot.release()
-        if r + 1 < reps:  # warm the buffer again for the next capture
-            rep.configure(0, "", 0)
-            rep.submit(0, {"step": 0, "state": live})
-            rep.wait_acked()
-            rep.configure(0, endpoint, 0)
+        rep.forget(slot)  # the next capture writes into it
     return out
 
 
