@@ -11,7 +11,8 @@ from typing import Any, Literal
 NO_RANK = -1  # node_rank / step value meaning "none"
 
 # Closed sets of values: the codec refuses any other.
-Activity = Literal["compute", "collective", "snapshot", "finishing", "recovering", "idle"]  # WorkerStatus.activity
+# WorkerStatus.activity
+Activity = Literal["compute", "collective", "snapshot", "finishing", "recovering", "rendezvous", "idle"]
 RestoredFrom = Literal["", "local", "replica", "init", "restart"]  # WorkerReady.restored_from
 Role = Literal["active", "spare"]  # Welcome.role
 FaultKind = Literal["kill-node", "kill-worker", "freeze-node", "wake-node", "hang-worker", "kill-spare",
@@ -192,8 +193,8 @@ class WorkerStatus:
     """Worker -> its agent only, every heartbeat interval from the worker's control thread.
 
     activity: "compute" (in the step body), "collective" (waiting on peers), "snapshot" (waiting for a
-    replica ack), "finishing" (past its last step, at the final barrier), "recovering", "idle" (spare, or
-    between steps).
+    replica ack), "finishing" (past its last step, at the final barrier), "recovering", "rendezvous" (arrived
+    at a new generation's group, waiting for every other rank to), "idle" (spare, or between steps).
     room: bytes a spare's worker has reserved and faulted in for its restore (Standby), 0 if none.
     """
 

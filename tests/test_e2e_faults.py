@@ -106,6 +106,20 @@ def test_hung_worker_is_found_by_the_hang_timeout(procs, tmp_path, sha2):
     assert failed["node"] == "node1" and "--hang-timeout" in failed["cause"] and "rank 1" in failed["cause"]
 
 
+def test_a_worker_stopped_as_a_recovery_begins_is_found_at_the_rendezvous_by_the_hang_timeout(procs, tmp_path, sha3):
+    """Node 1 dies; as the new generation is sent, node 0's worker is stopped (SIGSTOP). The other ranks wait for it
+    at the generation's rendezvous, where no step is made: before, no hang clock ran there and the job hung for
+    ever. Now node 0 is failed at --hang-timeout, the second spare takes its rank from its other replica, and the
+    job ends bit for bit."""
+    run = dprun(procs, tmp_path, "rendezvous", "--nnodes", "3", "--spares", "2", "--replicas", "2",
+                "--hang-timeout", "8", "--inject", "kill-node:1@step=8", "--inject", "hang-worker:0@during-recovery",
+                steps=STEPS)
+    _recovered(run, sha3)
+    failed = {e["node"]: e["cause"] for e in run.named("node_failed")}
+    assert set(failed) == {"node0", "node1"}, failed
+    assert "--hang-timeout" in failed["node0"] and "rank 0 stopped responding" in failed["node0"], failed
+
+
 def test_idle_spare_dying_shrinks_the_pool_and_nothing_else(procs, tmp_path, sha2):
     run = dprun(procs, tmp_path, "spare", "--nnodes", "2", "--spares", "2",
                 "--inject", "kill-spare:0@step=5", steps=STEPS)

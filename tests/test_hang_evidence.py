@@ -21,6 +21,18 @@ def test_a_rank_in_a_collective_waits_on_its_peers_unless_its_status_is_stale():
     assert not hangs.waits_on_peers([status(0, "training", 3), status(1, "collective", 3, age=5.0)])
 
 
+def test_ranks_at_a_later_generations_rendezvous_wait_on_the_one_that_never_came():
+    """A worker stopped or stuck as a recovery began never reaches the new generation's rendezvous, where the others
+    wait for it: no step is made, and before, no hang clock ran either (the job hung for ever). At the first
+    generation's rendezvous, processes may still be starting: no hang."""
+    hangs = HangEvidence(heartbeat_interval=0.5, now=0.0)
+    waiting = [status(0, "recovering", 7), status(1, "rendezvous", 7), status(2, "rendezvous", 7)]
+    assert hangs.waits_on_peers(waiting, started=True)
+    assert not hangs.waits_on_peers(waiting, started=False)
+    placed = [Placed(f"node{s.rank}", s.rank, s) for s in waiting]
+    assert hangs.culprits(placed, newest_step=7) == {"node0": ("rank 0 stuck in recovering after step 7", 0, 7)}
+
+
 def test_the_culprits_are_the_nodes_whose_ranks_do_not_wait_on_peers():
     hangs = HangEvidence(heartbeat_interval=0.5, now=0.0)
     placed = [Placed("a", 0, status(0, "collective", 7)), Placed("b", 1, status(1, "training", 7)),

@@ -133,9 +133,11 @@ class Deadlines:
                 + (self.hangs.finished_apart(self.statuses()) or "check the network, or raise --hang-timeout"))
 
     def hang_due(self, now: float) -> bool:
-        """No rank stepped for --hang-timeout (once a step was made, or ranks wait on their peers)."""
+        """No rank stepped for --hang-timeout (once a step was made, or ranks wait on their peers: at a later
+        generation's rendezvous too)."""
+        started = self.timeline.generation > 0
         return (self.spec.hang_timeout > 0 and now - self.timeline.last_progress_at > self.spec.hang_timeout
-                and (self.timeline.stepped or self.hangs.waits_on_peers(self.statuses())))
+                and (self.timeline.stepped or self.hangs.waits_on_peers(self.statuses(), started)))
 
     def hung(self, now: float) -> tuple[float, dict[str, tuple[str, int, int]]]:
         """The hang found: for how long no rank stepped, and the nodes whose ranks are not waiting on their

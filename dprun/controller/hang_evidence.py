@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from dpcommon.control_messages import WorkerSummary
 
-WAITING_ON_PEERS = ("collective", "snapshot", "finishing")  # activities that wait on other ranks
+WAITING_ON_PEERS = ("collective", "snapshot", "finishing", "rendezvous")  # activities that wait on other ranks
 APART_FOR = 6  # heartbeat intervals that ranks stuck past others' last step must stay so (HangEvidence.stuck_apart)
 
 
@@ -34,11 +34,14 @@ class HangEvidence:
     def _fresh(self, status: WorkerSummary) -> bool:
         return status.age <= self.stale_after
 
-    def waits_on_peers(self, statuses: list[WorkerSummary]) -> bool:
+    def waits_on_peers(self, statuses: list[WorkerSummary], started: bool = False) -> bool:
         """Before a generation's first step, start-up (the script's own, a restore) is no hang; but once a rank
         waits in a collective for its peers, that first step has begun, and one that hangs in it is caught as in
-        any other step (a hang that follows its rank onto the spare would hang the job for ever)."""
-        return any(s.activity in ("collective", "finishing") and self._fresh(s) for s in statuses)
+        any other step (a hang that follows its rank onto the spare would hang the job for ever). Once the job
+        `started` (a later generation, whose processes all ran before it), so is a rank that waits at the
+        generation's rendezvous for one that never comes (a worker stopped or stuck as a recovery began)."""
+        waiting = ("collective", "finishing", "rendezvous") if started else ("collective", "finishing")
+        return any(s.activity in waiting and self._fresh(s) for s in statuses)
 
     def stuck_apart(self, statuses: list[WorkerSummary], now: float) -> bool:
         """Ranks past their last step wait at the final barrier while others made that step too, and wait in a
