@@ -400,8 +400,10 @@ class Job:
             if not restore:  # the script runs before it restores (a spare in init): fetch meanwhile
                 sources.prefetch(reconf, self._key)
             self.activity = "rendezvous"  # (the controller's hang clock runs while ranks wait here for a peer)
-            self._groups.build(reconf.generation, reconf.store_endpoint, self.rank, self.world_size, self._abort)
-            self.activity = "recovering"
+            try:
+                self._groups.build(reconf.generation, reconf.store_endpoint, self.rank, self.world_size, self._abort)
+            finally:
+                self.activity = "recovering"
             if self._parts is not None:
                 self._build_parts(reconf.generation)
             self._rebuild_s = time.perf_counter() - t0
