@@ -1,5 +1,6 @@
 """Serves the replica store on the agent's replica ROUTER: PutSnapshot -> SnapshotAck, FetchSnapshot -> SnapshotData
-and its SnapshotChunks, ReserveSnapshot -> SnapshotReserved (room made for a snapshot on its way); dedup
+and its SnapshotChunks, ReserveSnapshot -> SnapshotReserved (room made for a snapshot on its way), then its
+SnapshotParts (not answered; dpagent.streamed_puts) as the sender captures it; dedup
 (dpagent.dedup): LocalSnapshot (not answered), OfferSnapshot (room made as it comes) -> SnapshotAck, or
 SnapshotWants -> SnapshotBlocks -> SnapshotAck when the holder's node lacks some of its blocks.
 
@@ -28,9 +29,10 @@ from dpcommon.channel import Channel, Incoming
 from dpcommon.checksum import checksum_chunks
 from .dedup import EXPECT_RESTORE_S, OFFER_WAIT_S, LocalCopies, Offer, assemble, decide, parse_offer
 from .loop_events import EventPipe
+from .streamed_puts import StreamedPuts
 from dpcommon.protocol import (FetchSnapshot, LoadSnapshots, LocalSnapshot, OfferSnapshot, PutSnapshot, ReserveSnapshot,
                        SaveSnapshots, SnapshotAck, SnapshotBlocks, SnapshotChunk, SnapshotData, SnapshotFiles,
-                       SnapshotReserved, SnapshotStored, SnapshotWants)
+                       SnapshotPart, SnapshotReserved, SnapshotStored, SnapshotWants)
 from dpcommon.replica_store import ReplicaStore, Snapshot, intact
 from dpcommon.save_manifest import prune
 from dpcommon.snapshot_files import (CopyRoom, check_copies, copy_out, held_copies, read_files, store_loaded,
@@ -131,11 +133,14 @@ class ReplicaServer:
         self._awaiting: dict[tuple, Offer] = {}  # (sender, rank, step) -> an offer waiting for its blocks
         self._differing: dict[int, int] = {}  # rank -> its snapshots whose data parallel blocks differed here
         self._copy_room = CopyRoom()  # a background save's copy-out (one save at a time)
+        self._streams = StreamedPuts()  # the parts of snapshots being captured and sent whole
 
     def handle(self, incoming: Incoming) -> None:
         msg = incoming.msg
         now = time.monotonic()
-        if isinstance(msg, PutSnapshot):
+        if isinstance(msg, SnapshotPart):
+            self._streams.add(incoming.sender, msg, incoming.payload)
+        elif isinstance(msg, PutSnapshot):
             self._put(incoming, msg)
         elif isinstance(msg, OfferSnapshot):
             self._offer(incoming, now)
@@ -165,6 +170,14 @@ class ReplicaServer:
             error = candidate
         elif put.held:
             error = self.store.relabel(put) if not incoming.payload else "a held=True put has no payload"
+        elif put.parts:
+            frames = self._streams.take(incoming.sender, put)
+            if isinstance(frames, str):
+                error = frames
+            elif len(incoming.payload) != 1:
+                error = f"a streamed put's payload is its meta alone, got {len(incoming.payload)} frames"
+            else:
+                error = self.store.add(put, incoming.payload[0], *frames)
         elif len(incoming.payload) < 2:
             error = f"expected payload frames (meta, data chunks), got {len(incoming.payload)}"
         else:

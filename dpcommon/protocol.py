@@ -33,10 +33,10 @@ from .control_messages import (
 )
 from .snapshot_messages import (
     FetchSnapshot, LocalSnapshot, OfferSnapshot, PutSnapshot, ReserveSnapshot, SnapshotAck, SnapshotBlocks,
-    SnapshotChunk, SnapshotData, SnapshotReserved, SnapshotWants,
+    SnapshotChunk, SnapshotData, SnapshotPart, SnapshotReserved, SnapshotWants,
 )
 
-PROTOCOL_VERSION = 24  # what each version changed: docs/protocol.md
+PROTOCOL_VERSION = 25  # what each version changed: docs/protocol.md
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 CHUNK_BYTES = 4 << 20  # snapshot data frames (why chunks: docs/protocol.md); a whole number of CHECKSUM_BLOCKs
@@ -58,7 +58,9 @@ ToWorker = Union[
     Reconfigure, Stop, Standby, SaveSnapshots,  # from its agent, relayed from the controller
     SnapshotReserved, SnapshotAck, SnapshotWants, SnapshotData, SnapshotChunk,  # a replica store's answers
 ]
-ToReplica = Union[ReserveSnapshot, PutSnapshot, OfferSnapshot, SnapshotBlocks, LocalSnapshot, FetchSnapshot]
+ToReplica = Union[
+    ReserveSnapshot, SnapshotPart, PutSnapshot, OfferSnapshot, SnapshotBlocks, LocalSnapshot, FetchSnapshot,
+]
 Message = Union[ToController, ToAgent, ToWorker, ToReplica]
 
 _REGISTRY: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
@@ -284,7 +286,7 @@ __all__ = [
     "Welcome", "Reconfigure", "Stop", "Demote", "Ping", "Standby", "SaveSnapshots", "LoadSnapshots", "SnapshotFiles",
     "Inject",
     "PutSnapshot", "ReserveSnapshot", "SnapshotReserved", "SnapshotAck", "FetchSnapshot", "SnapshotData",
-    "SnapshotChunk", "LocalSnapshot", "OfferSnapshot", "SnapshotWants", "SnapshotBlocks",
+    "SnapshotChunk", "SnapshotPart", "LocalSnapshot", "OfferSnapshot", "SnapshotWants", "SnapshotBlocks",
     "JobTerms", "Activity", "RestoredFrom", "Role", "FaultKind", "NO_RANK",
     # framing and the codec
     "PROTOCOL_VERSION", "MAGIC", "MAX_BODY_BYTES", "CHUNK_BYTES", "Codec", "ProtocolError", "Refused", "REFUSAL",

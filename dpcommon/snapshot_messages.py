@@ -15,6 +15,8 @@ class PutSnapshot:
 
     held=True: no payload; the store already holds this rank's `step` with this checksum (a rank restored
     from it) and relabels that copy as of `generation` instead of receiving it again; refused when not held.
+    parts=N: the data came before it as N SnapshotPart messages (streamed while it was captured); the payload is
+    the meta alone.
     """
 
     rank: int
@@ -23,6 +25,18 @@ class PutSnapshot:
     checksum: int  # dpstate.snapshot.packing.checksum(meta, data): computed and checked by workers only
     nbytes: int
     held: bool = False
+    parts: int = 0
+
+
+@dataclass(frozen=True)
+class SnapshotPart:
+    """Data chunk `index` (from 0, in order) of a snapshot whose PutSnapshot (parts > 0) follows once it is
+    captured; one payload frame, not answered. Sent only after the holder's SnapshotReserved."""
+
+    rank: int
+    step: int
+    generation: int
+    index: int
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class SnapshotStats:
     relabel_refused: int = 0  # ... it no longer held them: sent whole after all
     offers: int = 0  # snapshots offered to a holder by block digests (dedup) ...
     blocks_sent: int = 0  # ... and the blocks it asked for (the rest its node held already)
+    streamed: int = 0  # snapshots sent whole whose parts went to a holder during their capture
 
     def as_dict(self) -> dict:
         out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}

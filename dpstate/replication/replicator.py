@@ -26,13 +26,14 @@ from dpcommon.checksum import BlockDigester, digest_threads
 from dpstate.snapshot import shared
 from dpstate.snapshot import packing as S
 from dpstate.steps.abort import AbortSignal
-from dpstate.snapshot.checks import CheckPlanner
+from dpstate.snapshot.checks import CheckPlanner, held_alike_elsewhere
 from dpstate.steps.interval import SnapshotPolicy
 from dpstate.snapshot.landing import Landing, enabled_by_env
 from dpstate.groups.pgroup import trains_on_gpu
 from .fetch import FETCHED, ReplicationError, Slot, receive_snapshot
 from .holders import HolderLink
 from .send import Delivery
+from .stream import PartStream
 from .priority import lower_io_threads, lower_priority
 from .profile import PhaseClock, SnapshotStats, write_profile
 
@@ -79,6 +80,7 @@ class Replicator:
         # and the optimizer step lands in the snapshot, dpstate.snapshot.landing)
         self.pin = trains_on_gpu()
         self.digest_threads = digest_threads()  # checksum threads beside the copy (dpcommon.checksum)
+        self.stream = os.environ.get("DP_SNAPSHOT_STREAM", "1") != "0"  # a whole put's parts go as they are copied
         # this node's agent, told of each local snapshot so that it can hold peers' identical blocks by reference
         self.local_store = os.environ.get("DP_LOCAL_REPLICA", "")
         # with CUDA too, once the driver page-locks a shared buffer (the side stream copies into it asynchronously)
@@ -375,20 +377,30 @@ class Replicator:
                                     on_differs=on_differs, cancelled=cancelled,
                                     gone=lambda endpoint: links[endpoint].gone())
                 if job.tree is None:
-                    offered = job.slot.digests is not None
+                    offered = job.slot.digests is not None and job.slot.plan is not None
                 else:
-                    offered = self.share and not job.slot.share_refused
+                    job.shared = job.shared() if callable(job.shared) else job.shared
+                    offered = (self.share and not job.slot.share_refused
+                               and held_alike_elsewhere(job.tree, job.shared))
+                delivery.offer = offered
+                parts = None
                 if not offered and job.replicate:  # sent whole: holders make room while we capture, and the
                     reserve = self.codec.encode(delivery.reserve())  # snapshot lands in their oldest copy's memory
                     delivery.reserved = frozenset(e for e in endpoints if e not in job.held_at)
                     for endpoint in delivery.reserved:
                         links[endpoint].sock.send_multipart(reserve)
+                    if self.stream and job.tree is not None and delivery.reserved:
+                        parts = PartStream(self.codec, {e: links[e].sock for e in delivery.reserved}, rank,
+                                           job.step, generation)
                 if job.tree is not None:
                     if job.event is not None and (copy_stream is None or copy_stream.device.index != job.device):
                         torch.cuda.set_device(job.device)  # this thread's current device: the worker's
                         copy_stream = torch.cuda.Stream(device=job.device)
-                    self._capture(job, copy_stream)
+                    self._capture(job, copy_stream, parts)
                     delivery.slot = job.slot  # a new one where the optimizer's state lay in the old (landing)
+                    if parts is not None:
+                        delivery.streamed = parts.streamed()
+                        self.stats.streamed += bool(delivery.streamed)
                 if local is not None and job.slot.digests is not None:  # captured, or restored (re-put)
                     self._announce(local, job.slot, rank)
                 with self._cond:
@@ -412,9 +424,10 @@ class Replicator:
         if self.checks.divergence(rank, step, blocks) and self.on_divergence is not None:
             self.on_divergence(rank, step, blocks)
 
-    def _capture(self, job: _Job, stream: Any) -> None:
-        """Pack job.tree into its slot: meta first, then the tensors copied, then checksummed.
-        Not interrupted by quiesce(): a reconfiguration waits for it (see NSLOTS)."""
+    def _capture(self, job: _Job, stream: Any, parts: PartStream | None = None) -> None:
+        """Pack job.tree into its slot: meta first, then the tensors copied, checksummed meanwhile (and sent
+        meanwhile, by `parts`, where it goes whole). Not interrupted by quiesce(): a reconfiguration waits for it
+        (see NSLOTS)."""
         laps = PhaseClock(self.stats)
         skeleton, tensors = S.flatten(job.tree)
         specs, nbytes, shared_nbytes, flags = self.checks.layout(tensors, job.shared)
@@ -433,14 +446,28 @@ class Replicator:
         # the checksum's digests of each range of blocks as soon as it is copied, on other threads: a capture
         # costs about its copy, not the copy plus the checksum
         digester = BlockDigester(slot.buffer[:nbytes].numpy(), plan, self.digest_threads)
+        if parts is not None:
+            parts.begin(slot.buffer[:nbytes].numpy())
         if stream is not None:
             stream.wait_event(job.event)
+            marks: list = []
             with torch.cuda.stream(stream):
                 S.copy_into(tensors, specs, slot.buffer, non_blocking=True,
-                            on_copied=_device_progress(digester, stream))
+                            on_copied=_device_progress(digester, stream, marks))
+            if parts is not None:
+                for end, event in marks:
+                    event.synchronize()  # the parts below `end` are on the host: sent while the rest is copied
+                    parts.ready(end)
             stream.synchronize()
         else:
-            self.stats.landed_bytes += S.copy_into(tensors, specs, slot.buffer, on_copied=digester.ready)
+            def on_copied(end: int) -> None:
+                digester.ready(end)
+                if parts is not None:
+                    parts.ready(end)
+
+            self.stats.landed_bytes += S.copy_into(tensors, specs, slot.buffer, on_copied=on_copied)
+        if parts is not None:
+            parts.ready(nbytes)
         laps.lap("copy")
         kept = tensors  # where they lay (dpstate.snapshot.landing); the references go at the end of this capture
         with self._cond:
@@ -469,9 +496,10 @@ class Replicator:
         sock.send_multipart(self.codec.encode(msg, [slot.digests]))
 
 
-def _device_progress(digester: BlockDigester, stream: Any, every: int = 64 << 20) -> Callable[[int], None]:
+def _device_progress(digester: BlockDigester, stream: Any, marks: list,
+                     every: int = 64 << 20) -> Callable[[int], None]:
     """copy_into's on_copied for device copies queued on `stream`: every `every` bytes, an event recorded after
-    them, which the digester's threads wait for before they read those bytes."""
+    them, which the digester's threads wait for before they read those bytes; (end, event) added to `marks`."""
     queued_to = 0
 
     def on_copied(end: int) -> None:
@@ -480,6 +508,7 @@ def _device_progress(digester: BlockDigester, stream: Any, every: int = 64 << 20
             event = torch.cuda.Event()
             event.record(stream)
             digester.ready(end, wait=event.synchronize)
+            marks.append((end, event))
             queued_to = end
 
     return on_copied

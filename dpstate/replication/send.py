@@ -1,6 +1,7 @@
 """Sending one captured snapshot to its replica holders until each acks it: a relabel where a holder has that
-copy already, else an offer (a shared buffer: digests and the tail; the holder asks for the blocks it lacks) or
-the whole snapshot once the holder made room for it (ReserveSnapshot -> SnapshotReserved).
+copy already, else an offer (data parallel state in a shared buffer: digests and the tail; the holder asks for
+the blocks it lacks) or the whole snapshot once the holder made room for it (ReserveSnapshot -> SnapshotReserved),
+or, where its parts were streamed during the capture (dpstate.replication.stream), the put that closes them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class Delivery:
     generation: int
     held_at: frozenset = frozenset()  # endpoints that hold this very copy already: asked to relabel it
     reserved: frozenset = frozenset()  # endpoints sent ReserveSnapshot before the capture
+    offer: bool = True  # offered by its digests where it has them (it holds data parallel state), else sent whole
+    streamed: dict = field(default_factory=dict)  # endpoint -> parts it got during the capture (all of them)
     on_differs: Callable[[list], Any] = lambda blocks: None  # a holder found diverged data parallel blocks
     cancelled: Callable[[], bool] = lambda: False  # a reconfiguration dropped it
     gone: Callable[[str], bool] = lambda endpoint: False  # the holder's process died (dpstate.replication.holders)
@@ -46,7 +49,8 @@ class Delivery:
         where a holder that has not acked went away."""
         slot = self.slot
         put = self._put()
-        if slot.digests is not None:
+        self.offer = self.offer and slot.digests is not None
+        if self.offer:
             offer = P.OfferSnapshot(self.rank, self.step, self.generation, slot.checksum, put.nbytes,
                                     slot.plan.as_json() if slot.plan else {})
             tail = memoryview(self._data())[slot.digests.size * CHECKSUM_BLOCK :]
@@ -54,18 +58,22 @@ class Delivery:
         else:
             self._full = self.codec.encode(put, [slot.meta, *P.chunk_views(self._data())])
         relabeled = {id(sock) for e, sock in socks.items() if e in self.held_at}
+        streamed = {id(sock) for e, sock in socks.items() if e in self.streamed} - relabeled
         reserving: set = set()
-        if slot.digests is None:  # sent whole: each holder first drops its oldest copy to take it in that memory
-            reserving = {id(sock) for sock in socks.values()} - relabeled
+        if not self.offer:  # sent whole: each holder first drops its oldest copy to take it in that memory
+            reserving = {id(sock) for sock in socks.values()} - relabeled - streamed
             for endpoint, sock in socks.items():
                 if id(sock) in reserving and endpoint not in self.reserved:
                     sock.send_multipart(self.codec.encode(self.reserve()))
         tries = {id(sock): 0 for sock in socks.values()}
         waiting = list(socks.values())
         t0 = time.perf_counter()
-        for sock in waiting:
+        for endpoint, sock in socks.items():
             if id(sock) in relabeled:
                 sock.send_multipart(self.codec.encode(dataclasses.replace(put, held=True)))
+            elif id(sock) in streamed:
+                sock.send_multipart(self.codec.encode(dataclasses.replace(put, parts=self.streamed[endpoint]),
+                                                      [slot.meta]))
             elif id(sock) not in reserving:
                 self._send(sock)  # an offer: the holder makes room as it takes it in
         poller = zmq.Poller()
@@ -88,7 +96,7 @@ class Delivery:
                 if isinstance(ack, P.SnapshotReserved) and id(sock) in reserving:
                     reserving.discard(id(sock))
                     self._send(sock)
-                elif isinstance(ack, P.SnapshotWants) and slot.digests is not None:
+                elif isinstance(ack, P.SnapshotWants) and self.offer:
                     if ack.differs:
                         self.on_differs(ack.differs)
                     self._send_blocks(sock, ack.blocks)
@@ -120,7 +128,7 @@ class Delivery:
 
     def _send(self, sock: Any) -> None:
         sock.send_multipart(self._full, copy=False)
-        self.stats.offers += self.slot.digests is not None
+        self.stats.offers += self.offer
 
     def _send_blocks(self, sock: Any, wanted: list) -> None:
         """The whole blocks a holder asked for (SnapshotWants; the tail came with the offer)."""

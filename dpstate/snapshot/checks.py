@@ -43,6 +43,14 @@ def tensor_key(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.numel() * t.element_size()
 
 
+def held_alike_elsewhere(tree: Any, shared_keys: Any) -> bool:
+    """May a holder's node hold blocks of this capture bitwise alike (so that it is offered by its digests, not
+    sent whole)? Yes unless its model state is sharded (dpstate.snapshot.state's layout lists DTensor shards)
+    and none of it was declared data parallel: each rank's shards are its own."""
+    layout = tree.get("layout") if isinstance(tree, dict) else None
+    return bool(shared_keys) or not (isinstance(layout, dict) and layout.get("shards"))
+
+
 def replicated_keys(modules: Iterable[torch.nn.Module], optimizers: Iterable[Any]) -> set[tuple[int, int]]:
     """tensor_key of every tensor that data parallel ranks hold alike after a step: the parameters of
     `modules` (their gradients are all-reduced) and those parameters' optimizer state."""

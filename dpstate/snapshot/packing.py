@@ -225,6 +225,9 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
+PROGRESS_BYTES = 16 << 20  # a large tensor's copy is reported in pieces (copy_into's on_copied)
+
+
 def copy_into(tensors: list[torch.Tensor], specs: list[TensorSpec], buffer: torch.Tensor, non_blocking=False,
               on_copied: Callable[[int], Any] | None = None) -> int:
     """Copy every tensor's bytes into its place in `buffer` (a uint8 tensor, host or pinned), except those that
@@ -232,8 +235,9 @@ def copy_into(tensors: list[torch.Tensor], specs: list[TensorSpec], buffer: torc
     through the C library's memmove (the GIL released; large copies write around the cache): measured here,
     9.7 ms per 108 MB against 12.7 ms for torch._foreach_copy_ on an idle core, alike (12-16 ms) beside a
     training process. Device tensors are queued on the current CUDA stream, one copy_ each, as CUDA's copy
-    engine wants them. `on_copied(end)`: after each tensor, the buffer's first `end` bytes are final (queued,
-    for device tensors): a digester checksums them while the rest is copied (specs lie in offset order)."""
+    engine wants them. `on_copied(end)`: after each tensor, and within a large one every PROGRESS_BYTES, the
+    buffer's first `end` bytes are final (queued, for device tensors): a digester checksums them and a stream
+    sends them while the rest is copied (specs lie in offset order)."""
     end = max((spec.offset + spec.nbytes for spec in specs), default=0)
     if buffer.device.type != "cpu" or not buffer.is_contiguous() or buffer.numel() * buffer.element_size() < end:
         raise ValueError(f"copy_into needs a contiguous host buffer of at least {end} bytes")
@@ -249,10 +253,15 @@ def copy_into(tensors: list[torch.Tensor], specs: list[TensorSpec], buffer: torc
             src = byte_view(t)
             if src.numel() != spec.nbytes:  # memmove trusts the sizes: a resized tensor must not overrun
                 raise SnapshotError(f"a tensor of {src.numel()} bytes does not fit its {spec.nbytes}-byte place")
-            if src.device.type == "cpu":
-                ctypes.memmove(base + spec.offset, src.data_ptr(), spec.nbytes)
-            else:
-                buffer[spec.offset : spec.offset + spec.nbytes].copy_(src, non_blocking=non_blocking)
+            piece = spec.nbytes if on_copied is None else PROGRESS_BYTES
+            for at in range(0, spec.nbytes, piece):
+                n = min(piece, spec.nbytes - at)
+                if src.device.type == "cpu":
+                    ctypes.memmove(base + spec.offset + at, src.data_ptr() + at, n)
+                else:
+                    buffer[spec.offset + at : spec.offset + at + n].copy_(src[at : at + n], non_blocking=non_blocking)
+                if on_copied is not None and at + n < spec.nbytes:
+                    on_copied(spec.offset + at + n)
         if on_copied is not None:
             on_copied(spec.offset + spec.nbytes)
     return landed
