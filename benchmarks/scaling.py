@@ -20,7 +20,11 @@ The limits are measured at min(size, 512 MB): memcpy (one thread) and loopback T
 Ratios: capture / memcpy, replication / TCP, restore / TCP (achieved bandwidth over the limit). The stages'
 own throughputs (copy, checksum, send; fetch, verify, load) are reported too, and the pipeline's time over
 its slowest stage (pipeline_ratio: 1 where the stages overlap completely, their sum over the slowest where
-they run one after the other).
+they run one after the other). Each repetition snapshots twice, side by side: once sent whole after its
+capture (DP_SNAPSHOT_STREAM=0: the stages one after the other, which gives each stage's own time and
+replicate_s, the send alone) and once streamed as it is captured (what training does: snapshot_s;
+whole_snapshot_s and whole_pipeline_ratio are the former's). cpu_bound_s: the streamed snapshot's CPU seconds
+(worker and holder, every thread) over the host's cores, the least it can take where CPU is the limit.
 With --device cuda the live state is on the GPU, as a GPU job's: the copy is the side stream's device-to-host
 copy into page-locked memory and the load a host-to-device copy, against the device-to-host and host-to-device
 limits measured in the worker (a copy of min(size, 512 MB) between the GPU and page-locked memory; d2h_GBps,
@@ -35,7 +39,8 @@ state / loopback TCP bandwidth.
 JSON: {"device", "sizes": [{"mb", "capture_s", "replicate_s", "restore_s", "capture_GBps", "replicate_GBps",
 "restore_GBps", "memcpy_GBps", "tcp_GBps", "capture_ratio", "replicate_ratio", "restore_ratio", "copy_GBps",
 "crc_GBps", "fetch_GBps", "verify_GBps", "load_GBps", "d2h_GBps", "h2d_GBps" (None on the CPU), "copy_ratio"
-(over d2h on a GPU, memcpy on the CPU), "crc_ratio" (over memcpy), "pipeline_ratio", and the
+(over d2h on a GPU, memcpy on the CPU), "crc_ratio" (over memcpy), "pipeline_ratio", "whole_snapshot_s",
+"whole_pipeline_ratio", "cpu_bound_s", "cpu_bound_ratio", and the
 first repetition's "replicate_s_cold", "restore_s_cold", "replicate_cold_ratio", "restore_cold_ratio"}],
 "recovery": [{"mb", "detect_s", "rebuild_s", "restore_s", "total_s", "restore_at_tcp_s"}], "skipped": [...],
 "failed": [{"run", "cause"}]}. A size whose run fails (the worker's or holder's exit, a recovery's exit code) is
@@ -61,7 +66,8 @@ import _limits  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CHUNK = 16 * 2**20  # float32 elements per tensor (64 MB)
-PHASES = ("capture_s", "copy_s", "crc_s", "replicate_s", "snapshot_s", "fetch_s", "verify_s", "load_s", "restore_s")
+PHASES = ("capture_s", "copy_s", "crc_s", "replicate_s", "snapshot_s", "whole_snapshot_s", "cpu_bound_s", "fetch_s",
+          "verify_s", "load_s", "restore_s")
 
 
 # ------------------------------------------------------------------------------------------ worker process
@@ -87,12 +93,13 @@ def device_limits(nbytes: int, device) -> dict:
     return out
 
 
-def worker(mb: float, endpoint: str, token: str, reps: int, device_name: str = "cpu") -> dict:
+def worker(mb: float, endpoint: str, token: str, reps: int, device_name: str = "cpu", holder_pid: int = 0) -> dict:
     """Capture + replicate + restore a state of `mb` MB with dpstate's Replicator; timings as JSON."""
     import torch
 
     sys.path.insert(0, str(HERE.parent))
     from dpcommon import protocol as P
+    from dpcommon.thread_cpu import thread_cpu_times
     from dpstate.snapshot import packing as S
     from dpstate.steps.abort import AbortSignal
     from dpstate.replication.replicator import Replicator
@@ -113,17 +120,32 @@ def worker(mb: float, endpoint: str, token: str, reps: int, device_name: str = "
     rep.wait_acked()
     rep.configure(0, endpoint, 0)
     out: dict = {"mb": mb, "bytes": 4 * numel, "device": str(device), **limits, **{key: [] for key in PHASES}}
-    for r in range(reps):
-        st = rep.stats
-        c0, s0, copy0, crc0 = st.capture_s, st.send_s, st.copy_s, st.crc_s
+    st = rep.stats
+
+    def cpu_s() -> float:  # both processes' CPU seconds, every thread (/proc, 10 ms ticks)
+        return sum(thread_cpu_times("self").values()) + sum(thread_cpu_times(holder_pid).values())
+
+    def snapshot(step: int, streamed: bool) -> dict:
+        rep.stream = streamed
+        c0, s0, copy0, crc0, cpu0 = st.capture_s, st.send_s, st.copy_s, st.crc_s, cpu_s()
         t0 = time.perf_counter()
-        rep.submit(r + 1, {"step": r + 1, "state": live})
+        rep.submit(step, {"step": step, "state": live})
         rep.wait_acked()
-        out["snapshot_s"].append(time.perf_counter() - t0)
-        out["capture_s"].append(st.capture_s - c0)
-        out["replicate_s"].append(st.send_s - s0)
-        out["copy_s"].append(st.copy_s - copy0)
-        out["crc_s"].append(st.crc_s - crc0)
+        return {"snapshot_s": time.perf_counter() - t0, "capture_s": st.capture_s - c0,
+                "replicate_s": st.send_s - s0, "copy_s": st.copy_s - copy0, "crc_s": st.crc_s - crc0,
+                "cpu_s": cpu_s() - cpu0}
+
+    for r in range(reps):
+        # each repetition snapshots twice: sent whole after the capture (the stages one after the other: each
+        # stage's own time), then streamed as it is captured (what training does); the restore fetches the latter
+        whole = snapshot(2 * r + 1, streamed=False)
+        for key in ("capture_s", "replicate_s", "copy_s", "crc_s"):
+            out[key].append(whole[key])
+        out["whole_snapshot_s"].append(whole["snapshot_s"])
+        streamed = snapshot(2 * r + 2, streamed=True)
+        out["snapshot_s"].append(streamed["snapshot_s"])
+        out["cpu_bound_s"].append(streamed["cpu_s"] / (os.cpu_count() or 1))
+        assert st.streamed == r + 1, "the streamed snapshot was not streamed"
         # restore: the local copy is forgotten, its buffer kept, and the fetch lands there, as a spare's restore
         # lands in the buffer it reserved and faulted in while it idled (Replicator.reserve_ahead). The first
         # repetition on the CPU fetches into memory new to the process instead (dpstate outside dprun, or a spare
@@ -133,7 +155,7 @@ def worker(mb: float, endpoint: str, token: str, reps: int, device_name: str = "
             slot.release() if r == 0 and device.type == "cpu" else rep.forget(slot)
         f0, v0 = st.fetch_s, st.fetch_verify_s
         t0 = time.perf_counter()
-        slot = rep.fetch(endpoint, 0, r + 1, timeout=600)
+        slot = rep.fetch(endpoint, 0, 2 * r + 2, timeout=600)
         t1 = time.perf_counter()
         tree = S.unpack(slot.meta, slot.data, clone=False)
         for k, t in tree["state"].items():
@@ -187,7 +209,8 @@ def part1_once(mb: float, timeout: float, reps: int, device: str = "cpu") -> dic
             raise RuntimeError("the replica holder did not start"
                                + (f" ({C.exit_cause(code)})" if code is not None else f": it printed {endpoint!r}"))
         peak: dict[int, int] = {}
-        proc = subprocess.Popen([sys.executable, __file__, "--worker", str(mb), endpoint, token, str(reps), device],
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", str(mb), endpoint, token, str(reps), device,
+                                 str(holder.pid)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
         C._LIVE.add(proc.pid)
@@ -246,8 +269,8 @@ def ratio(value: float | None, limit: float | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        mb, endpoint, token, reps, device = sys.argv[2:7]
-        print(json.dumps(worker(float(mb), endpoint, token, int(reps), device)))
+        mb, endpoint, token, reps, device, holder_pid = sys.argv[2:8]
+        print(json.dumps(worker(float(mb), endpoint, token, int(reps), device, int(holder_pid))))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="10,100,1000,4000", help="state sizes per node, MB (part 1)")
@@ -298,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
             r.update(d2h_GBps=r.pop("d2h_Bps", 0) / 1e9 or None, h2d_GBps=r.pop("h2d_Bps", 0) / 1e9 or None)
             copy_limit = r["d2h_GBps"] if args.device.startswith("cuda") else r["memcpy_GBps"]
             r.update(copy_ratio=ratio(r["copy_GBps"], copy_limit), crc_ratio=ratio(r["crc_GBps"], r["memcpy_GBps"]),
-                     pipeline_ratio=ratio(r["snapshot_s"], max(r["copy_s"], r["crc_s"], r["replicate_s"])))
+                     pipeline_ratio=ratio(r["snapshot_s"], max(r["copy_s"], r["crc_s"], r["replicate_s"])),
+                     whole_pipeline_ratio=ratio(r["whole_snapshot_s"], max(r["copy_s"], r["crc_s"], r["replicate_s"])),
+                     cpu_bound_ratio=ratio(r["snapshot_s"], r["cpu_bound_s"]))
             rows.append(r)
             print(f"  {mb:6g} MB: capture {r['capture_s']:.3f} s ({r['capture_GBps']:.2f} GB/s, memcpy "
                   f"{r['memcpy_GBps']:.2f}), replicate {r['replicate_s']:.3f} s ({r['replicate_GBps']:.2f} GB/s, "
@@ -307,8 +332,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"           stages GB/s: copy {C.fmt(r['copy_GBps'], '.2f')} (limit {C.fmt(copy_limit, '.2f')}), "
                   f"checksum {C.fmt(r['crc_GBps'], '.2f')}, send {r['replicate_GBps']:.2f}, fetch "
                   f"{C.fmt(r['fetch_GBps'], '.2f')}, verify {C.fmt(r['verify_GBps'], '.2f')}, load "
-                  f"{C.fmt(r['load_GBps'], '.2f')}; pipeline {C.fmt(r['pipeline_ratio'], '.2f')}x its slowest stage",
-                  flush=True)
+                  f"{C.fmt(r['load_GBps'], '.2f')}; snapshot {r['snapshot_s']:.3f} s streamed, "
+                  f"{r['whole_snapshot_s']:.3f} s sent after the capture: {C.fmt(r['pipeline_ratio'], '.2f')}x and "
+                  f"{C.fmt(r['whole_pipeline_ratio'], '.2f')}x its slowest stage; the streamed one's CPU (both "
+                  f"processes) over the cores: {r['cpu_bound_s']:.3f} s", flush=True)
         tcp = C.median(r["tcp_GBps"] for r in rows)  # None without a row of part 1: no bandwidth measured
         for mb in rec_sizes:
             rec = part2(mb, work, steps=args.recovery_steps, kill_at=args.recovery_steps // 2, timeout=args.timeout,
