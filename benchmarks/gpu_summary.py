@@ -260,6 +260,8 @@ def pipeline_figures(out: Path, name: str, gpu: bool) -> Check:
             one.put("d2h_GBps", row.get("d2h_GBps"))
         for key in ("copy_ratio", "crc_ratio", "pipeline_ratio", "replicate_ratio", "restore_ratio"):
             one.need(key, row.get(key))
+        for key in ("whole_snapshot_s", "whole_pipeline_ratio", "cpu_bound_s"):  # the same snapshot sent after it
+            one.put(key, row.get(key))
         sizes.append(one.figures)
         c.missing.extend(f"{mb:g} MB {m}" if isinstance(mb, (int, float)) else m for m in one.missing)
     c.need("sizes", sizes)

@@ -14,6 +14,7 @@ import socket
 import sys
 
 from .agent import Agent, AgentConfig, AgentError
+from dpcommon import stack_dump
 from dpcommon.interpreter_exit import exit_quickly
 from dpcommon.memory import reuse_freed_memory
 from .output import OutputSpec, parse_ranks, parse_std
@@ -82,6 +83,7 @@ def _setup_logging(node_id: str, verbose: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     exit_quickly()
+    stack_dump.install()
     pdeathsig = os.environ.get("DP_PDEATHSIG")
     launcher = pdeathsig if pdeathsig in ("controller", "member") else ""
     if launcher:  # its death: the controller's (a save), or this node leaves the job

@@ -15,6 +15,7 @@ from typing import Any, List, NoReturn, Optional
 import typer
 from typer.core import TyperCommand
 
+from dpcommon import stack_dump
 from dpcommon.interpreter_exit import exit_quickly
 
 from .launcher import option_checks as checks
@@ -260,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     """`dprun status ...`, `dprun report ...`, `dprun ckpt ...`, or `dprun [OPTIONS] SCRIPT ...`; one line per
     usage error."""
     exit_quickly()
+    stack_dump.install()
     args = list(sys.argv[1:] if argv is None else argv)
     target, prog = app, "dprun"
     if args and args[0] in ("status", "report"):

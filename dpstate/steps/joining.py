@@ -16,6 +16,7 @@ import zmq
 from .abort import AbortSignal
 from .agent_link import Control
 from .session import Job
+from dpcommon import stack_dump
 from dpcommon.interpreter_exit import exit_quickly
 from dpstate.snapshot.warmheap import warm_while_idle
 
@@ -65,6 +66,8 @@ def init() -> Job:
         return _job
     exit_quickly()
     endpoint = os.environ.get("DP_AGENT_ENDPOINT", "")
+    if endpoint:  # a dprun worker: its stacks on request, as its agent's are (not in a torchrun user's script)
+        stack_dump.install()
     abort = AbortSignal()
     if not endpoint:
         job = Job(None, abort, None)

@@ -8,7 +8,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from conftest import REPO
+from dpcommon import stack_dump
 
 TRAIN = str(REPO / "examples" / "train_gpt.py")
 # small and quick, still a real GPT on real text
@@ -58,11 +61,26 @@ def dprun(procs, tmp: Path, name: str, *options: str, steps: int = 40, timeout: 
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        asked = ask_for_stacks(proc.pid)
         procs.kill_all()
         out, err = proc.communicate()
-        raise AssertionError(f"dprun {name} did not finish in {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+        raise AssertionError(f"dprun {name} did not finish in {timeout} s; the stacks of its {asked} processes are "
+                             f"in its stderr\n{out[-3000:]}\n{err[-40000:]}")
     return Run(proc.returncode, out, err, read_events(events),
                json.loads(summary.read_text()) if summary.exists() else None, time.monotonic() - start, time.time())
+
+
+def ask_for_stacks(pid: int, settle_s: float = 2.0) -> int:
+    """Ask a job's head dprun and every process under it (agents, workers) to write their threads' stacks to
+    their stderr (dpcommon.stack_dump), and give them `settle_s` to do it: what a job that hung was doing.
+    How many were asked."""
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    asked = sum(stack_dump.ask(p.pid) for p in tree)
+    time.sleep(settle_s)  # faulthandler writes at once; the agents relay their workers' lines within a tick
+    return asked
 
 
 def the_save(events: list[dict], said: str = "") -> dict:
