@@ -35,18 +35,23 @@ EXIT_REFUSED = 5  # the controller refused this node before its Welcome: another
 
 
 class StopPhase(enum.Enum):
-    """Where a shutdown is. STOP (Stop relayed to the workers) -> TERM (SIGTERM after the grace) -> KILL (SIGKILL);
+    """Where a shutdown is. STOP (Stop relayed to the workers) -> STACKS (the workers still running after the
+    grace asked for their stacks, dpcommon.stack_dump) -> TERM (SIGTERM a moment later) -> KILL (SIGKILL);
     SAVE (the controller lost: the node writes what it holds) -> KILL. KILL is final: the agent exits (or stays
     retired, Stop.keep_store) once its workers are gone."""
 
     STOP = "stop"
     SAVE = "save"
+    STACKS = "stacks"
     TERM = "term"
     KILL = "kill"
 
 
+STACKS_S = 1.0  # for a worker's stacks to be written and relayed before its SIGTERM, which Linux delivers first
+
+
 # how a worker ends that the shutdown's own signals killed, by the phase it is in (as a negative exit code)
-SENT_BY_PHASE = {StopPhase.STOP: (), StopPhase.SAVE: (), StopPhase.TERM: (-signal.SIGTERM,),
+SENT_BY_PHASE = {StopPhase.STOP: (), StopPhase.SAVE: (), StopPhase.STACKS: (), StopPhase.TERM: (-signal.SIGTERM,),
                  StopPhase.KILL: (-signal.SIGTERM, -signal.SIGKILL)}
 
 
@@ -206,8 +211,12 @@ class ShutdownSequence:
         if now < sd.deadline:
             return
         ranks = ", ".join(str(w.local_rank) for w in alive)
-        if sd.phase is StopPhase.STOP:
-            log.warning("worker(s) %s still running %.1fs after Stop: SIGTERM", ranks, self.cfg.stop_grace)
+        if sd.phase is StopPhase.STOP:  # stuck somewhere: where is said before it is ended
+            log.warning("worker(s) %s still running %.1fs after Stop: their stacks follow, then SIGTERM", ranks,
+                        self.cfg.stop_grace)
+            self.workers.ask_for_stacks()
+            sd.phase, sd.deadline = StopPhase.STACKS, now + STACKS_S
+        elif sd.phase is StopPhase.STACKS:
             self.workers.signal_all(signal.SIGTERM)
             sd.phase, sd.deadline = StopPhase.TERM, now + self.cfg.term_grace
         elif sd.phase is StopPhase.TERM:

@@ -21,6 +21,7 @@ from typing import Collection, Mapping, Sequence
 import psutil
 
 from .loop_events import EventPipe
+from dpcommon import stack_dump
 from dpcommon.exit_wording import describe_exit as describe_exit  # (re-exported: tests name it here)
 from .output import OutputSpec, WorkerOutput
 from .process import child_preexec, signal_tree
@@ -253,6 +254,12 @@ class WorkerGroup:
             except ProcessLookupError:
                 pass
         return reached
+
+    def ask_for_stacks(self) -> None:
+        """Each live worker that said Hello (dpstate, which handles the signal: to another process it is fatal)
+        writes its threads' stacks to its stderr (dpcommon.stack_dump); their children are not asked."""
+        for worker in self.greeted():
+            stack_dump.ask(worker.pid)
 
     def signal_all(self, sig: int) -> None:
         """Signals every live worker and its descendants."""

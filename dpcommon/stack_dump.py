@@ -16,7 +16,8 @@ def install() -> None:
     """Dump every thread's stack to stderr on STACK_DUMP; the process goes on (faulthandler writes from its own
     signal handler, so a main thread stuck in C code, a collective or a lock still answers)."""
     if hasattr(faulthandler, "register"):  # not on Windows
-        faulthandler.register(STACK_DUMP, all_threads=True, chain=False)
+        faulthandler.register(STACK_DUMP, file=2, all_threads=True, chain=False)  # the process's stderr, whatever
+        # sys.stderr is now (a test's capture has no file descriptor)
 
 
 def ask(pid: int) -> bool:

@@ -17,7 +17,7 @@ from dpagent.liveness import Liveness
 from dpagent.placement import Placement
 from dpcommon.replica_store import ReplicaStore
 from dpagent.restart import RestartMode
-from dpagent.shutdown import ShutdownSequence, StopPhase
+from dpagent.shutdown import STACKS_S, ShutdownSequence, StopPhase
 from dpagent.stop_signals import StopSignals
 
 pytestmark = pytest.mark.timeout(30)
@@ -33,7 +33,10 @@ class FakeWorkers:
 
     def __init__(self, nproc: int) -> None:
         self.live = [FakeWorker(r) for r in range(nproc)]
-        self.sent: list[int] = []
+        self.sent: list[int | str] = []
+
+    def ask_for_stacks(self) -> None:
+        self.sent.append("stacks")
 
     def thaw(self, local_ranks=None) -> None:
         pass
@@ -100,7 +103,7 @@ def test_a_first_signal_does_not_stop_a_node_whose_job_the_controller_stops():
     assert seq.shutdown is None and not to_controller
 
 
-def test_a_stop_goes_to_sigterm_then_sigkill_at_its_graces_and_exits_once_the_workers_are_gone():
+def test_a_stop_asks_for_stacks_then_goes_to_sigterm_then_sigkill_at_its_graces_and_exits_once_the_workers_are_gone():
     signals, place = StopSignals(watch_launcher=False), Placement(2, "active", welcome=welcome())
     seq, workers, _, _ = sequence(signals, place)
     seq.begin(0, "stop from controller: done", StopPhase.STOP, p.Stop("done"))
@@ -109,10 +112,12 @@ def test_a_stop_goes_to_sigterm_then_sigkill_at_its_graces_and_exits_once_the_wo
     seq.advance(stop_deadline - 0.1)
     assert seq.shutdown.phase is StopPhase.STOP and workers.sent == []
     seq.advance(stop_deadline)
-    assert seq.shutdown.phase is StopPhase.TERM and workers.sent == [signal.SIGTERM]
-    assert seq.shutdown.deadline == stop_deadline + 2.0, "the term grace"
+    assert seq.shutdown.phase is StopPhase.STACKS and workers.sent == ["stacks"], "where they are stuck, said first"
     seq.advance(seq.shutdown.deadline)
-    assert seq.shutdown.phase is StopPhase.KILL and workers.sent == [signal.SIGTERM, signal.SIGKILL]
+    assert seq.shutdown.phase is StopPhase.TERM and workers.sent == ["stacks", signal.SIGTERM]
+    assert seq.shutdown.deadline == stop_deadline + STACKS_S + 2.0, "the term grace"
+    seq.advance(seq.shutdown.deadline)
+    assert seq.shutdown.phase is StopPhase.KILL and workers.sent == ["stacks", signal.SIGTERM, signal.SIGKILL]
     assert seq.exit_code is None
     workers.live.clear()
     seq.advance(seq.shutdown.deadline - 1.0)

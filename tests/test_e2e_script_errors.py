@@ -113,6 +113,9 @@ def test_a_hang_that_follows_its_rank_onto_the_spare_is_caught_in_the_first_step
     assert re.search(r"rank 1 failed on node1 and again on node[23], which took its place", finished["message"]), \
         finished  # (whichever spare registered first)
     assert "hangs again at the same step" in finished["message"] and len(_named(events, "spare_promoted")) == 1
+    # each hung worker, still running after its node was told to stop, said where it was before its SIGTERM
+    line = next(i for i, text in enumerate(SCRIPT.split("\n"), 1) if "waits for what never comes" in text)
+    assert run.stderr.count(f'bug.py", line {line} in <module>') >= 2, run.stderr[-5000:]
 
 
 def test_a_script_that_tracks_nothing_is_not_recovered_into_a_silently_diverged_model(procs, tmp_path):

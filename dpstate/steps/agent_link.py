@@ -7,6 +7,7 @@ Any thread may send: messages go through an inproc PUSH/PULL outbox to the threa
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import os
 import sys
@@ -178,5 +179,8 @@ class Control:
         if self.finished:
             return
         print(f"dpstate: Stop ({msg.reason}) and the main thread did not exit in {self.stop_grace:.0f} s; "
-              f"exiting with {msg.exit_code}", file=sys.stderr, flush=True)
-        os._exit(msg.exit_code)
+              f"exiting with {msg.exit_code}; where each thread was:", file=sys.stderr, flush=True)
+        try:  # where it was stuck (the script's code, or ours), to the process's stderr whatever sys.stderr is now
+            faulthandler.dump_traceback(2, all_threads=True)
+        finally:
+            os._exit(msg.exit_code)
