@@ -376,8 +376,8 @@ class Replicator:
                 delivery = Delivery(self.codec, self.stats, job.slot, rank, job.step, generation, job.held_at,
                                     on_differs=on_differs, cancelled=cancelled,
                                     gone=lambda endpoint: links[endpoint].gone())
-                if job.tree is None:
-                    offered = job.slot.digests is not None and job.slot.plan is not None
+                if job.tree is None:  # a restored snapshot put again (once a recovery): offered where it can be
+                    offered = job.slot.digests is not None
                 else:
                     job.shared = job.shared() if callable(job.shared) else job.shared
                     offered = (self.share and not job.slot.share_refused
