@@ -256,9 +256,9 @@ class WorkerGroup:
         return reached
 
     def ask_for_stacks(self) -> None:
-        """Each live worker that said Hello (dpstate, which handles the signal: to another process it is fatal)
-        writes its threads' stacks to its stderr (dpcommon.stack_dump); their children are not asked."""
-        for worker in self.greeted():
+        """Each live worker that handles the signal (dpstate's: to another process it is fatal) writes its threads'
+        stacks to its stderr (dpcommon.stack_dump); their children are not asked."""
+        for worker in self.alive():
             stack_dump.ask(worker.pid)
 
     def signal_all(self, sig: int) -> None:

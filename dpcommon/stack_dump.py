@@ -21,9 +21,22 @@ def install() -> None:
 
 
 def ask(pid: int) -> bool:
-    """Ask process `pid` for its stacks; False where it is gone or not ours."""
+    """Ask process `pid` for its stacks; False where it is gone, not ours, or does not handle the signal (to such a
+    process, one that did not install() it, the signal is fatal)."""
+    if not handles(pid):
+        return False
     try:
         os.kill(pid, STACK_DUMP)
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+def handles(pid: int) -> bool:
+    """Whether process `pid` catches STACK_DUMP (Linux: its SigCgt mask in /proc; False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next((line.split()[1] for line in f if line.startswith("SigCgt:")), "0")
+    except OSError:
+        return False
+    return bool(int(caught, 16) >> (STACK_DUMP - 1) & 1)

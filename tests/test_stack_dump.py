@@ -32,7 +32,7 @@ def test_a_process_writes_its_stacks_on_request_and_goes_on(tmp_path: Path):
                                  stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         assert child.stdout.readline() == "ready\n"
-        assert stack_dump.ask(child.pid)
+        assert stack_dump.handles(child.pid) and stack_dump.ask(child.pid)
         wait_for(lambda: "sleeping_here" in stderr.read_text() or child.poll() is not None, 10, "its stacks")
         assert child.poll() is None, "a stack dump ended the process"
         assert "sleeping_here" in stderr.read_text()
@@ -40,6 +40,19 @@ def test_a_process_writes_its_stacks_on_request_and_goes_on(tmp_path: Path):
         child.kill()
         child.communicate(timeout=10)
     assert not stack_dump.ask(child.pid)  # gone: said, not raised
+
+
+def test_a_process_that_does_not_handle_the_signal_is_not_sent_it():
+    """To a process that did not install the handler the real-time signal would be fatal."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        assert not stack_dump.handles(child.pid) and not stack_dump.ask(child.pid)
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.communicate(timeout=10)
 
 
 @pytest.mark.slow
