@@ -12,12 +12,19 @@ import signal
 STACK_DUMP = int(signal.SIGRTMIN) + 4
 
 
+STDERR_FD = 2  # the process's stderr, whatever sys.stderr is now (a test's capture has no file descriptor)
+
+
 def install() -> None:
     """Dump every thread's stack to stderr on STACK_DUMP; the process goes on (faulthandler writes from its own
     signal handler, so a main thread stuck in C code, a collective or a lock still answers)."""
     if hasattr(faulthandler, "register"):  # not on Windows
-        faulthandler.register(STACK_DUMP, file=2, all_threads=True, chain=False)  # the process's stderr, whatever
-        # sys.stderr is now (a test's capture has no file descriptor)
+        faulthandler.register(STACK_DUMP, file=STDERR_FD, all_threads=True, chain=False)
+
+
+def write_now() -> None:
+    """Write every thread's stack to stderr now, as STACK_DUMP would (a process about to end itself)."""
+    faulthandler.dump_traceback(STDERR_FD, all_threads=True)
 
 
 def ask(pid: int) -> bool:

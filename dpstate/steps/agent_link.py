@@ -7,7 +7,6 @@ Any thread may send: messages go through an inproc PUSH/PULL outbox to the threa
 
 from __future__ import annotations
 
-import faulthandler
 import itertools
 import os
 import sys
@@ -18,6 +17,7 @@ from typing import Any, Callable
 import zmq
 
 from dpcommon import protocol as P
+from dpcommon import stack_dump
 
 from .abort import AbortSignal
 
@@ -181,6 +181,6 @@ class Control:
         print(f"dpstate: Stop ({msg.reason}) and the main thread did not exit in {self.stop_grace:.0f} s; "
               f"exiting with {msg.exit_code}; where each thread was:", file=sys.stderr, flush=True)
         try:  # where it was stuck (the script's code, or ours), to the process's stderr whatever sys.stderr is now
-            faulthandler.dump_traceback(2, all_threads=True)
+            stack_dump.write_now()
         finally:
             os._exit(msg.exit_code)
