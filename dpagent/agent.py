@@ -22,6 +22,7 @@ import zmq
 
 from . import fault_actions
 from .agent_config import AgentConfig as AgentConfig  # (re-exported: dpagent's command line names it here)
+from dpcommon import traffic_class
 from dpcommon.channel import Channel, Incoming, poll_ms
 from .loop_events import EventPipe
 from .liveness import Liveness
@@ -98,6 +99,7 @@ class Agent:
         self.worker_ch = self._channel(zmq.ROUTER, "workers")
         self.worker_ch.sock.bind(self.worker_endpoint)
         self.replica_ch = self._channel(zmq.ROUTER, "replica", zero_copy=True)
+        traffic_class.mark(self.replica_ch.sock)  # before its bind: the connections it accepts are marked
         try:
             port = self.replica_ch.sock.bind_to_random_port(f"tcp://{cfg.local_addr}")
         except zmq.ZMQError as exc:

@@ -217,6 +217,8 @@ def bad_inputs(folder: Path) -> dict[str, tuple[dict, dict, str]]:
         "nothing to save": ({"save_dir": folder / "saved", "snapshot_interval": "off"}, {},
                             "--save-dir writes the job's snapshots and --snapshot-interval off takes none: drop one "
                             "of them"),
+        "replica dscp": ({}, {"DP_REPLICA_DSCP": "64"}, "DP_REPLICA_DSCP='64': give a DSCP from 0 to 63 "
+                         "(1: Lower-Effort, the default; 0: snapshot traffic unmarked)"),
         "local address": ({"local_addr": "192.0.2.77"}, {}, "--local-addr 192.0.2.77: this machine cannot listen "
                                                             "there ("),  # (TEST-NET-1: on no interface here)
     }

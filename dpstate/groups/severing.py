@@ -16,6 +16,8 @@ import socket
 import threading
 from collections.abc import Iterator
 
+from dpcommon import traffic_class
+
 
 def _socket_fds() -> dict[int, str]:
     """fd -> "socket:[inode]" for every socket this process holds (Linux; empty elsewhere)."""
@@ -34,8 +36,9 @@ def _socket_fds() -> dict[int, str]:
     return found
 
 
-def _connected_tcp(fd: int) -> bool:
-    """Is `fd` a connected TCP socket (not a listener: getpeername fails on one; not a Unix socket)?"""
+def _group_connection(fd: int) -> bool:
+    """Is `fd` a connected TCP socket (not a listener: getpeername fails on one; not a Unix socket) that is not
+    snapshot traffic (a replica DEALER that connected while the groups were built: dpcommon.traffic_class)?"""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
@@ -44,7 +47,7 @@ def _connected_tcp(fd: int) -> bool:
         if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
             return False
         sock.getpeername()
-        return True
+        return not traffic_class.is_snapshot_traffic(sock)
     except OSError:
         return False
     finally:
@@ -65,7 +68,7 @@ class GroupConnections:
         connections on a host and every leaked generation's, made this O(R^2) per rank (docs/scaling.md)."""
         before = _socket_fds()
         yield
-        new = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link and _connected_tcp(fd)}
+        new = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link and _group_connection(fd)}
         with self._lock:
             self._held.update(new)
 

@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from dpcommon import protocol as P
+from dpcommon import traffic_class
 from dpcommon.checksum import BlockDigester, digest_threads
 
 from dpstate.snapshot import shared
@@ -74,6 +75,7 @@ class Replicator:
         except OSError:
             before = set()
         self.ctx = zmq.Context(io_threads=1)
+        traffic_class.mark(self.ctx)  # Lower-Effort, and told apart from the groups' connections (severing)
         self.ctx.socket(zmq.DEALER).close(0)  # starts the I/O thread now
         lower_io_threads(before)
         # page-locked buffers only where the worker trains on a GPU (on the CPU: no CUDA context for pinning,
