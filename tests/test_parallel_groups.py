@@ -90,6 +90,73 @@ def test_a_tensor_parallel_collective_waiting_on_a_frozen_peer_is_released(procs
             ranks[0].communicate(timeout=3)
 
 
+FSDP_WAITER = textwrap.dedent("""
+    import datetime, os, signal, sys, threading, time, torch, torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from dpstate.steps.abort import AbortSignal
+    from dpstate.groups.abortable_fsdp import wait_abortably
+    from dpstate.groups.mesh import MeshLayout
+    from dpstate.groups.pgroup import GroupManager
+    endpoint, rank, abortable = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "abortable"
+    groups, abort = GroupManager(backend="gloo", timeout_s=60), AbortSignal()
+    abort.enter(0)
+    groups.build(0, endpoint, rank, 2, abort)  # (not severed: the abort alone must release the wait)
+    mesh = groups.build_mesh(MeshLayout.parse({"dp": 2}, 2), "cpu")
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    for layer in model:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    print("given", wait_abortably(model, abort) if abortable else 0, flush=True)
+    model(torch.ones(2, 8)).sum().backward()  # both ranks once: all-gathers and reduce-scatters
+    host, port = endpoint.split(":")[0], int(endpoint.split(":")[1])
+    store = dist.TCPStore(host, port, is_master=False)
+    store.set(f"built{rank}", "1")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its peer's all-gather waits on it
+        os._exit(0)
+    store.wait(["built1"])
+    def newer_generation():
+        dist.TCPStore(host, port, is_master=False).wait(["abort"], datetime.timedelta(seconds=120))
+        abort.request(1, "test")
+    threading.Thread(target=newer_generation, daemon=True).start()
+    store.set("waiting", "1")
+    t0 = time.monotonic()
+    try:
+        model(torch.ones(2, 8))
+        print("completed", flush=True)
+    except RuntimeError as exc:
+        print(f"released after {time.monotonic() - t0:.3f} s: {str(exc)[:120]}", flush=True)
+    os._exit(0)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("abortable", [True, False])
+@pytest.mark.timeout(300)
+def test_an_fsdp_all_gather_waiting_on_a_frozen_peer_is_released_by_the_abort_alone(procs, store, abortable):
+    endpoint = f"127.0.0.1:{store.port}"
+    mode = "abortable" if abortable else "torch"
+    ranks = [procs.popen([sys.executable, "-c", FSDP_WAITER, endpoint, str(r), mode], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=REPO) for r in (0, 1)]
+    store.wait(["waiting"], datetime.timedelta(seconds=180))
+    deadline = time.monotonic() + 60
+    while not _stopped(ranks[1].pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _stopped(ranks[1].pid)
+    store.set("abort", "1")
+    if abortable:
+        out, err = ranks[0].communicate(timeout=60)
+        assert "given 3" in out, out + err[-2000:]  # the two layers and the root
+        match = re.search(r"released after ([\d.]+) s: (.*)", out)
+        assert match, out + err[-2000:]
+        assert float(match.group(1)) < 10.0, out
+        assert "dpstate: aborted: generation 1 requested" in match.group(2), out
+    else:  # the control: torch's own wait stays in Gloo (no severing here either)
+        with pytest.raises(subprocess.TimeoutExpired):
+            ranks[0].communicate(timeout=3)
+
+
 GENERATIONS = textwrap.dedent("""
     import os, sys, torch
     from torch import nn

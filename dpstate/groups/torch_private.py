@@ -96,3 +96,13 @@ def clear_dtensor_caches() -> None:
     for cached in (_redistribute._gen_transform_infos, _collective_utils.MeshTopoInfo.build_from_mesh,
                    _sharding_prop.ShardingPropagator._propagate_tensor_meta_cached):
         cached.cache_clear()
+
+
+def fsdp_default_all_gather() -> type | None:
+    """FSDP2's default all-gather (its class sits in a private module of torch 2.13, and FSDP2 treats only its
+    subclasses as its own: FSDPModule.set_custom_all_gather); None for a torch without it."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+    except ImportError:
+        return None
+    return DefaultAllGather

@@ -23,6 +23,7 @@ from dpcommon import protocol as P
 from .abort import AbortSignal, classify, describe
 from .agent_link import Control
 from dpstate.groups.carried import Carried, PerRank
+from dpstate.groups.abortable_fsdp import wait_abortably
 from dpstate.groups.ddp import DataParallel
 from .gate import SnapshotGate, defers_acks, stall_message
 from dpstate.groups.pgroup import GroupManager, default_backend, local_device
@@ -427,6 +428,10 @@ class Job:
         assert self._parts is not None
         layout = self._parts.layout.at_width(self.world_size)
         self._parts.build(self._groups.build_mesh(layout, self.device.type), generation)
+        if self._groups.sever_on_abort:  # (Gloo under an agent) the abort releases FSDP2's waits too
+            for part in self._parts.stateful().values():
+                if isinstance(part, torch.nn.Module):
+                    wait_abortably(part, self._abort)
         self.track(**self._parts.stateful())
 
     def _retire_parts(self) -> None:
