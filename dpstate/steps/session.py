@@ -31,6 +31,7 @@ from .interval import POLICY_NAME, SnapshotPolicy
 from dpstate.groups.mesh import MeshLayout, narrow_mesh_problem
 from dpstate.groups.narrow_sharded import fsdp_roots
 from .metrics import sendable_metrics
+from .release_watch import ReleaseWatch
 from dpstate.snapshot.optim import AdamW
 from dpstate.groups.parallel import Build, Parts
 from dpstate.replication.replicator import Replicator, ReplicationError
@@ -99,6 +100,8 @@ class Job:
             if replicator.policy.mode == "auto":
                 self._tracked.add(**{POLICY_NAME: replicator.policy})  # its decision travels in snapshots
             abort.add_callback(self._groups.on_abort)
+            abort.add_callback(ReleaseWatch(abort, lambda: self.activity in ("compute", "collective"),
+                                            lambda: f"rank {self.rank} (generation {self.generation})").on_abort)
             control.status = self._status
             control.on_standby = self._under.room.on_message
             control.on_save = lambda msg: save_local(replicator, msg, self._key, self.node_id, self._send)
