@@ -8,6 +8,9 @@ from __future__ import annotations
 import signal
 
 OOM_KILLED = "killed by the kernel's OOM killer: out of memory"
+# A worker that ended itself because an old generation's collective never let go (dpstate.steps.release_watch):
+# the communication backend's state, not the script's error (not counted as "the script raised", never a repeat)
+EXIT_UNRELEASED = 86
 OWN_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)  # a process's own fault
 
 
@@ -21,6 +24,8 @@ def describe_exit(exitcode: int, oom_killed: bool = False) -> str:
             return f"killed by {signal.Signals(-exitcode).name}"
         except ValueError:
             return f"killed by signal {-exitcode}"
+    if exitcode == EXIT_UNRELEASED:
+        return f"exit code {exitcode} (a collective of an old generation never let go)"
     return f"exit code {exitcode}"
 
 

@@ -6,6 +6,7 @@ finished."""
 from __future__ import annotations
 
 from dpcommon import protocol as p
+from dpcommon.exit_wording import EXIT_UNRELEASED, describe_exit
 from dprun.controller.repeats import RepeatedFailures, signature
 from dprun.controller.state_machine import Tick
 from helpers.controller_harness import Harness, formed, spec
@@ -22,6 +23,9 @@ def test_signature_ignores_the_rank_prefix_and_addresses_and_signals_have_none()
     assert signature(1, "") == signature(1, "exit code 1") == "exit code 1"
     assert signature(-9, "Killed") is None and signature(0, "") is None
     assert signature(-9, p.OOM_KILLED) == p.OOM_KILLED  # what the controller passes for WorkerExited.oom_killed
+    unreleased = "dpstate: rank 0 (generation 0): a collective of the old generation never let go"
+    assert signature(EXIT_UNRELEASED, unreleased) is None  # the backend's state, not the script's
+    assert describe_exit(EXIT_UNRELEASED) == "exit code 86 (a collective of an old generation never let go)"
 
 
 def test_the_same_error_on_another_node_at_the_same_step_is_named_once_seen_twice():
@@ -240,3 +244,20 @@ def test_an_error_reported_after_another_failure_rolled_the_job_back_counts_at_t
     assert h.finish and h.finish.exit_code == 1, h.events[-3:]
     assert h.finish.message.startswith("rank 0 failed on a and again on s2, which took its place, the same way "
                                        "after step 8")
+
+
+def test_a_worker_that_ended_itself_on_a_collective_never_let_go_is_the_node_not_the_script():
+    """dpstate.steps.release_watch's exit: no spare left, the end names no script error to fix (an exit 1 does),
+    and two ranks ending so at one step are no repeated error of the script's."""
+    line = "dpstate: rank 1 (generation 0): a collective of the old generation never let go"
+    for code, script_advice in ((EXIT_UNRELEASED, False), (1, True)):
+        h = Harness(spec(spares=0))
+        h.register("a", rank=0)
+        h.register("b", rank=1)
+        h.msg("b", p.WorkerExited("b", 0, 0, 7, code, line))
+        h.pong_all()
+        assert h.finish and h.finish.exit_code == 1 and "no spare left" in h.finish.message, h.finish
+        assert ("if that error is the script's" in h.finish.message) == script_advice, h.finish.message
+    seen = RepeatedFailures()
+    assert seen.seen(EXIT_UNRELEASED, line, "a", 0, 4) is None
+    assert seen.seen(EXIT_UNRELEASED, line, "s", 0, 4) is None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dpcommon.exit_wording import OOM_KILLED
+from dpcommon.exit_wording import EXIT_UNRELEASED, OOM_KILLED
 
 HUNG = "no progress within --hang-timeout"  # a rank failed as hung (not an exit): the script's, where it follows
 STEP_SLACK = 1  # steps apart that still count as "the same step": a rank reports its step after making it
@@ -25,10 +25,11 @@ def signature(exitcode: int, detail: str) -> str | None:
     """What makes two exits the same failure: the exit code and the last line of stderr, without the rank
     prefix and memory addresses. None for a signal from outside (a kill -9, Slurm's): that says nothing of the
     script; but the kernel's OOM killer (detail OOM_KILLED, as its cgroup counted it) does: out of memory again
-    where the spare took over, at the same step, is the script's appetite."""
+    where the spare took over, at the same step, is the script's appetite. None too for a worker that ended itself
+    because the backend never released an old generation's collective (EXIT_UNRELEASED)."""
     if detail in (OOM_KILLED, HUNG):
         return detail
-    if exitcode <= 0:
+    if exitcode <= 0 or exitcode == EXIT_UNRELEASED:
         return None
     line = _ADDRESS.sub("0x?", without_rank_prefix(detail))
     return f"exit code {exitcode}: {line}" if line and line != f"exit code {exitcode}" else f"exit code {exitcode}"

@@ -1,5 +1,10 @@
-"""A survivor still inside an old generation's step a while after a newer one was asked for says so, once, with
-every thread's stack: what holds it (a collective that an abort did not release) is then in its log, not a mystery.
+"""A survivor still inside an old generation's step a while after a newer one was asked for says so with its stacks,
+and one held in a torch.distributed wait all that time ends itself, so that its node is replaced without delay.
+
+Severing (dpstate.groups.severing) and the abortable waits release a survivor in milliseconds. Now and then, under
+load, a Gloo op kept waiting after every connection of its process group had closed (an FSDP2 all-gather, a
+tensor-parallel all-reduce; 2 in ~100 runs of the saved 3D job): nothing in the process can end that wait, and
+the job would wait the collective timeout (600 s) for it. The end is the one --hang-timeout would give, sooner.
 """
 
 from __future__ import annotations
@@ -7,28 +12,47 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from types import FrameType
 from typing import Callable
 
 from dpcommon import stack_dump
+from dpcommon.exit_wording import EXIT_UNRELEASED
 
 from .abort import AbortSignal
 
+CONFIRM_S = 5.0  # the wait must be at the same place this much later: a long collective passes, a stuck one not
+
 
 def warn_after_s() -> float:
-    """DP_RELEASE_WARN_S (default 60; 0: never)."""
-    return float(os.environ.get("DP_RELEASE_WARN_S", "60"))
+    """DP_RELEASE_WARN_S (default 30; 0: never)."""
+    return float(os.environ.get("DP_RELEASE_WARN_S", "30"))
+
+
+def waiting_in_torch_distributed(frame: FrameType | None) -> str | None:
+    """Where a thread whose innermost Python frame is `frame` waits inside torch.distributed ("name (file:line)"),
+    or None where that frame is elsewhere (the script computing, without a collective, is no hang)."""
+    if frame is None:
+        return None
+    path = frame.f_code.co_filename.replace(os.sep, "/")
+    if "/torch/distributed/" not in path:
+        return None
+    return f"{frame.f_code.co_name} ({path.rsplit('/torch/', 1)[1]}:{frame.f_lineno})"
 
 
 class ReleaseWatch:
-    """on_abort (an AbortSignal callback) starts a timer; if the step has not let go when it fires, one line and
-    the stacks go to stderr. Decides nothing else: --hang-timeout, in the controller, ends a real hang."""
+    """on_abort (an AbortSignal callback) starts a timer for the generation asked for. If, when it fires, the
+    main thread is still in its step: a line and every thread's stack; if it also waits in torch.distributed, at
+    the same place CONFIRM_S later, it ends the process with EXIT_UNRELEASED (its agent reports the exit)."""
 
     def __init__(self, abort: AbortSignal, in_step: Callable[[], bool], where: Callable[[], str],
-                 warn_s: float | None = None):
+                 warn_s: float | None = None, confirm_s: float = CONFIRM_S,
+                 end: Callable[[int], None] = os._exit, main_ident: int | None = None):
         self._abort, self._in_step, self._where = abort, in_step, where
         self.warn_s = warn_after_s() if warn_s is None else warn_s
+        self.confirm_s, self._end = confirm_s, end
+        self._main = threading.main_thread().ident if main_ident is None else main_ident
         self._lock = threading.Lock()
-        self._watching = -1  # the generation asked for that the timer runs for
+        self._watching = -1  # the newest generation asked for that a timer runs for
         self.checked = self.warned = 0
 
     def on_abort(self) -> None:
@@ -39,16 +63,36 @@ class ReleaseWatch:
             if target <= self._watching:
                 return
             self._watching = target
-        timer = threading.Timer(self.warn_s, self._check, args=(target,))
+        self._after(self.warn_s, self._check, target)
+
+    def _after(self, seconds: float, fn: Callable[..., None], *args: object) -> None:
+        timer = threading.Timer(seconds, fn, args=args)
         timer.daemon = True
         timer.start()
 
+    def _still_held(self) -> bool:
+        return self._abort.superseded() and self._in_step()
+
+    def _waiting_at(self) -> str | None:
+        return waiting_in_torch_distributed(sys._current_frames().get(self._main or -1))
+
     def _check(self, target: int) -> None:
         self.checked += 1
-        if not self._abort.superseded() or not self._in_step():
+        if not self._still_held():
             return
         self.warned += 1
         print(f"dpstate: {self._where()} is still in its step {self.warn_s:g} s after generation {target} was asked "
-              "for: a collective the abort did not release, or a step that long without one (its stacks follow; "
-              "--hang-timeout ends a hang)", file=sys.stderr, flush=True)
+              "for (its stacks follow)", file=sys.stderr, flush=True)
         stack_dump.write_now()
+        waiting = self._waiting_at()
+        if waiting is not None:
+            self._after(self.confirm_s, self._confirm, target, waiting)
+
+    def _confirm(self, target: int, waiting: str) -> None:
+        self.checked += 1
+        if not self._still_held() or self._waiting_at() != waiting:
+            return
+        print(f"dpstate: {self._where()}: a collective of the old generation never let go ({waiting}, "
+              f"{self.warn_s + self.confirm_s:g} s after generation {target} was asked for); this worker ends "
+              f"itself (exit code {EXIT_UNRELEASED}) so that its node is replaced", file=sys.stderr, flush=True)
+        self._end(EXIT_UNRELEASED)
