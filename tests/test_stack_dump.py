@@ -27,13 +27,14 @@ def test_a_process_writes_its_stacks_on_request_and_goes_on(tmp_path: Path):
     stderr = tmp_path / "stderr"
     with open(stderr, "w") as err:
         child = subprocess.Popen([sys.executable, "-c", "from dpcommon import stack_dump; import time\n"
-                                  "stack_dump.install()\ndef sleeping_here():\n    time.sleep(60)\n"
-                                  "print('ready', flush=True)\nsleeping_here()"],
+                                  "stack_dump.install()\ndef sleeping_here():\n    print('ready', flush=True)\n"
+                                  "    time.sleep(60)\nsleeping_here()"],  # (ready once in the frame asked for)
                                  stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         assert child.stdout.readline() == "ready\n"
         assert stack_dump.handles(child.pid) and stack_dump.ask(child.pid)
-        wait_for(lambda: "sleeping_here" in stderr.read_text() or child.poll() is not None, 10, "its stacks")
+        wait_for(lambda: "sleeping_here" in stderr.read_text() or child.poll() is not None, 10,
+                 f"its stacks ({stderr})")
         assert child.poll() is None, "a stack dump ended the process"
         assert "sleeping_here" in stderr.read_text()
     finally:
