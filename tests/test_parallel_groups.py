@@ -33,23 +33,28 @@ WAITER = textwrap.dedent("""
     mesh = groups.build_mesh(MeshLayout.parse({"tp": 2}, 2), "cpu")
     def partial_sum():
         return DTensor.from_local(torch.ones(4), mesh["tp"], [Partial()]).redistribute(mesh["tp"], [Replicate()])
-    partial_sum()  # both ranks once: DTensor's first op is slow
+    collective = partial_sum
+    collective()  # both ranks once: DTensor's first op is slow
+""")
+
+# Rank 1 freezes; rank 0 calls collective() again, which waits on it, until a newer generation is asked for
+FROZEN_PEER = textwrap.dedent("""
+    import datetime
     host, port = endpoint.split(":")[0], int(endpoint.split(":")[1])
     store = dist.TCPStore(host, port, is_master=False)
     store.set(f"built{rank}", "1")
     if rank == 1:
-        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its peer's all-reduce waits on it
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its peer's collective waits on it
         os._exit(0)
     store.wait(["built1"])
     def newer_generation():  # (a client of its own: one TCPStore client serves one request at a time)
         dist.TCPStore(host, port, is_master=False).wait(["abort"], datetime.timedelta(seconds=120))
         abort.request(1, "test")
-    import datetime
     threading.Thread(target=newer_generation, daemon=True).start()
     store.set("waiting", "1")
     t0 = time.monotonic()
     try:
-        partial_sum()
+        collective()
         print("completed", flush=True)
     except RuntimeError as exc:
         print(f"released after {time.monotonic() - t0:.3f} s: {str(exc)[:120]}", flush=True)
@@ -65,13 +70,11 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sever", [True, False])
-@pytest.mark.timeout(300)  # seconds on a quiet host; minutes when it is starved
-def test_a_tensor_parallel_collective_waiting_on_a_frozen_peer_is_released(procs, store, sever):
+def _waiting_on_a_frozen_peer(procs, store, script: str, mode: str) -> subprocess.Popen:
+    """Starts `script` as ranks 0 and 1; once rank 1 froze itself (SIGSTOP) while rank 0 waits on it in a
+    collective, asks rank 0 for a newer generation. Returns rank 0's process."""
     endpoint = f"127.0.0.1:{store.port}"
-    mode = "sever" if sever else "keep"
-    ranks = [procs.popen([sys.executable, "-c", WAITER, endpoint, str(r), mode], stdout=subprocess.PIPE,
+    ranks = [procs.popen([sys.executable, "-c", script, endpoint, str(r), mode], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, cwd=REPO) for r in (0, 1)]
     store.wait(["waiting"], datetime.timedelta(seconds=180))
     deadline = time.monotonic() + 60
@@ -79,15 +82,29 @@ def test_a_tensor_parallel_collective_waiting_on_a_frozen_peer_is_released(procs
         time.sleep(0.05)
     assert _stopped(ranks[1].pid)
     store.set("abort", "1")
+    return ranks[0]
+
+
+def _released(rank0: subprocess.Popen) -> tuple[str, str]:
+    """(rank 0's output, what released it), having checked that it was released within 10 s."""
+    out, err = rank0.communicate(timeout=60)
+    match = re.search(r"released after ([\d.]+) s: (.*)", out)
+    assert match, out + err[-2000:]
+    assert float(match.group(1)) < 10.0, out  # (milliseconds on a quiet host)
+    return out, match.group(2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sever", [True, False])
+@pytest.mark.timeout(300)  # seconds on a quiet host; minutes when it is starved
+def test_a_tensor_parallel_collective_waiting_on_a_frozen_peer_is_released(procs, store, sever):
+    rank0 = _waiting_on_a_frozen_peer(procs, store, WAITER + FROZEN_PEER, "sever" if sever else "keep")
     if sever:
-        out, err = ranks[0].communicate(timeout=60)
-        match = re.search(r"released after ([\d.]+) s: (.*)", out)
-        assert match, out + err[-2000:]
-        assert float(match.group(1)) < 10.0, out  # (milliseconds on a quiet host)
-        assert "Connection closed by peer" in match.group(2) or "Connection reset" in match.group(2), out
+        out, why = _released(rank0)
+        assert "Connection closed by peer" in why or "Connection reset" in why, out
     else:  # the control: without severing nothing releases it (Gloo's abort does not)
         with pytest.raises(subprocess.TimeoutExpired):
-            ranks[0].communicate(timeout=3)
+            rank0.communicate(timeout=3)
 
 
 FSDP_WAITER = textwrap.dedent("""
@@ -109,25 +126,7 @@ FSDP_WAITER = textwrap.dedent("""
     fully_shard(model, mesh=mesh["dp"])
     print("given", wait_abortably(model, abort) if abortable else 0, flush=True)
     model(torch.ones(2, 8)).sum().backward()  # both ranks once: all-gathers and reduce-scatters
-    host, port = endpoint.split(":")[0], int(endpoint.split(":")[1])
-    store = dist.TCPStore(host, port, is_master=False)
-    store.set(f"built{rank}", "1")
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its peer's all-gather waits on it
-        os._exit(0)
-    store.wait(["built1"])
-    def newer_generation():
-        dist.TCPStore(host, port, is_master=False).wait(["abort"], datetime.timedelta(seconds=120))
-        abort.request(1, "test")
-    threading.Thread(target=newer_generation, daemon=True).start()
-    store.set("waiting", "1")
-    t0 = time.monotonic()
-    try:
-        model(torch.ones(2, 8))
-        print("completed", flush=True)
-    except RuntimeError as exc:
-        print(f"released after {time.monotonic() - t0:.3f} s: {str(exc)[:120]}", flush=True)
-    os._exit(0)
+    collective = lambda: model(torch.ones(2, 8))
 """)
 
 
@@ -135,26 +134,14 @@ FSDP_WAITER = textwrap.dedent("""
 @pytest.mark.parametrize("abortable", [True, False])
 @pytest.mark.timeout(300)
 def test_an_fsdp_all_gather_waiting_on_a_frozen_peer_is_released_by_the_abort_alone(procs, store, abortable):
-    endpoint = f"127.0.0.1:{store.port}"
-    mode = "abortable" if abortable else "torch"
-    ranks = [procs.popen([sys.executable, "-c", FSDP_WAITER, endpoint, str(r), mode], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=REPO) for r in (0, 1)]
-    store.wait(["waiting"], datetime.timedelta(seconds=180))
-    deadline = time.monotonic() + 60
-    while not _stopped(ranks[1].pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _stopped(ranks[1].pid)
-    store.set("abort", "1")
+    rank0 = _waiting_on_a_frozen_peer(procs, store, FSDP_WAITER + FROZEN_PEER, "abortable" if abortable else "torch")
     if abortable:
-        out, err = ranks[0].communicate(timeout=60)
-        assert "given 3" in out, out + err[-2000:]  # the two layers and the root
-        match = re.search(r"released after ([\d.]+) s: (.*)", out)
-        assert match, out + err[-2000:]
-        assert float(match.group(1)) < 10.0, out
-        assert "dpstate: aborted: generation 1 requested" in match.group(2), out
+        out, why = _released(rank0)
+        assert "given 3" in out, out  # the two layers and the root
+        assert "dpstate: aborted: generation 1 requested" in why, out
     else:  # the control: torch's own wait stays in Gloo (no severing here either)
         with pytest.raises(subprocess.TimeoutExpired):
-            ranks[0].communicate(timeout=3)
+            rank0.communicate(timeout=3)
 
 
 GENERATIONS = textwrap.dedent("""
