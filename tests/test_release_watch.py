@@ -4,6 +4,7 @@ nothing (dpstate.steps.release_watch, real timers and threads)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -11,7 +12,7 @@ import pytest
 
 from dpcommon.exit_wording import EXIT_UNRELEASED
 from dpstate.steps.abort import AbortSignal
-from dpstate.steps.release_watch import ReleaseWatch
+from dpstate.steps.release_watch import ReleaseWatch, waiting_in_torch_distributed
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -46,14 +47,42 @@ def test_a_rank_still_in_its_step_says_so_once_with_its_stacks(capfd):
     assert ended == []  # its main thread (this one) waits in the test, not in torch.distributed: no hang of ours
 
 
-# A function that torch.distributed's path names, as a collective's Python frame does: waiting in a C call
-TORCH_WAIT = compile("def wait_tensor(held):\n    held.acquire()\n", "/site-packages/torch/distributed/"
+# Functions that torch's paths name, as a funcol wait's Python frames do: wait_tensor calls torch.ops, whose
+# __call__ waits in C (torch 2.13: torch/_ops.py inside torch/distributed/_functional_collectives.py)
+TORCH_OPS = compile("def __call__(held):\n    held.acquire()\n", "/site-packages/torch/_ops.py", "exec")
+TORCH_WAIT = compile("def wait_tensor(held):\n    __call__(held)\n", "/site-packages/torch/distributed/"
                      "_functional_collectives.py", "exec")
+TORCH_NN = compile("def forward(held):\n    held.acquire()\n", "/site-packages/torch/nn/modules/linear.py",
+                   "exec")
+
+
+def _frame_of(function, *args) -> tuple[str | None, threading.Thread, threading.Lock]:
+    """waiting_in_torch_distributed() of a thread held in function(lock), and the thread and the lock."""
+    held = threading.Lock()
+    held.acquire()
+    waiter = threading.Thread(target=function, args=(held, *args), daemon=True)
+    waiter.start()
+    _until(lambda: waiter.ident in sys._current_frames() and sys._current_frames()[waiter.ident].f_code.co_name
+           in ("__call__", "forward"))
+    return waiting_in_torch_distributed(sys._current_frames()[waiter.ident]), waiter, held
+
+
+def test_only_a_wait_in_torch_distributed_counts_as_held_there():
+    namespace: dict = {}
+    for code in (TORCH_OPS, TORCH_WAIT, TORCH_NN):
+        exec(code, namespace)
+    where, _, held = _frame_of(namespace["wait_tensor"])
+    held.release()
+    assert where == "wait_tensor (distributed/_functional_collectives.py:2)"
+    where, _, held = _frame_of(namespace["forward"])  # a module computing: no collective
+    held.release()
+    assert where is None
 
 
 def test_a_rank_held_in_a_torch_distributed_wait_ends_itself(capfd):
     namespace: dict = {}
-    exec(TORCH_WAIT, namespace)
+    for code in (TORCH_OPS, TORCH_WAIT):
+        exec(code, namespace)
     held = threading.Lock()
     held.acquire()
     waiter = threading.Thread(target=namespace["wait_tensor"], args=(held,), daemon=True)
@@ -80,3 +109,12 @@ def test_a_rank_that_let_go_of_its_step_or_a_stop_says_nothing(capfd):
     assert quiet._watching == -1
     assert (watch.warned, quiet.warned) == (0, 0) and ended == []
     assert "still in its step" not in capfd.readouterr().err
+
+
+def test_of_two_generations_asked_for_in_turn_the_newer_is_the_one_said(capfd):
+    abort, watch, _ = _watched([True])
+    abort.request(1)
+    abort.request(2)  # before generation 1's timer fired
+    _until(lambda: watch.checked == 2)
+    err = capfd.readouterr().err
+    assert err.count("is still in its step") == 1 and "after generation 2 was asked for" in err, err[:2000]

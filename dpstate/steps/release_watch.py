@@ -28,15 +28,21 @@ def warn_after_s() -> float:
     return float(os.environ.get("DP_RELEASE_WARN_S", "30"))
 
 
-def waiting_in_torch_distributed(frame: FrameType | None) -> str | None:
-    """Where a thread whose innermost Python frame is `frame` waits inside torch.distributed ("name (file:line)"),
-    or None where that frame is elsewhere (the script computing, without a collective, is no hang)."""
-    if frame is None:
-        return None
-    path = frame.f_code.co_filename.replace(os.sep, "/")
-    if "/torch/distributed/" not in path:
-        return None
-    return f"{frame.f_code.co_name} ({path.rsplit('/torch/', 1)[1]}:{frame.f_lineno})"
+def waiting_in_torch_distributed(frame: FrameType | None, depth: int = 3) -> str | None:
+    """Where a thread whose innermost Python frame is `frame` waits in torch.distributed ("name (file:line)"), or
+    None where it is elsewhere. Up to `depth` frames of torch's own plumbing may lie between (a funcol wait is
+    torch/_ops.py inside wait_tensor), but not torch.nn: a module still computing, without a collective, is no
+    hang."""
+    for _ in range(depth):
+        if frame is None:
+            return None
+        path = frame.f_code.co_filename.replace(os.sep, "/")
+        if "/torch/distributed/" in path:
+            return f"{frame.f_code.co_name} ({path.rsplit('/torch/', 1)[1]}:{frame.f_lineno})"
+        if "/torch/" not in path or "/torch/nn/" in path:
+            return None
+        frame = frame.f_back
+    return None
 
 
 class ReleaseWatch:
@@ -78,7 +84,7 @@ class ReleaseWatch:
 
     def _check(self, target: int) -> None:
         self.checked += 1
-        if not self._still_held():
+        if target != self._watching or not self._still_held():  # (a newer generation's timer says it)
             return
         self.warned += 1
         print(f"dpstate: {self._where()} is still in its step {self.warn_s:g} s after generation {target} was asked "
@@ -90,7 +96,7 @@ class ReleaseWatch:
 
     def _confirm(self, target: int, waiting: str) -> None:
         self.checked += 1
-        if not self._still_held() or self._waiting_at() != waiting:
+        if target != self._watching or not self._still_held() or self._waiting_at() != waiting:
             return
         print(f"dpstate: {self._where()}: a collective of the old generation never let go ({waiting}, "
               f"{self.warn_s + self.confirm_s:g} s after generation {target} was asked for); this worker ends "
