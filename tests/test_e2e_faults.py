@@ -72,39 +72,6 @@ def test_frozen_node_that_wakes_after_the_swap_is_fenced(procs, tmp_path, sha2):
     assert re.search(r"\[dpagent node1\] exit [13]\b", run.stderr), run.stderr[-3000:]
 
 
-UNRELEASED = str(Path(__file__).parent / "data" / "unreleased_worker.py")
-
-
-def _workers_of(dprun_pid: int, node_id: str) -> list[psutil.Process]:
-    agents = [c for c in psutil.Process(dprun_pid).children(recursive=True)
-              if "dpagent" in c.cmdline() and node_id in c.cmdline()]
-    return [w for agent in agents for w in agent.children()]
-
-
-def test_a_survivor_held_where_no_abort_reaches_ends_itself_and_its_node_is_replaced(procs, tmp_path, sha3):
-    """Rank 0 waits in a torch.distributed call that nothing releases (as a Gloo op that never learns its
-    connections closed) when node1's worker is SIGKILLed: 2 s later it says so with its stacks, 5 s after that it
-    ends itself (exit code 86, dpstate.steps.release_watch), and the spares take both nodes' ranks (their states
-    from node2: a failed node's own copies go with it, hence --replicas 2)."""
-    held, events, summary = tmp_path / "held", tmp_path / "held.events.jsonl", tmp_path / "held.summary.json"
-    env = {"UNRELEASED_AT": "10", "UNRELEASED_ONCE": str(held), "DP_RELEASE_WARN_S": "2"}
-    proc = procs.dprun("--nnodes", "3", "--replicas", "2", "--spares", "2", *FAST, "--events-file", events,
-                       UNRELEASED, "--steps", STEPS, *TRAIN_ARGS, "--summary", summary, stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
-    wait_for(lambda: held.exists() or proc.poll() is not None, 150, "rank 0 to be held")
-    (victim,) = _workers_of(proc.pid, "node1")
-    victim.kill()
-    out, err = proc.communicate(timeout=150)
-    assert proc.returncode == 0, err[-4000:]
-    assert "is still in its step 2 s after generation 1 was asked for" in err, err[-4000:]
-    assert "a collective of the old generation never let go (barrier (distributed/elastic/utils/store.py:" in err
-    failed = {e["node"]: e["cause"] for e in read_events(events) if e["event"] == "node_failed"}
-    assert "exit code 86" in failed["node0"] and "SIGKILL" in failed["node1"], failed
-    result = json.loads(summary.read_text())
-    assert result["final_step"] == STEPS
-    assert result["params_sha256"] == sha3, "the recovered run diverged from the failure-free one"
-
-
 def test_a_whole_job_paused_past_the_heartbeat_timeout_goes_on_when_continued(procs, tmp_path, sha2):
     """Every process of the job stopped at once for 3x the heartbeat timeout (as a paused VM or a laptop's
     Ctrl-Z of the whole job would) and continued: neither the controller nor an agent takes the other's

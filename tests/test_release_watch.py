@@ -24,11 +24,12 @@ def _until(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def _watched(in_step: list[bool], main_ident: int | None = None) -> tuple[AbortSignal, ReleaseWatch, list[int]]:
+def _watched(in_step: list[bool], main_ident: int | None = None,
+             severed: bool = True) -> tuple[AbortSignal, ReleaseWatch, list[int]]:
     abort, ended = AbortSignal(), []
     abort.enter(0)
-    watch = ReleaseWatch(abort, lambda: in_step[0], lambda: "rank 3 (generation 0)", warn_s=0.05, confirm_s=0.05,
-                         end=ended.append, main_ident=main_ident)
+    watch = ReleaseWatch(abort, lambda: in_step[0], lambda: "rank 3 (generation 0)", lambda: severed, warn_s=0.05,
+                         confirm_s=0.05, end=ended.append, main_ident=main_ident)
     abort.add_callback(watch.on_abort)
     return abort, watch, ended
 
@@ -79,19 +80,18 @@ def test_only_a_wait_in_torch_distributed_counts_as_held_there():
     assert where is None
 
 
-def test_a_rank_held_in_a_torch_distributed_wait_ends_itself(capfd):
+def test_a_rank_held_in_a_torch_distributed_wait_ends_itself_where_its_connections_were_severed(capfd):
     namespace: dict = {}
     for code in (TORCH_OPS, TORCH_WAIT):
         exec(code, namespace)
-    held = threading.Lock()
-    held.acquire()
-    waiter = threading.Thread(target=namespace["wait_tensor"], args=(held,), daemon=True)
-    waiter.start()
+    _, waiter, held = _frame_of(namespace["wait_tensor"])
+    unsevered, watch_unsevered, not_ended = _watched([True], main_ident=waiter.ident, severed=False)
     abort, watch, ended = _watched([True], main_ident=waiter.ident)
+    unsevered.request(1, "node1 failed")  # (a data parallel job: Gloo's timeout ends a wait on a frozen peer)
     abort.request(1, "node1 failed")
-    _until(lambda: ended)
+    _until(lambda: ended and watch_unsevered.warned)
     held.release()
-    assert ended == [EXIT_UNRELEASED]
+    assert ended == [EXIT_UNRELEASED] and not_ended == []
     err = capfd.readouterr().err
     assert ("dpstate: rank 3 (generation 0): a collective of the old generation never let go (wait_tensor "
             "(distributed/_functional_collectives.py:2), 0.1 s after generation 1 was asked for); this worker ends "

@@ -1,10 +1,13 @@
 """A survivor still inside an old generation's step a while after a newer one was asked for says so with its stacks,
-and one held in a torch.distributed wait all that time ends itself, so that its node is replaced without delay.
+and one held in a torch.distributed wait that severing should have released ends itself, so that its node is
+replaced without delay.
 
 Severing (dpstate.groups.severing) and the abortable waits release a survivor in milliseconds. Now and then, under
 load, a Gloo op kept waiting after every connection of its process group had closed (an FSDP2 all-gather, a
 tensor-parallel all-reduce; 2 in ~100 runs of the saved 3D job): nothing in the process can end that wait, and
 the job would wait the collective timeout (600 s) for it. The end is the one --hang-timeout would give, sooner.
+Only where the groups' connections were severed (a job with a mesh, on Gloo): elsewhere a wait on a frozen peer is
+ended by that timeout with an error the rank recovers from, keeping its process, which beats losing its node.
 """
 
 from __future__ import annotations
@@ -48,12 +51,13 @@ def waiting_in_torch_distributed(frame: FrameType | None, depth: int = 3) -> str
 class ReleaseWatch:
     """on_abort (an AbortSignal callback) starts a timer for the generation asked for. If, when it fires, the
     main thread is still in its step: a line and every thread's stack; if it also waits in torch.distributed, at
-    the same place CONFIRM_S later, it ends the process with EXIT_UNRELEASED (its agent reports the exit)."""
+    the same place CONFIRM_S later, and may_end() (its connections were severed), it ends the process with
+    EXIT_UNRELEASED (its agent reports the exit)."""
 
     def __init__(self, abort: AbortSignal, in_step: Callable[[], bool], where: Callable[[], str],
-                 warn_s: float | None = None, confirm_s: float = CONFIRM_S,
+                 may_end: Callable[[], bool], warn_s: float | None = None, confirm_s: float = CONFIRM_S,
                  end: Callable[[int], None] = os._exit, main_ident: int | None = None):
-        self._abort, self._in_step, self._where = abort, in_step, where
+        self._abort, self._in_step, self._where, self._may_end = abort, in_step, where, may_end
         self.warn_s = warn_after_s() if warn_s is None else warn_s
         self.confirm_s, self._end = confirm_s, end
         self._main = threading.main_thread().ident if main_ident is None else main_ident
@@ -91,7 +95,7 @@ class ReleaseWatch:
               "for (its stacks follow)", file=sys.stderr, flush=True)
         stack_dump.write_now()
         waiting = self._waiting_at()
-        if waiting is not None:
+        if waiting is not None and self._may_end():
             self._after(self.confirm_s, self._confirm, target, waiting)
 
     def _confirm(self, target: int, waiting: str) -> None:

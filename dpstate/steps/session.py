@@ -101,7 +101,8 @@ class Job:
                 self._tracked.add(**{POLICY_NAME: replicator.policy})  # its decision travels in snapshots
             abort.add_callback(self._groups.on_abort)
             abort.add_callback(ReleaseWatch(abort, lambda: self.activity in ("compute", "collective"),
-                                            lambda: f"rank {self.rank} (generation {self.generation})").on_abort)
+                                            lambda: f"rank {self.rank} (generation {self.generation})",
+                                            lambda: self._groups.sever_on_abort).on_abort)
             control.status = self._status
             control.on_standby = self._under.room.on_message
             control.on_save = lambda msg: save_local(replicator, msg, self._key, self.node_id, self._send)

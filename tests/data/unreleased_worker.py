@@ -1,8 +1,8 @@
-"""examples/train_gpt.py whose rank 0, once (the first process to get there), waits in a torch.distributed call
+"""examples/train_gpt_3d.py whose rank 0, once (the first process to get there), waits in a torch.distributed call
 that nothing releases as its UNRELEASED_AT-th step begins (before any collective of that step): what a Gloo op that never learns its
 connections closed looks like from Python (dpstate.steps.release_watch ends such a survivor).
 
-    dprun ... tests/data/unreleased_worker.py TRAIN_GPT_ARGS   (UNRELEASED_AT=N, UNRELEASED_ONCE=PATH)
+    dprun ... tests/data/unreleased_worker.py TRAIN_GPT_3D_ARGS   (UNRELEASED_AT=N, UNRELEASED_ONCE=PATH)
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.utils.store import barrier  # noqa: E402
 
-import dpstate  # noqa: E402
-from examples import train_gpt  # noqa: E402
+from examples import train_gpt_3d  # noqa: E402
 
 AT, ONCE = int(os.environ["UNRELEASED_AT"]), os.environ["UNRELEASED_ONCE"]
 steps_begun = 0
-zero_grad = dpstate.AdamW.zero_grad  # the first call of each step's body
+zero_grad = torch.optim.Optimizer.zero_grad  # the first call of each step's body
 
 
 def held_zero_grad(self, *args, **kwargs):
@@ -37,7 +37,7 @@ def held_zero_grad(self, *args, **kwargs):
     return zero_grad(self, *args, **kwargs)
 
 
-dpstate.AdamW.zero_grad = held_zero_grad
+torch.optim.Optimizer.zero_grad = held_zero_grad  # type: ignore[method-assign]
 
 if __name__ == "__main__":
-    sys.exit(train_gpt.main(sys.argv[1:]))
+    sys.exit(train_gpt_3d.main(sys.argv[1:]))
