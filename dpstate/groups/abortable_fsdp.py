@@ -2,7 +2,7 @@
 generation's all-gather when a newer one is asked for, whatever state Gloo is left in.
 
 Severing (dpstate.groups.severing) releases a waiting collective by closing its connections, and almost always
-does. Twice in about 100 runs of the saved 3D job under load, a survivor's FSDP2 all-gather kept waiting after
+does. In a few runs in 100 of the saved 3D job under load, a survivor's FSDP2 all-gather kept waiting after
 every one of its Gloo connections had closed (ss listed none left): Gloo's op never learnt of it. A wait on the
 op's future that the abort signal also ends (AbortSignal.wait_future) does not depend on Gloo learning it.
 FSDP2's reduce-scatter keeps torch's wait: Gloo's has no future, and is done only once waited on (torch 2.13).

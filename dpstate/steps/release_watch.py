@@ -4,7 +4,7 @@ replaced without delay.
 
 Severing (dpstate.groups.severing) and the abortable waits release a survivor in milliseconds. Now and then, under
 load, a Gloo op kept waiting after every connection of its process group had closed (an FSDP2 all-gather, a
-tensor-parallel all-reduce; 2 in ~100 runs of the saved 3D job): nothing in the process can end that wait, and
+tensor-parallel all-reduce; a few runs in 100 of the saved 3D job): nothing in the process can end that wait, and
 the job would wait the collective timeout (600 s) for it. The end is the one --hang-timeout would give, sooner.
 Only where the groups' connections were severed (a job with a mesh, on Gloo): elsewhere a wait on a frozen peer is
 ended by that timeout with an error the rank recovers from, keeping its process, which beats losing its node.
