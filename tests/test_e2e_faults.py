@@ -215,9 +215,10 @@ def test_a_second_failure_that_takes_a_ranks_last_copy_during_a_recovery_stops_t
 
 def test_workers_lost_on_both_nodes_in_one_recovery_restore_from_the_stores_their_nodes_keep(procs, tmp_path, sha2):
     """Node 1's worker dies; as the spare takes its place, node 0's worker dies too. Each node held the other's
-    only copy, and neither node died: with --save-dir a node fenced for its worker's exit keeps its store (for a
-    save), and that store serves the restore too. The job trains on from it, bitwise (it said "state lost")."""
-    run = dprun(procs, tmp_path, "kept", "--nnodes", "2", "--spares", "2", "--save-dir", tmp_path / "saved",
+    only copy, and neither node died: a node fenced for its worker's exit keeps its store, which serves the
+    restore. The job trains on from it, bitwise (it said "state lost", and, without --save-dir, did until a
+    node's store was kept for restores too, not only for a save)."""
+    run = dprun(procs, tmp_path, "kept", "--nnodes", "2", "--spares", "2",
                 "--inject", "kill-worker:1@step=8", "--inject", "kill-worker:0@during-recovery", steps=STEPS)
     _recovered(run, sha2)
     assert {e["node"] for e in run.named("node_failed")} == {"node0", "node1"}

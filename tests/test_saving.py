@@ -3,6 +3,8 @@ newest complete step write it before it ends; a resumed job has them read it bac
 
 from __future__ import annotations
 
+import pytest
+
 from dpcommon import protocol as p
 from dprun.controller.state_machine import NodeGone, Shutdown, Tick
 from dprun.monitor.events import describe
@@ -282,11 +284,14 @@ def test_a_node_fenced_for_its_worker_s_error_keeps_its_store_for_the_save():
     assert [m.keep_store for m in h.sent_to("b", p.Stop)] == [True, False], "the job's end stops it for good"
 
 
-def test_without_save_dir_a_fenced_node_stops_at_once_and_a_kept_one_stops_once_it_was_replaced():
-    h = formed()
+@pytest.mark.parametrize("save_dir", [None, "/saved"])
+def test_a_node_fenced_for_its_worker_s_exit_keeps_its_store_until_it_was_replaced(save_dir):
+    """Its copies serve the recovery's restores, with or without --save-dir; in restart mode (every worker
+    restarted, nothing restored from stores) it stops at once."""
+    h = formed(spec(restart_mode=True))
     h.msg("b", p.WorkerExited("b", 0, 0, 11, 1, "ValueError"))
     assert [m.keep_store for m in h.sent_to("b", p.Stop)] == [False]
-    h = formed(spec(save_dir="/saved"))
+    h = formed(spec(save_dir=save_dir))
     h.msg("a", p.SnapshotStored("a", 1, 3, 0))
     h.msg("b", p.SnapshotStored("b", 0, 3, 0))
     h.msg("a", p.Progress("a", 0, 0, 4))

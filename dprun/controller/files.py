@@ -4,8 +4,8 @@ read back into its nodes' replica stores (--resume-from), so that the state outl
 A part that the controller composes: it owns the file work in flight and what was saved or resumed from; it is
 handed the spec, the node table, the ledger, the timeline, the background saves, the outbox and how to enter a
 phase. While files are written or read, the controller waits for them and little else; how the wait ended
-(`outcome`) comes back as a value. A node fenced for its worker's exit keeps its store for such a save until it is
-no longer needed (`keeps_store`).
+(`outcome`) comes back as a value. A node fenced for its worker's exit keeps its store, for the recovery's restores
+and for such a save, until it is no longer needed (`keeps_store`).
 """
 
 from __future__ import annotations
@@ -190,12 +190,11 @@ class StateFiles:
         return False
 
     def keeps_store(self, node: Node, forming: bool) -> bool:
-        """A node fenced for its worker's exit (its agent alive): with --save-dir its store stays, its workers
-        stopped, until the recovery that replaced it completes or the job ends, so that a job that ends over
-        it (the script's error on every rank, no spare left) can still save the copies it holds; meanwhile
-        they serve that recovery's restores too (a worker lost on each node at once: each store kept the
-        other's only copy)."""
-        if not self.spec.save_dir or self.spec.restart_mode or forming:
+        """A node fenced for its worker's exit (its agent alive): its store stays, its workers stopped, until
+        the recovery that replaced it completes or the job ends. Its copies serve that recovery's restores (a
+        worker lost on each node of a ring of 2: each store kept the other's only copy), and with --save-dir a
+        job that ends over it (the script's error on every rank, no spare left) can still save them."""
+        if self.spec.restart_mode or forming:
             return False
         node.keeps_store = True
         return True

@@ -39,7 +39,7 @@ class Node:
     want_rank: int = -1
     cause: str = ""  # why it failed
     raised: bool = False  # ... a worker exited with an error (exit code > 0): not a signal, not silence
-    keeps_store: bool = False  # failed (fenced), but its replica store stays for a save (dprun.controller.files)
+    keeps_store: bool = False  # failed (fenced), but its replica store stays (dprun.controller.files.keeps_store)
     exited_ok: set = field(default_factory=set)  # local ranks whose worker exited 0
     last_step: int = -1  # newest step any of its ranks reported (any generation)
     workers: dict = field(default_factory=dict)  # str(local rank) -> status from its latest Heartbeat

@@ -289,7 +289,7 @@ class Controller:
     def _node_failed(self, node_id: str, cause: str, now: float, agent_alive: bool = False,
                      since: float | None = None) -> None:
         """Fence the node (its agent told to stop) and plan without it. agent_alive: its agent reported its
-        worker's exit, so its replica store may stay for a save (dprun.controller.files). since: when it was last known
+        worker's exit, so its replica store may stay (dprun.controller.files.keeps_store). since: when it was last known
         well (its last heartbeat, for a silent node): the recovery's downtime counts from then."""
         node = self.table.get(node_id)
         if node is not None and node.keeps_store:  # fenced already; now its store is lost too
