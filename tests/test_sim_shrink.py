@@ -73,7 +73,7 @@ def test_hundreds_of_shrink_schedules_keep_every_invariant(worlds):
     assert outcomes["completed"] > SEEDS // 2, outcomes
     # (a grow waits for its node's workers to be set up, heartbeats apart: a node that joins late sees the end)
     assert paths["job_shrunk"] > SEEDS // 4 and paths["job_grew"] > SEEDS // 25, paths
-    assert paths["grown back to full width"] >= SEEDS // 30 and paths["shrink_refused"] > 0, paths
+    assert paths["grown back to full width"] >= SEEDS // 40 and paths["shrink_refused"] > 0, paths
 
 
 def test_a_quarter_of_a_soak_is_drawn_shrink_and_earlier_schedules_are_unchanged():
