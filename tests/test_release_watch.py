@@ -6,22 +6,15 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 
 import pytest
 
 from dpcommon.exit_wording import EXIT_UNRELEASED
 from dpstate.steps.abort import AbortSignal
+from helpers.e2e import wait_for
 from dpstate.steps.release_watch import ReleaseWatch, waiting_in_torch_distributed
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def _until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "the watch's timer never fired"
-        time.sleep(0.01)
 
 
 def _watched(in_step: list[bool], main_ident: int | None = None,
@@ -38,12 +31,12 @@ def test_a_rank_still_in_its_step_says_so_once_with_its_stacks(capfd):
     abort, watch, ended = _watched([True])
     abort.request(1, "node1 failed")
     abort.request(1, "node1 failed")  # the same generation again: no second timer
-    _until(lambda: watch.checked == 1)
+    wait_for(lambda: watch.checked == 1, 10, "the watch's timer")
     err = capfd.readouterr().err
     assert "dpstate: rank 3 (generation 0) is still in its step 0.05 s after generation 1 was asked for" in err
     assert "test_a_rank_still_in_its_step_says_so_once_with_its_stacks" in err  # this thread's stack, waiting
     abort.request(2, "node2 failed")  # a newer one: watched again
-    _until(lambda: watch.checked == 2)
+    wait_for(lambda: watch.checked == 2, 10, "the watch's timer")
     assert watch.warned == 2
     assert ended == []  # its main thread (this one) waits in the test, not in torch.distributed: no hang of ours
 
@@ -63,8 +56,8 @@ def _frame_of(function, *args) -> tuple[str | None, threading.Thread, threading.
     held.acquire()
     waiter = threading.Thread(target=function, args=(held, *args), daemon=True)
     waiter.start()
-    _until(lambda: waiter.ident in sys._current_frames() and sys._current_frames()[waiter.ident].f_code.co_name
-           in ("__call__", "forward"))
+    wait_for(lambda: waiter.ident in sys._current_frames() and sys._current_frames()[waiter.ident].f_code.co_name
+             in ("__call__", "forward"), 10, "the thread to wait")
     return waiting_in_torch_distributed(sys._current_frames()[waiter.ident]), waiter, held
 
 
@@ -89,7 +82,7 @@ def test_a_rank_held_in_a_torch_distributed_wait_ends_itself_where_its_connectio
     abort, watch, ended = _watched([True], main_ident=waiter.ident)
     unsevered.request(1, "node1 failed")  # (a data parallel job: Gloo's timeout ends a wait on a frozen peer)
     abort.request(1, "node1 failed")
-    _until(lambda: ended and watch_unsevered.warned)
+    wait_for(lambda: ended and watch_unsevered.warned, 10, "the watch's timer")
     held.release()
     assert ended == [EXIT_UNRELEASED] and not_ended == []
     err = capfd.readouterr().err
@@ -103,7 +96,7 @@ def test_a_rank_that_let_go_of_its_step_or_a_stop_says_nothing(capfd):
     abort, watch, ended = _watched(in_step)
     abort.request(1)
     in_step[0] = False  # the step raised and the rank went on to recover
-    _until(lambda: watch.checked == 1)
+    wait_for(lambda: watch.checked == 1, 10, "the watch's timer")
     stopped, quiet, _ = _watched([True])
     stopped.stop("SIGTERM")  # a Stop is no newer generation: nothing is watched
     assert quiet._watching == -1
@@ -115,6 +108,6 @@ def test_of_two_generations_asked_for_in_turn_the_newer_is_the_one_said(capfd):
     abort, watch, _ = _watched([True])
     abort.request(1)
     abort.request(2)  # before generation 1's timer fired
-    _until(lambda: watch.checked == 2)
+    wait_for(lambda: watch.checked == 2, 10, "the watch's timer")
     err = capfd.readouterr().err
     assert err.count("is still in its step") == 1 and "after generation 2 was asked for" in err, err[:2000]
