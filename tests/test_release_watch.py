@@ -29,9 +29,12 @@ def _watched(in_step: list[bool], main_ident: int | None = None,
 
 def test_a_rank_still_in_its_step_says_so_once_with_its_stacks(capfd):
     abort, watch, ended = _watched([True])
+    counted_while_saying: list[int] = []
+    watch._where = lambda: counted_while_saying.append(watch.checked) or "rank 3 (generation 0)"
     abort.request(1, "node1 failed")
     abort.request(1, "node1 failed")  # the same generation again: no second timer
     wait_for(lambda: watch.checked == 1, 10, "the watch's timer")
+    assert counted_while_saying == [0]  # a timer is counted once its lines are out: a reader waits on `checked`
     err = capfd.readouterr().err
     assert "dpstate: rank 3 (generation 0) is still in its step 0.05 s after generation 1 was asked for" in err
     assert "test_a_rank_still_in_its_step_says_so_once_with_its_stacks" in err  # this thread's stack, waiting

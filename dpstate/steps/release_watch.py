@@ -87,19 +87,29 @@ class ReleaseWatch:
         return waiting_in_torch_distributed(sys._current_frames().get(self._main or -1))
 
     def _check(self, target: int) -> None:
-        self.checked += 1
+        try:
+            self._warn(target)
+        finally:
+            self.checked += 1  # after what it said: a reader of `checked` finds its lines written
+
+    def _warn(self, target: int) -> None:
         if target != self._watching or not self._still_held():  # (a newer generation's timer says it)
             return
-        self.warned += 1
         print(f"dpstate: {self._where()} is still in its step {self.warn_s:g} s after generation {target} was asked "
               "for (its stacks follow)", file=sys.stderr, flush=True)
         stack_dump.write_now()
+        self.warned += 1
         waiting = self._waiting_at()
         if waiting is not None and self._may_end():
             self._after(self.confirm_s, self._confirm, target, waiting)
 
     def _confirm(self, target: int, waiting: str) -> None:
-        self.checked += 1
+        try:
+            self._end_if_still_waiting(target, waiting)
+        finally:
+            self.checked += 1
+
+    def _end_if_still_waiting(self, target: int, waiting: str) -> None:
         if target != self._watching or not self._still_held() or self._waiting_at() != waiting:
             return
         print(f"dpstate: {self._where()}: a collective of the old generation never let go ({waiting}, "
