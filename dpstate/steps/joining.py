@@ -49,13 +49,29 @@ def _leave_sigterm_to_the_agent() -> None:
     signal.signal(signal.SIGTERM, first)
 
 
-def _shut_groups_down_after_a_clean_end() -> None:
+SHUT_DOWN_AFTER_AN_ERROR_S = 5.0
+
+
+def _shut_groups_down_at_exit() -> None:
     """(atexit, under torchrun) Shut the process groups down while the interpreter still runs: a Gloo worker
     thread lets go of the script's last collective (an all_gather_object's tensors) a moment after the script saw
     it done, and when that falls in the interpreter's finalization the process aborts (-6, "terminate called
-    without an active exception"; docs/sequences.md). After an uncaught error they stay: a peer may be stuck."""
-    if getattr(sys, "last_value", None) is None and dist.is_initialized():
+    without an active exception"; docs/sequences.md). After an uncaught error an op of this rank may still wait on
+    a peer, and the shutdown with it: past SHUT_DOWN_AFTER_AN_ERROR_S the rank exits at once with the error's code."""
+    if not dist.is_initialized():
+        return
+    if getattr(sys, "last_value", None) is None:
         dist.destroy_process_group()
+        return
+    shutdown = threading.Thread(target=dist.destroy_process_group, name="dpstate-shutdown", daemon=True)
+    shutdown.start()
+    shutdown.join(SHUT_DOWN_AFTER_AN_ERROR_S)
+    if shutdown.is_alive():
+        print(f"dpstate: after the script's error its process groups did not shut down within "
+              f"{SHUT_DOWN_AFTER_AN_ERROR_S:g} s (an op still waits on a peer); this rank exits now (code 1)",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def init() -> Job:
@@ -75,7 +91,7 @@ def init() -> Job:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("MASTER_ADDR"):
             # started by torchrun (or another env:// launcher): its process group, no snapshots
             dist.init_process_group(job.backend, init_method="env://", timeout=job._groups.timeout)
-            atexit.register(_shut_groups_down_after_a_clean_end)
+            atexit.register(_shut_groups_down_at_exit)
             job._groups.generation = 0
             job.rank, job.world_size = dist.get_rank(), dist.get_world_size()
             job.node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
