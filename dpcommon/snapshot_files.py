@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .checksum import checksums_both
+from .direct_write import write_synced
 from .protocol import CHUNK_BYTES, PutSnapshot, SnapshotStored
 from .replica_store import ReplicaStore, Snapshot, frame_view
 
@@ -53,13 +54,7 @@ def write_snapshot(folder: str | os.PathLike, rank: int, step: int, checksum: in
               "check": checksums_both(meta, views)[1] if check is None else check}
     partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.partial")  # two writers (a retry) do not mix
     try:
-        with open(partial, "wb") as f:
-            f.write(json.dumps(header).encode() + b"\n")
-            f.write(meta)
-            for view in views:
-                f.write(view)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(partial, [memoryview(json.dumps(header).encode() + b"\n"), meta, *views])
         os.replace(partial, path)
     except BaseException:  # (a full disk): what was written goes, so that it neither stays nor fills the disk
         partial.unlink(missing_ok=True)
