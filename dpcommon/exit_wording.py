@@ -14,6 +14,12 @@ EXIT_UNRELEASED = 86
 OWN_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)  # a process's own fault
 
 
+def the_script_s_exit(exitcode: int) -> bool:
+    """Did the script end itself (an exit code of its own), as against a signal from outside or a worker that
+    dpstate ended because the backend never released an old generation's collective (EXIT_UNRELEASED)?"""
+    return exitcode > 0 and exitcode != EXIT_UNRELEASED
+
+
 def describe_exit(exitcode: int, oom_killed: bool = False) -> str:
     """A WorkerExited.exitcode (or any subprocess return code) in words: "exit code 1", "killed by SIGKILL", or
     OOM_KILLED where the kernel's OOM killer sent that SIGKILL (dpagent.oom)."""

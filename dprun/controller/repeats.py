@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dpcommon.exit_wording import EXIT_UNRELEASED, OOM_KILLED
+from dpcommon.exit_wording import OOM_KILLED, the_script_s_exit
 
 HUNG = "no progress within --hang-timeout"  # a rank failed as hung (not an exit): the script's, where it follows
 STEP_SLACK = 1  # steps apart that still count as "the same step": a rank reports its step after making it
@@ -29,7 +29,7 @@ def signature(exitcode: int, detail: str) -> str | None:
     because the backend never released an old generation's collective (EXIT_UNRELEASED)."""
     if detail in (OOM_KILLED, HUNG):
         return detail
-    if exitcode <= 0 or exitcode == EXIT_UNRELEASED:
+    if not the_script_s_exit(exitcode):
         return None
     line = _ADDRESS.sub("0x?", without_rank_prefix(detail))
     return f"exit code {exitcode}: {line}" if line and line != f"exit code {exitcode}" else f"exit code {exitcode}"

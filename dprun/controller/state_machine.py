@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpcommon import protocol as p
-from dpcommon.exit_wording import EXIT_UNRELEASED
+from dpcommon.exit_wording import the_script_s_exit
 
 from .vocabulary import (  # noqa: F401  (re-exported: the controller's inputs and actions)
     ConnectionDropped, Finish, Flush, JobSpec, NodeGone, Outbox, Paused, Publish, Received, Recovery, Send, Shutdown,
@@ -250,7 +250,7 @@ class Controller:
             # one its agent heard it make, where it trained on in a generation since replaced)
             step = max(timeline.peaks.get(msg.generation, timeline.max_step), msg.step)
             same = self.repeats.seen(code, last_line, node.node_id, rank, step)
-        node.raised = code > 0 and code != EXIT_UNRELEASED
+        node.raised = the_script_s_exit(code)
         self._node_failed(node.node_id, cause, now, agent_alive=True)
         if same is not None and not self.finished:
             self.finish_job(1, same)
