@@ -4,8 +4,8 @@
 
 The job: examples/train_gpt.py on 2 nodes, overhead.py's model (9.0 M parameters: 108 MB of parameters + AdamW
 state per rank), a snapshot every step (dprun's default), once without saves ("off") and once with
-`--save-dir D --save-every N` ("save"), in rotated order per repetition (off, save; then save, off; ...) so that
-slow phases of a shared host hit both.
+`--save-dir D --save-every N` ("save"), and the same saves through the page cache (DP_SAVE_DIRECT=0, "buffered";
+by default they go past it, O_DIRECT), in rotated order per repetition so that slow phases of a shared host hit all.
 
 * Throughput: tokens per second from step 4 to the end (overhead.py's window); overhead = 1 - throughput(save) /
   throughput(off) within a repetition, median over repetitions, with its spread. Target: <= 0.5 %.
@@ -13,7 +13,8 @@ slow phases of a shared host hit both.
   until the last node answered: the copy's checks (one pass of block digests), the writes, fsync, rename, the
   manifest parts and the messages), median over all saves. Its baseline, measured right after each save run in the
   same folder (so the same filesystem): a plain sequential write of the same number of bytes, 4 MiB writes, fsync,
-  rename, as dpcommon.snapshot_files.write_snapshot does but without the checks or anything else, by ONE writer (the
+  rename, as dpcommon.snapshot_files.write_snapshot does but without the checks or anything else, both past the
+  page cache and through it (the faster is the baseline), by ONE writer (the
   target's baseline: what the disk gives one stream) and by N concurrent writers each writing its share, N = the
   nodes that wrote a save (its manifest parts; each agent writes the ranks it holds concurrently with the others,
   so that is what the save's writers could get at most). Each plain write is done 3 times; median. Target: save /
@@ -31,10 +32,11 @@ slow phases of a shared host hit both.
   the time they took beyond it, median over saves, and that over N of those steps (step_cost.overhead: the
   overhead the saves alone make, resolved within a run where whole runs differ by several % on a shared host).
 
-JSON: {"throughput": {"off", "save"} (tokens/s, medians), "overhead", "overhead_per_rep", "overhead_spread",
+JSON: {"throughput": {"off", "save", "write", "buffered"} (tokens/s, medians), "overhead", "overhead_per_rep", "overhead_spread",
 "save_mb_per_s", "plain_mb_per_s": {"one_writer", "n_writers"}, "bandwidth_ratio", "bandwidth_ratio_n_writers",
 "cpu_part_s_per_writer", "step_cost": {"added_ms_per_save", "baseline_step_ms", "overhead", ...},
-"beside": {"mb_per_s", "bandwidth_ratio_beside", "step_cost"} (the control), "saves",
+"beside": {"mb_per_s", "bandwidth_ratio_beside", "step_cost"} (the control), "buffered": {"mb_per_s",
+"overhead_per_rep", "step_cost"}, "saves", "buffered_saves",
 "plain_writes", "runs", "failed"}. A run that fails (exit code, timeout, a save_failed event, no save at all) is
 said with the tail of its output and has no figure; the benchmark then exits 1. Missing a target never fails it.
 """
@@ -43,30 +45,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Self
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
+from _plain_write import BesideWriter, plain_write
 
 from dpcommon.checksum import checksums_both
 
-CONFIGS = ("off", "save", "write")
+CONFIGS = ("off", "save", "write", "buffered")
+SAVING = ("save", "buffered")  # buffered: DP_SAVE_DIRECT=0, the saves through the page cache
 STEADY_FROM = 4  # as overhead.py: from step 4 on, both snapshot buffers have been written once
 OVERHEAD_TARGET = 0.005
 BANDWIDTH_TARGET = 0.8
-WRITE_CHUNK = 4 << 20
 PLAIN_REPEATS = 3
 
 
@@ -74,105 +73,10 @@ def command(config: str, args, folder: Path, save_dir: Path) -> tuple[list[str],
     model = C.SMALL_MODEL if args.quick else C.BIG_MODEL
     script = [str(C.TRAIN), "--steps", str(args.steps), "--seed", "0", *model, "--log-every", "0",
               "--timings", "timings.jsonl", "--summary", "summary.json", "--stats", "stats.json"]
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    saves = ["--save-dir", str(save_dir), "--save-every", str(args.every)] if config == "save" else []
+    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "DP_SAVE_DIRECT": "0" if config == "buffered" else "1"}
+    saves = ["--save-dir", str(save_dir), "--save-every", str(args.every)] if config in SAVING else []
     return [sys.executable, "-m", "dprun", "--nnodes", "2", "--no-tui", "--snapshot-interval", "1",
             "--events-file", "events.jsonl", *saves, *script], env
-
-
-def plain_write(folder: Path, nbytes: int, writers: int, nice: int = 0) -> float:
-    """Seconds to write `nbytes` into `folder` as `writers` files written concurrently (threads: a write and an
-    fsync release the GIL), each its share, in 4 MiB writes, fsynced, renamed into place; the files go after.
-    `nice`: the writing threads' priority (the agents' save threads run at 19)."""
-    shares = [nbytes // writers + (i < nbytes % writers) for i in range(writers)]
-    block = memoryview(os.urandom(WRITE_CHUNK))  # content does not matter to the disk (no compression here)
-    start = threading.Barrier(writers + 1)
-    errors: list[BaseException] = []
-
-    def write(i: int, size: int) -> None:
-        partial, path = folder / f"plain-{i}.partial", folder / f"plain-{i}.dpsnap"
-        if nice:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        start.wait()
-        try:
-            with open(partial, "wb") as f:
-                left = size
-                while left > 0:
-                    left -= f.write(block[: min(left, WRITE_CHUNK)])
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(partial, path)
-        except OSError as exc:  # (said by the caller: a plain write that failed measured nothing)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=write, args=(i, size)) for i, size in enumerate(shares)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    took = time.perf_counter() - t0
-    for i in range(writers):
-        for suffix in ("partial", "dpsnap"):
-            (folder / f"plain-{i}.{suffix}").unlink(missing_ok=True)
-    if errors:
-        raise errors[0]
-    return took
-
-
-def write_aside(folder: Path, nbytes: int, writers: int) -> float:
-    """plain_write at nice 19 from a new session whose scheduling group is niced too (benchmarks/_aside_write.py):
-    the seconds it took, measured there (its process's start is not counted)."""
-    res = subprocess.run([sys.executable, str(Path(__file__).with_name("_aside_write.py")), str(folder), str(nbytes),
-                          str(writers)], capture_output=True, text=True, start_new_session=True, timeout=600)
-    if res.returncode != 0:
-        raise OSError(f"the control's write exited {res.returncode}: {res.stderr.strip()[-500:]}")
-    return float(json.loads(res.stdout)["seconds"])
-
-
-class BesideWriter:
-    """The control run's writer: a thread that, each time the run in `folder` has passed a multiple of `every`
-    steps (its timings.jsonl), writes `nbytes` into `plain_dir` by `writers` writers at nice 19 in a niced
-    scheduling group of their own (write_aside), as a save of that step would, and keeps each write's [start, end]
-    (Unix time) and bytes per second."""
-
-    def __init__(self, folder: Path, plain_dir: Path, nbytes: int, writers: int, every: int, last: int):
-        self.folder, self.plain_dir, self.nbytes, self.writers = folder, plain_dir, nbytes, writers
-        self.every, self.last = every, last
-        self.windows: list[tuple[float, float]] = []
-        self.mb_per_s: list[float] = []
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="beside-writer", daemon=True)
-
-    def __enter__(self) -> Self:
-        self.plain_dir.mkdir(parents=True, exist_ok=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        shutil.rmtree(self.plain_dir, ignore_errors=True)
-
-    def _step(self) -> int:
-        return max(C.step_times(C.read_jsonl(self.folder / "timings.jsonl")), default=0)
-
-    def _run(self) -> None:
-        due = self.every
-        while due < self.last and not self._stop.wait(0.05):
-            if self._step() < due:
-                continue
-            t0 = time.time()
-            try:
-                took = write_aside(self.plain_dir, self.nbytes, self.writers)
-            except OSError as exc:
-                self.error = exc
-                return
-            self.windows.append((t0, t0 + took))
-            self.mb_per_s.append(self.nbytes / 1e6 / took)
-            due = (self._step() // self.every + 1) * self.every
 
 
 def cpu_part_s(nbytes: int) -> float:
@@ -215,6 +119,27 @@ def step_costs(timings: list[dict], windows: list[tuple[float, float]], lo: int,
     return out
 
 
+def step_cost(costs: list[dict], every: int) -> dict | None:
+    """step_costs' figures over a configuration's saves (or writes): the median time added per save, its spread,
+    the steps' baseline, and that time over `every` steps: the overhead the saves' cost alone makes, resolved
+    within runs where whole runs differ by more than that on a shared host."""
+    if not costs:
+        return None
+    added, base = C.median(c["added_ms"] for c in costs), C.median(c["baseline_ms"] for c in costs)
+    return {"added_ms_per_save": added, "added_ms_spread": C.spread(c["added_ms"] for c in costs),
+            "baseline_step_ms": base, "saves": len(costs), "overhead": added / (every * base)}
+
+
+def overheads_per_rep(runs: list[dict], config: str, reps: int) -> list[float]:
+    """1 - steps/s of `config` / steps/s of off, within each repetition that has both."""
+    out = []
+    for rep in range(reps):
+        pair = {r["config"]: r["steps_per_s"] for r in runs if r["rep"] == rep}
+        if pair.get("off") and pair.get(config):
+            out.append(1 - pair[config] / pair["off"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=None, help="repetitions of each configuration (3; --quick 1)")
@@ -241,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
           f"folders under {work.path}", flush=True)
     runs: list[dict] = []
     saves: list[dict] = []
+    buffered_saves: list[dict] = []
     plains: list[dict] = []
     tokens = None
     try:
@@ -248,22 +174,23 @@ def main(argv: list[str] | None = None) -> int:
             order = CONFIGS[rep % len(CONFIGS):] + CONFIGS[: rep % len(CONFIGS)]
             for config in order:
                 folder = work.new(f"r{rep}-{config}")
-                save_dir = saves_root / f"r{rep}"
+                save_dir = saves_root / f"r{rep}-{config}"
                 cmd, env = command(config, args, folder, save_dir)
                 beside: BesideWriter | contextlib.nullcontext = contextlib.nullcontext()
                 if config == "write":
                     if not saves:  # (rep 0 runs it after its save run; later reps have saves to size it by)
                         print(f"  rep {rep} write: skipped, no save measured yet to give its size", flush=True)
                         continue
-                    beside = BesideWriter(folder, saves_root / f"beside-r{rep}", int(C.median(e["bytes"] for e in saves)),
+                    beside = BesideWriter(folder, saves_root / f"beside-r{rep}",
+                                          int(C.median(e["bytes"] for e in saves)),
                                           int(C.median(r["writers"] for r in runs if r["writers"]) or 1), args.every,
-                                          args.steps)
+                                          args.steps, direct=True)
                 with beside:
                     res = C.run(f"{config}#{rep}", cmd, folder=folder, env=env, timeout=args.timeout)
                 events = res.events()
                 done = [e for e in events if e.get("event") == "state_saved"]
-                print(f"  rep {rep} {config:5s} rc {res.returncode} wall {res.wall_s:6.1f} s"
-                      + (f"  {len(done)} saves" if config == "save" else "")
+                print(f"  rep {rep} {config:8s} rc {res.returncode} wall {res.wall_s:6.1f} s"
+                      + (f"  {len(done)} saves" if config in SAVING else "")
                       + (f"  {len(beside.windows)} plain writes beside" if isinstance(beside, BesideWriter) else ""),
                       flush=True)
                 if not failures.check(res):  # a failed run's partial timings would pass for a measurement
@@ -272,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                     failures.add(res.name, f"the plain write beside training: {beside.error or 'none was done'}")
                     continue
                 bad = [e for e in events if e.get("event") == "save_failed"]
-                if config == "save" and (bad or not done):
+                if config in SAVING and (bad or not done):
                     why = f"save_failed: {bad[0].get('why')}" if bad else "no state_saved event"
                     failures.add(res.name, why, C.file_tail(folder / "output.log"), folder)
                     continue
@@ -283,14 +210,15 @@ def main(argv: list[str] | None = None) -> int:
                 timings = res.timings()
                 last_end = C.step_times(timings).get(args.steps)
                 for e in done:
-                    saves.append({"rep": rep, "step": e["step"], "bytes": e["bytes"], "seconds": e["seconds"],
+                    (saves if config == "save" else buffered_saves).append({
+                                  "rep": rep, "step": e["step"], "bytes": e["bytes"], "seconds": e["seconds"],
                                   "mb_per_s": e["bytes"] / 1e6 / e["seconds"] if e["seconds"] > 0 else None,
                                   # begun before the last step ended: written beside training
                                   "beside_training": bool(last_end and e["time"] - e["seconds"] < last_end)})
                 # the nodes that wrote a step: the most manifest parts of a step folder (the save on stop may be
                 # written by fewer: the node that holds every rank's newest copy)
                 writers = max((len(list(d.glob("manifest.*.json"))) for d in save_dir.glob("step-*")),
-                              default=None) if config == "save" else None
+                              default=None) if config in SAVING else None
                 runs.append({"rep": rep, "config": config, "wall_s": round(res.wall_s, 2),
                              "others_cpu_share": round(res.others_cpu_share, 3),
                              "steps_per_s": C.window_rate(timings, STEADY_FROM, args.steps),
@@ -299,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                              "cpu_s": {role: round(sum(t.values()), 2) for role, t in res.cpu_by_role_thread().items()},
                              "machine_busy_s": round(res.machine_busy_s, 1),
                              "step_costs": (step_costs(timings, save_windows(events), STEADY_FROM, args.steps)
-                                            if config == "save" else None)})
+                                            if config in SAVING else None)})
                 if isinstance(beside, BesideWriter):
                     runs[-1].update(beside_mb_per_s=beside.mb_per_s, beside_bytes=beside.nbytes,
                                     beside_writers=beside.writers,
@@ -312,15 +240,17 @@ def main(argv: list[str] | None = None) -> int:
                     plain_dir = saves_root / f"plain-r{rep}"
                     plain_dir.mkdir()
                     for n in sorted({1, writers or 1}):
-                        try:
-                            took = [plain_write(plain_dir, nbytes, n) for _ in range(PLAIN_REPEATS)]
-                        except OSError as exc:
-                            failures.add(f"plain write #{rep} ({n} writers)", f"{type(exc).__name__}: {exc}")
-                            continue
-                        plains.append({"rep": rep, "writers": n, "bytes": nbytes, "seconds": took,
-                                       "mb_per_s": nbytes / 1e6 / C.median(took)})
-                        print(f"  rep {rep} plain write of {nbytes / 1e6:.0f} MB by {n} writer(s): "
-                              f"{nbytes / 1e6 / C.median(took):.0f} MB/s", flush=True)
+                        for direct in (True, False):
+                            try:
+                                took = [plain_write(plain_dir, nbytes, n, direct) for _ in range(PLAIN_REPEATS)]
+                            except OSError as exc:
+                                failures.add(f"plain write #{rep} ({n} writers)", f"{type(exc).__name__}: {exc}")
+                                continue
+                            plains.append({"rep": rep, "writers": n, "direct": direct, "bytes": nbytes,
+                                           "seconds": took, "mb_per_s": nbytes / 1e6 / C.median(took)})
+                            print(f"  rep {rep} plain write of {nbytes / 1e6:.0f} MB by {n} writer(s), "
+                                  f"{'O_DIRECT' if direct else 'page cache'}: {nbytes / 1e6 / C.median(took):.0f} MB/s",
+                                  flush=True)
                     shutil.rmtree(plain_dir, ignore_errors=True)
                     runs[-1]["cpu_part_s"] = C.median(cpu_part_s(nbytes // (writers or 1)) for _ in range(3))
     finally:
@@ -332,38 +262,30 @@ def main(argv: list[str] | None = None) -> int:
     throughput = {c: rate[c] * tokens if rate[c] and tokens else None for c in CONFIGS}
     spreads = {c: C.spread(r["steps_per_s"] * tokens for r in runs if r["config"] == c and r["steps_per_s"]
                            and tokens) for c in CONFIGS}
-    per_rep = []
-    for rep in range(args.reps):
-        pair = {r["config"]: r["steps_per_s"] for r in runs if r["rep"] == rep}
-        if pair.get("off") and pair.get("save"):
-            per_rep.append(1 - pair["save"] / pair["off"])
+    per_rep = overheads_per_rep(runs, "save", args.reps)
     overhead = C.median(per_rep)
     writers = C.median(r["writers"] for r in runs if r["writers"])
     save_bw = C.median(s["mb_per_s"] for s in saves)
-    one = C.median(p["mb_per_s"] for p in plains if p["writers"] == 1)
-    many = C.median(p["mb_per_s"] for p in plains if writers and p["writers"] == writers)
+    # the disk's best for one stream: through the page cache or past it, whichever was faster
+    plain = {f"{method}_{n}": C.median(p["mb_per_s"] for p in plains if p["direct"] == (method == "direct")
+                                       and p["writers"] == (1 if n == "one" else writers))
+             for method in ("direct", "buffered") for n in ("one", "n")}
+    one = max((v for k, v in plain.items() if k.endswith("_one") and v), default=None)
+    many = max((v for k, v in plain.items() if k.endswith("_n") and v), default=None)
     ratio = save_bw / one if save_bw and one else None
     ratio_n = save_bw / many if save_bw and many else None
     cpu_part = C.median(r.get("cpu_part_s") for r in runs)
-    costs = [c for r in runs for c in r.get("step_costs") or []]
-    cost = None
-    if costs:
-        added, base = C.median(c["added_ms"] for c in costs), C.median(c["baseline_ms"] for c in costs)
-        # that time at one save per `every` steps: the overhead the saves' cost alone makes, resolved within
-        # runs where whole runs differ by more than that on a shared host
-        cost = {"added_ms_per_save": added, "added_ms_spread": C.spread(c["added_ms"] for c in costs),
-                "baseline_step_ms": base, "saves": len(costs), "overhead": added / (args.every * base)}
+    cost = step_cost([c for r in runs if r["config"] == "save" for c in r["step_costs"] or []], args.every)
+    if cost:
         cost["overhead_target_met"] = cost["overhead"] <= OVERHEAD_TARGET
+    buffered_bw = C.median(s["mb_per_s"] for s in buffered_saves)
+    buffered = {"mb_per_s": buffered_bw, "overhead_per_rep": overheads_per_rep(runs, "buffered", args.reps),
+                "step_cost": step_cost([c for r in runs if r["config"] == "buffered" for c in r["step_costs"] or []],
+                                       args.every)}
     beside_bw = C.median(v for r in runs for v in r.get("beside_mb_per_s") or [])
-    beside_costs = [c for r in runs for c in r.get("beside_costs") or []]
     beside = {"mb_per_s": beside_bw, "writers": C.median(r["beside_writers"] for r in runs if "beside_writers" in r),
               "bandwidth_ratio_beside": save_bw / beside_bw if save_bw and beside_bw else None,
-              "step_cost": None}
-    if beside_costs:
-        added, base = C.median(c["added_ms"] for c in beside_costs), C.median(c["baseline_ms"] for c in beside_costs)
-        beside["step_cost"] = {"added_ms_per_write": added, "baseline_step_ms": base, "writes": len(beside_costs),
-                               "added_ms_spread": C.spread(c["added_ms"] for c in beside_costs),
-                               "overhead": added / (args.every * base)}
+              "step_cost": step_cost([c for r in runs for c in r.get("beside_costs") or []], args.every)}
     result = {
         "benchmark": "saving", "machine": C.machine(), "steps": args.steps, "reps": args.reps, "every": args.every,
         "quick": args.quick, "dir": args.dir, "tokens_per_step": tokens,
@@ -375,24 +297,27 @@ def main(argv: list[str] | None = None) -> int:
         "save_bytes": C.median(s["bytes"] for s in saves), "save_writers": writers,
         "save_seconds": C.median(s["seconds"] for s in saves), "save_mb_per_s": save_bw,
         "save_mb_per_s_spread": C.spread(s["mb_per_s"] for s in saves),
-        "plain_mb_per_s": {"one_writer": one, "n_writers": many},
+        "plain_mb_per_s": {"one_writer": one, "n_writers": many, **plain},
         "bandwidth_ratio": ratio, "bandwidth_ratio_n_writers": ratio_n, "bandwidth_target": BANDWIDTH_TARGET,
         "bandwidth_target_met": ratio >= BANDWIDTH_TARGET if ratio is not None else None,
         "cpu_part_s_per_writer": cpu_part,
-        "step_cost": cost, "beside": beside,
+        "step_cost": cost, "beside": beside, "buffered": buffered,
         "others_cpu_share": {c: C.median(r["others_cpu_share"] for r in runs if r["config"] == c) for c in CONFIGS},
-        "saves": saves, "plain_writes": plains, "runs": runs, "failed": failures.as_json(),
+        "saves": saves, "buffered_saves": buffered_saves, "plain_writes": plains, "runs": runs,
+        "failed": failures.as_json(),
     }
     C.write_json(args.json, result)
 
     print()
     rows = []
+    of_config = {"save": overhead, "buffered": C.median(buffered["overhead_per_rep"])}
     for c in CONFIGS:
         lo_hi = spreads[c]
-        label = {"off": "off", "save": f"save every {args.every}", "write": f"plain write every {args.every}"}[c]
+        label = {"off": "off", "save": f"save every {args.every}", "write": f"plain write every {args.every}",
+                 "buffered": f"save every {args.every}, page cache"}[c]
         rows.append([label, C.fmt(throughput[c], ".0f"),
                      f"{lo_hi[0]:.0f}..{lo_hi[1]:.0f}" if lo_hi else "-",
-                     f"{overhead:+.2%}" if c == "save" and overhead is not None else "-",
+                     C.fmt(of_config.get(c), "+.2%"),
                      C.fmt(result["others_cpu_share"][c], ".0%")])
     print(C.table(["config", "tokens/s", "range", "overhead", "others' CPU"], rows))
     if overhead is not None:
@@ -406,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"saves: {len(saves)} of {result['save_bytes'] / 1e6:.0f} MB each by {C.fmt(writers, '.0f')} "
               f"writer(s), {result['save_seconds']:.2f} s: {save_bw:.0f} MB/s median ({lo:.0f}..{hi:.0f})")
     if one is not None:
-        print(f"plain write of the same size, same filesystem: one writer {one:.0f} MB/s"
+        print(f"plain write of the same size, same filesystem (the faster of O_DIRECT "
+              f"{C.fmt(plain['direct_one'], '.0f')} and page cache {C.fmt(plain['buffered_one'], '.0f')} MB/s): "
+              f"one writer {one:.0f} MB/s"
               + (f", {writers:.0f} concurrent writers {many:.0f} MB/s" if many and writers != 1 else ""))
     if ratio is not None:
         print(f"save / plain write (one writer): {ratio:.2f}"
@@ -422,12 +349,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{lo:+.0f}..{hi:+.0f}) beyond the steps around them ({cost['baseline_step_ms']:.0f} ms): "
               f"{cost['overhead']:+.2%} of the {args.every} steps between saves (target <= {OVERHEAD_TARGET:.1%}: "
               + ("met)" if cost["overhead"] <= OVERHEAD_TARGET else "NOT met)"))
+    bufc = buffered["step_cost"]
+    if bufc:
+        lo, hi = bufc["added_ms_spread"]
+        print(f"the same saves through the page cache (DP_SAVE_DIRECT=0): {C.fmt(buffered_bw, '.0f')} MB/s; steps "
+              f"overlapping one took {bufc['added_ms_per_save']:+.0f} ms per save (median of {bufc['saves']}; "
+              f"{lo:+.0f}..{hi:+.0f}): {bufc['overhead']:+.2%} of the {args.every} steps between"
+              + (f"; O_DIRECT's / that: {cost['added_ms_per_save'] / bufc['added_ms_per_save']:.2f}"
+                 if cost and bufc["added_ms_per_save"] > 0 else ""))
     if beside_bw is not None:
         bc = beside["step_cost"]
         ratio_b = beside["bandwidth_ratio_beside"]
-        print(f"the control, a plain write of the same bytes at nice 19 beside training every {args.every} steps: "
+        print(f"the control, a plain write (O_DIRECT) of the same bytes at nice 19 beside training every "
+              f"{args.every} steps: "
               f"{beside_bw:.0f} MB/s" + (f"; save / that: {ratio_b:.2f}" if ratio_b is not None else "")
-              + (f"; the steps overlapping it took {bc['added_ms_per_write']:+.0f} ms per write "
+              + (f"; the steps overlapping it took {bc['added_ms_per_save']:+.0f} ms per write "
                  f"({bc['overhead']:+.2%} of the {args.every} steps between)" if bc else ""))
     return failures.exit_code()
 
