@@ -23,6 +23,7 @@ from dpstate.snapshot.checks import CheckPlanner, check_every_from_env, replicat
 from dpstate.replication.replicator import Replicator
 from dpstate.snapshot.shared import HEADER_BYTES, SharedBuffer
 from dpstate.snapshot.state import Tracked
+from helpers.e2e import wait_for
 from helpers.fake_agents import TOKEN
 from helpers.replication import data_parallel_state, replicators
 
@@ -247,6 +248,20 @@ def shared_snapshot(rep: Replicator, tracked: Tracked, step: int) -> None:
     rep.wait_acked(timeout=10)
 
 
+def own_snapshot(holder, rep: Replicator, tracked: Tracked, step: int) -> None:
+    """shared_snapshot by the holder's own worker, and its announce taken in by the holder: the peer's offer is
+    then compared at once, where it would otherwise wait up to OFFER_WAIT_S for it (which a loaded host ran past)."""
+    shared_snapshot(rep, tracked, step)
+
+    def taken_in() -> bool:
+        try:
+            return bool(holder.server.local.of_step(step))
+        except RuntimeError:  # (the holder's thread changed its copies meanwhile: asked again)
+            return False
+
+    wait_for(taken_in, 10, f"the holder to take in its own worker's snapshot of step {step}")
+
+
 def fetch(endpoint: str, rank: int, step: int):
     return Replicator(P.Codec(TOKEN), 2, AbortSignal()).fetch(endpoint, rank, step, timeout=10)
 
@@ -259,7 +274,7 @@ def test_a_data_parallel_peer_sends_only_its_tail_and_a_divergence_is_caught_and
     peer.on_divergence = lambda *found: reported.append(found)
     ours, theirs = data_parallel(0), data_parallel(1)
 
-    shared_snapshot(local, ours, 1)
+    own_snapshot(holder, local, ours, 1)
     shared_snapshot(peer, theirs, 1)
     mine = peer.local(1)
     assert mine.plan is not None and mine.plan.every == 4 and mine.plan.shared_blocks >= 6
@@ -282,11 +297,11 @@ def test_a_data_parallel_peer_sends_only_its_tail_and_a_divergence_is_caught_and
 
     unseen = next(s for s in range(2, 200) if not sampled(s))
     seen = next(s for s in range(unseen + 1, 200) if sampled(s))
-    shared_snapshot(local, ours, unseen)
+    own_snapshot(holder, local, ours, unseen)
     shared_snapshot(peer, theirs, unseen)
     assert peer.checks.every == 4 and holder.store.get(1, unseen).base is not None
     # ... and caught at the first step whose plan samples it: the holder asks for every shared block
-    shared_snapshot(local, ours, seen)
+    own_snapshot(holder, local, ours, seen)
     sent = peer.stats.blocks_sent
     shared_snapshot(peer, theirs, seen)
     assert peer.checks.every == 1 and peer.checks.diverged
@@ -297,12 +312,12 @@ def test_a_data_parallel_peer_sends_only_its_tail_and_a_divergence_is_caught_and
     assert torch.equal(fetch(holder.replica_endpoint, 1, seen).data, peer.local(seen).data)
     # from now on every block is checksummed, so the holder trusts none of it: what its own rank did not
     # digest (it still samples) is sent, the rest compared, and the copy held is the peer's own every time
-    shared_snapshot(local, ours, seen + 1)
+    own_snapshot(holder, local, ours, seen + 1)
     shared_snapshot(peer, theirs, seen + 1)
     assert peer.local(seen + 1).plan.every == 1 and (peer.local(seen + 1).digests != 0).all()
     assert torch.equal(fetch(holder.replica_endpoint, 1, seen + 1).data, peer.local(seen + 1).data)
     for step in range(seen + 2, seen + 5):  # the holder says the rank's difference once, not at every snapshot
-        shared_snapshot(local, ours, step)
+        own_snapshot(holder, local, ours, step)
         shared_snapshot(peer, theirs, step)
     said = [r for r in caplog.records if "differ from this node's copy" in r.getMessage()]
     assert len(said) == 1 and "(1 snapshot(s) of it so far)" in said[0].getMessage(), [r.getMessage() for r in said]
