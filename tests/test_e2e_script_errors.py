@@ -34,11 +34,12 @@ if mode != "untracked":
     job.track(model=model, optimizer=opt)
 if mode == "unwrapped":  # a loop without `with step:`: a peer's failure is an exception like any other
     for step in job.steps(40):
+        if job.rank == 1:  # rank 0 waits for it in each step's all-reduce: where node 1's death reaches it
+            time.sleep(0.05)  # (a failure heard between collectives is recovered at the step's end, loop or not)
         loss = ddp(torch.randn(4, width)).square().mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
-        time.sleep(0.05)
     sys.exit(0)
 hog = bytearray if mode == "oom" and job.rank == 1 else None  # its appetite at step 5, on every node it runs on
 if mode == "crash" and job.rank == 1:  # what libstdc++ does when a native thread dies as the interpreter exits
