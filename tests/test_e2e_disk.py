@@ -61,7 +61,9 @@ def _kill_everything(proc: subprocess.Popen) -> int:
 
 
 def test_every_process_killed_at_once_goes_on_from_the_background_saves(procs, tmp_path, reference):
-    kill_at = random.randint(13, 27)  # (said in every assertion's message)
+    # (said in every assertion's message) 9+ steps before the end: progress events come at most once a second
+    # (PROGRESS_EVERY_S), up to 5 of these 0.2 s steps apart, and the last one is the job's end
+    kill_at = random.randint(13, STEPS - 9)
     events, folder = tmp_path / "killed.events.jsonl", tmp_path / "saved"
     proc = procs.dprun(*NODES, "--spares", "0", "--no-tui", "--save-dir", folder, "--save-every", "10",
                        "--events-file", events, TRAIN, "--steps", STEPS, *TRAIN_ARGS, "--step-sleep", "0.2",
