@@ -32,8 +32,9 @@ by default they go past it, O_DIRECT), in rotated order per repetition so that s
   the time they took beyond it, median over saves, and that over N of those steps (step_cost.overhead: the
   overhead the saves alone make, resolved within a run where whole runs differ by several % on a shared host).
 
-JSON: {"throughput": {"off", "save", "write", "buffered"} (tokens/s, medians), "overhead", "overhead_per_rep", "overhead_spread",
-"save_mb_per_s", "plain_mb_per_s": {"one_writer", "n_writers"}, "bandwidth_ratio", "bandwidth_ratio_n_writers",
+JSON: {"throughput": {"off", "save", "write", "buffered"} (tokens/s, medians), "overhead", "overhead_per_rep",
+"overhead_spread", "save_mb_per_s", "plain_mb_per_s": {"one_writer", "n_writers", "direct_one", "buffered_one",
+"direct_n", "buffered_n"}, "bandwidth_ratio", "bandwidth_ratio_n_writers",
 "cpu_part_s_per_writer", "step_cost": {"added_ms_per_save", "baseline_step_ms", "overhead", ...},
 "beside": {"mb_per_s", "bandwidth_ratio_beside", "step_cost"} (the control), "buffered": {"mb_per_s",
 "overhead_per_rep", "step_cost"}, "saves", "buffered_saves",
@@ -270,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     plain = {f"{method}_{n}": C.median(p["mb_per_s"] for p in plains if p["direct"] == (method == "direct")
                                        and p["writers"] == (1 if n == "one" else writers))
              for method in ("direct", "buffered") for n in ("one", "n")}
-    one = max((v for k, v in plain.items() if k.endswith("_one") and v), default=None)
-    many = max((v for k, v in plain.items() if k.endswith("_n") and v), default=None)
+    one = max(filter(None, (plain["direct_one"], plain["buffered_one"])), default=None)
+    many = max(filter(None, (plain["direct_n"], plain["buffered_n"])), default=None)
     ratio = save_bw / one if save_bw and one else None
     ratio_n = save_bw / many if save_bw and many else None
     cpu_part = C.median(r.get("cpu_part_s") for r in runs)

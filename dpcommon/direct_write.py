@@ -41,7 +41,7 @@ def write_synced(path: str | os.PathLike, pieces: Iterable[memoryview], direct: 
 
 
 def _open_direct(path: str | os.PathLike) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
 
 
 def _write_direct(path: str | os.PathLike, pieces: list[memoryview]) -> None:

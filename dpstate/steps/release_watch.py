@@ -73,24 +73,25 @@ class ReleaseWatch:
             if target <= self._watching:
                 return
             self._watching = target
-        self._after(self.warn_s, self._check, target)
+        self._after(self.warn_s, self._counted, self._warn, target)
 
     def _after(self, seconds: float, fn: Callable[..., None], *args: object) -> None:
         timer = threading.Timer(seconds, fn, args=args)
         timer.daemon = True
         timer.start()
 
+    def _counted(self, check: Callable[..., None], *args: object) -> None:
+        """A timer's check, counted in `checked` once what it said is written (a reader waits on `checked`)."""
+        try:
+            check(*args)
+        finally:
+            self.checked += 1
+
     def _still_held(self) -> bool:
         return self._abort.superseded() and self._in_step()
 
     def _waiting_at(self) -> str | None:
         return waiting_in_torch_distributed(sys._current_frames().get(self._main or -1))
-
-    def _check(self, target: int) -> None:
-        try:
-            self._warn(target)
-        finally:
-            self.checked += 1  # after what it said: a reader of `checked` finds its lines written
 
     def _warn(self, target: int) -> None:
         if target != self._watching or not self._still_held():  # (a newer generation's timer says it)
@@ -101,13 +102,7 @@ class ReleaseWatch:
         self.warned += 1
         waiting = self._waiting_at()
         if waiting is not None and self._may_end():
-            self._after(self.confirm_s, self._confirm, target, waiting)
-
-    def _confirm(self, target: int, waiting: str) -> None:
-        try:
-            self._end_if_still_waiting(target, waiting)
-        finally:
-            self.checked += 1
+            self._after(self.confirm_s, self._counted, self._end_if_still_waiting, target, waiting)
 
     def _end_if_still_waiting(self, target: int, waiting: str) -> None:
         if target != self._watching or not self._still_held() or self._waiting_at() != waiting:
