@@ -219,6 +219,9 @@ def bad_inputs(folder: Path) -> dict[str, tuple[dict, dict, str]]:
                             "of them"),
         "replica dscp": ({}, {"DP_REPLICA_DSCP": "64"}, "DP_REPLICA_DSCP='64': give a DSCP from 0 to 63 "
                          "(1: Lower-Effort, the default; 0: snapshot traffic unmarked)"),
+        "gloo lazy connect": ({}, {"DP_GLOO_LAZY_CONNECT": "yes"}, "DP_GLOO_LAZY_CONNECT='yes': give 1 (each pair "
+                              "of ranks connects on its first use), 0 (every pair as a group is made) or auto (the "
+                              "default: lazily from 128 ranks)"),
         "local address": ({"local_addr": "192.0.2.77"}, {}, "--local-addr 192.0.2.77: this machine cannot listen "
                                                             "there ("),  # (TEST-NET-1: on no interface here)
     }

@@ -114,9 +114,11 @@ def test_a_frozen_tensor_parallel_peer_releases_the_rank_waiting_on_it_and_the_j
         procs, tmp_path, reference):
     """One worker per node: each tensor parallel group spans two nodes (dprun warns), and rank 0 waits in an
     all-reduce with rank 1 on the node that freezes. The run ends with the parameters of the same job, failure-free,
-    under torchrun (fsdp-tp's `reference`; as do this file's other fsdp-tp runs)."""
+    under torchrun (fsdp-tp's `reference`; as do this file's other fsdp-tp runs). Its groups connect lazily, each
+    pair on its first use (dprun's default from 128 ranks): the waiting rank's connection, made after the build,
+    is found and severed all the same (the frozen pipeline stage above: every pair connected at the build)."""
     run = run_layout(procs, tmp_path, "fsdp-tp", "freeze-tp", "--nnodes", "4", "--nproc-per-node", "1",
-                     "--spares", "1", "--inject", "freeze-node:1@step=6")
+                     "--spares", "1", "--inject", "freeze-node:1@step=6", env={"DP_GLOO_LAZY_CONNECT": "1"})
     done = _recovered(run, "fsdp-tp", reference)
     assert done["phases"]["total_s"] < 30, done
     assert "tensor parallel groups of 2 ranks span nodes of 1 worker(s)" in run.stderr

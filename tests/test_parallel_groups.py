@@ -31,6 +31,7 @@ WAITER = textwrap.dedent("""
     abort.enter(0)
     groups.build(0, endpoint, rank, 2, abort)
     mesh = groups.build_mesh(MeshLayout.parse({"tp": 2}, 2), "cpu")
+    print(f"recorded {len(groups.connections)}", flush=True)  # (0 where the groups connect lazily)
     def partial_sum():
         return DTensor.from_local(torch.ones(4), mesh["tp"], [Partial()]).redistribute(mesh["tp"], [Replicate()])
     collective = partial_sum
@@ -70,12 +71,12 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _waiting_on_a_frozen_peer(procs, store, script: str, mode: str) -> subprocess.Popen:
+def _waiting_on_a_frozen_peer(procs, store, script: str, mode: str, env: dict | None = None) -> subprocess.Popen:
     """Starts `script` as ranks 0 and 1; once rank 1 froze itself (SIGSTOP) while rank 0 waits on it in a
     collective, asks rank 0 for a newer generation. Returns rank 0's process."""
     endpoint = f"127.0.0.1:{store.port}"
     ranks = [procs.popen([sys.executable, "-c", script, endpoint, str(r), mode], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=REPO) for r in (0, 1)]
+                         stderr=subprocess.PIPE, text=True, cwd=REPO, env=env) for r in (0, 1)]
     store.wait(["waiting"], datetime.timedelta(seconds=180))
     deadline = time.monotonic() + 60
     while not _stopped(ranks[1].pid) and time.monotonic() < deadline:
@@ -95,13 +96,18 @@ def _released(rank0: subprocess.Popen) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sever", [True, False])
+@pytest.mark.parametrize("sever, lazy", [(True, False), (False, False), (True, True)])
 @pytest.mark.timeout(300)  # seconds on a quiet host; minutes when it is starved
-def test_a_tensor_parallel_collective_waiting_on_a_frozen_peer_is_released(procs, store, sever):
-    rank0 = _waiting_on_a_frozen_peer(procs, store, WAITER + FROZEN_PEER, "sever" if sever else "keep")
+def test_a_tensor_parallel_collective_waiting_on_a_frozen_peer_is_released(procs, store, sever, lazy):
+    """lazy: the groups connect each pair on its first use (after the build, in Gloo's threads), and severing
+    finds that connection when it severs."""
+    rank0 = _waiting_on_a_frozen_peer(procs, store, WAITER + FROZEN_PEER, "sever" if sever else "keep",
+                                      env={"DP_GLOO_LAZY_CONNECT": "1" if lazy else "0"})
     if sever:
         out, why = _released(rank0)
         assert "Connection closed by peer" in why or "Connection reset" in why, out
+        recorded = int(re.search(r"recorded (\d+)", out).group(1))
+        assert (recorded == 0) if lazy else (recorded > 0), out
     else:  # the control: without severing nothing releases it (Gloo's abort does not)
         with pytest.raises(subprocess.TimeoutExpired):
             rank0.communicate(timeout=3)

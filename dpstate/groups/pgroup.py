@@ -12,6 +12,7 @@ import sys
 
 import torch.distributed as dist
 
+from dpcommon.gloo_connect import lazy_connect
 from dpstate.steps.abort import AbortSignal
 from .mesh import MeshLayout, build_mesh
 from .severing import GroupConnections
@@ -117,6 +118,10 @@ class GroupManager:
     def build(self, generation: int, store_endpoint: str, rank: int, world_size: int, abort: AbortSignal) -> None:
         """Destroy the old group, wait (abortably) until every rank of `generation` arrived, build the new one."""
         self.destroy()
+        lazy = self.backend == "gloo" and lazy_connect(world_size)
+        self.connections.begin(lazy)
+        # torch reads it at each group's creation: the mesh's groups, made later, connect the same way
+        os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else "0"
         self._abort = abort
         store = dist.PrefixStore(f"dp/gen{generation}/", self._store_for(store_endpoint))
         # Every rank checks in; init_process_group only starts once all are there, so a rank that died

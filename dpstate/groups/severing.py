@@ -6,6 +6,10 @@ shutdown(2) of the group's own connections, from any thread, fails every pending
 with "Connection closed by peer", and the peers at their other ends see the same (measured on torch 2.13:
 a DTensor all-reduce waiting on a SIGSTOPped peer raised within a millisecond). Listening sockets are left
 alone: Gloo's listener thread ends the process when its accept fails.
+
+Groups that connect lazily (dpstate.groups.pgroup.lazy_connect) make their connections in Gloo's threads, after the
+build: those are found when severing, and found again while the generation stays superseded (a collective begun
+after a sever connects anew).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import threading
 from collections.abc import Iterator
 
 from dpcommon import traffic_class
+
+SEVER_AGAIN_S = 0.1  # lazily connected groups: how often connections made since the last sever are looked for
 
 
 def _socket_fds() -> dict[int, str]:
@@ -54,12 +60,64 @@ def _group_connection(fd: int) -> bool:
         sock.close()
 
 
+def _listening_address(fd: int) -> tuple | None:
+    """The local address of `fd` where it is a listening TCP socket, else None."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or not sock.getsockopt(socket.SOL_SOCKET,
+                                                                                      socket.SO_ACCEPTCONN):
+            return None
+        return sock.getsockname()[:2]
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def _made_by_gloo(fd: int, listeners: set[tuple], listening_ports: set[int]) -> bool:
+    """Is `fd` a connection that a lazily connecting Gloo group made: connected TCP, not snapshot traffic, and
+    either accepted at one of the groups' `listeners` or connected by Gloo to a peer's (Gloo sets SO_REUSEADDR on
+    the sockets it connects; the TCPStore client's and ZeroMQ's connecting sockets have it unset, and a socket
+    accepted at another of this process's listeners, whose port is in `listening_ports`, inherits it)?"""
+    if not _group_connection(fd):
+        return False
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        local = sock.getsockname()[:2]
+        if local in listeners:
+            return True
+        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)) and local[1] not in listening_ports
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
 class GroupConnections:
-    """The connections recorded while groups were built (record()), until sever() shuts them down."""
+    """The connections recorded while groups were built (record()), until sever() shuts them down; for groups
+    that connect lazily (begin(lazy=True)), also those made after the build."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[int, str] = {}
+        self._lazy = False
+        self._before: dict[int, str] = {}  # (lazy) the sockets there before the generation's groups were made
+        self._listeners: set[tuple] = set()  # (lazy) the groups' listening addresses
+        self._again: threading.Event | None = None  # (lazy) set: the severing again after a sever ends
+
+    def begin(self, lazy: bool) -> None:
+        """A generation's groups are about to be made: forget the last one's; `lazy`: they connect on first use."""
+        with self._lock:
+            if self._again is not None:
+                self._again.set()
+            self._held, self._lazy, self._listeners, self._again = {}, lazy, set(), None
+            self._before = _socket_fds() if lazy else {}
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -68,18 +126,48 @@ class GroupConnections:
         connections on a host and every leaked generation's, made this O(R^2) per rank (docs/scaling.md)."""
         before = _socket_fds()
         yield
-        new = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link and _group_connection(fd)}
+        made = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link}
+        new = {fd: link for fd, link in made.items() if _group_connection(fd)}
+        listeners = {address for address in map(_listening_address, made) if address is not None}
         with self._lock:
             self._held.update(new)
+            self._listeners |= listeners
 
     def __len__(self) -> int:
         return len(self._held)
 
     def sever(self) -> int:
         """Shut down every recorded connection that is still the socket it was (an fd number may have been
-        reused since); returns how many were shut down. The fds stay open: their groups are leaked, not closed."""
+        reused since), and every one a lazily connecting group made since; returns how many were shut down. The
+        fds stay open: their groups are leaked, not closed. Lazily connecting groups: the same again every
+        SEVER_AGAIN_S until the next generation's begin()."""
         with self._lock:
-            held, self._held = self._held, {}
+            severed = self._sever_held()
+            if self._lazy and self._again is None:
+                self._again = threading.Event()
+                threading.Thread(target=self._sever_again, args=(self._again,), name="dpstate-sever-again",
+                                 daemon=True).start()
+        return severed
+
+    def _sever_again(self, ended: threading.Event) -> None:
+        while not ended.wait(SEVER_AGAIN_S):
+            with self._lock:
+                if not ended.is_set():
+                    self._sever_held()
+
+    def _lazily_made(self) -> dict[int, str]:
+        """(lazy, the lock held) The groups' connections made since the generation began."""
+        current = _socket_fds()
+        ports = {address[1] for address in map(_listening_address, current) if address is not None}
+        return {fd: link for fd, link in current.items()
+                if self._before.get(fd) != link and _made_by_gloo(fd, self._listeners, ports)}
+
+    def _sever_held(self) -> int:
+        """(the lock held) Shut down the recorded connections, and the lazily made ones."""
+        held, self._held = self._held, {}
+        if self._lazy:
+            held.update(self._lazily_made())
+            self._before.update(held)  # (shut down: not looked at again)
         severed = 0
         for fd, link in held.items():
             try:

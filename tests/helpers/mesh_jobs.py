@@ -20,11 +20,12 @@ LAYOUTS = {  # name: (dims, the mesh as dprun reports it)
 STEPS = {"3d": 20, "dp-pp": 16, "fsdp-tp": 16}
 
 
-def run_layout(procs, tmp_path: Path, layout: str, name: str, *options: str, timeout: float = 240) -> Run:
+def run_layout(procs, tmp_path: Path, layout: str, name: str, *options: str, timeout: float = 240,
+               env: dict | None = None) -> Run:
     """dprun OPTIONS train_gpt_3d.py of `layout` (MODEL, its dims) for its STEPS."""
     dims, _ = LAYOUTS[layout]
     return dprun(procs, tmp_path, name, *options, steps=STEPS[layout], timeout=timeout, script=TRAIN_3D,
-                 script_args=[*MODEL, *dims])
+                 script_args=[*MODEL, *dims], env=env)
 
 
 @dataclass
