@@ -20,7 +20,10 @@ Three measurements in one run (docs/scaling.md has the method and the figures):
   barrier. Variants, interleaved: `before` (dpstate before both fixes of docs/scaling.md: Gloo's default
   rendezvous keys, 8 bytes per peer, and the connections recorded from the network namespace's whole TCP
   table), `table` (the keys of now, the TCP-table recording: dpstate before dpstate/groups/severing.py recorded its own
-  new sockets) and `now` (dpstate as it is); the old recording is patched in the benchmark's processes only.
+  new sockets), `now` (dpstate as it is, every pair connected as the group is made) and `lazy` (dpstate with
+  DP_GLOO_LAZY_CONNECT=1: each pair on its first use); the old recording is patched in the benchmark's processes
+  only. Each rank counts the group connections it holds after the barrier; lazily, a pair costs a store read on
+  each side, so their sum is the build's store reads (R x (R - 1) for the full mesh).
 * decide: the controller alone (benchmarks/controller_scale.py's path: a node failure in, the probe round, the
   plan and every Reconfigure out, through the real codec), CPU time at 2 ... 4,096 ranks (1 rank per node, and
   512 nodes x 8).
@@ -57,7 +60,7 @@ TRAINER = C.REPO / "benchmarks" / "_state_trainer.py"
 PHASES = ("detect_s", "decide_s", "rebuild_s", "restore_s", "rest_s", "total_s")
 LAYOUTS = "2x1,4x1,8x1,16x1,16x2,8x4"
 QUICK_LAYOUTS = "2x1,4x1"
-VARIANTS = ("before", "table", "now")
+VARIANTS = ("before", "table", "now", "lazy")
 DECIDE_SIZES = [(2, 1), (4, 1), (8, 1), (16, 1), (32, 1), (128, 1), (512, 1), (4096, 1), (512, 8)]
 QUICK_DECIDE_SIZES = [(2, 1), (4, 1), (64, 1)]
 PROJECT_TO = (512, 4096)
@@ -179,7 +182,7 @@ def group_worker(endpoint: str, rank: int, schedule_path: str) -> int:
 
     from dpstate.steps.abort import AbortSignal
     from dpstate.groups.pgroup import GroupManager
-    from dpstate.groups.severing import GroupConnections
+    from dpstate.groups.severing import GroupConnections, _group_connection, _socket_fds
 
     torch.set_num_threads(1)
     spent: dict[str, float] = {}
@@ -223,12 +226,14 @@ def group_worker(endpoint: str, rank: int, schedule_path: str) -> int:
         else:
             os.environ.pop("GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER", None)  # GroupManager.build sets it
         table[0] = variant in ("before", "table")
+        os.environ["DP_GLOO_LAZY_CONNECT"] = "1" if variant == "lazy" else "0"
         side.add(f"aligned/{generation}", 1)  # every rank starts the build together (not counted)
         delay = 0.001
         while side.add(f"aligned/{generation}", 0) < world:
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
         spent.clear()
+        sockets_before = _socket_fds()
         cpu0, t0 = time.process_time(), time.perf_counter()
         groups.build(generation, endpoint, rank, world, abort)
         t1, cpu1 = time.perf_counter(), time.process_time()
@@ -239,8 +244,11 @@ def group_worker(endpoint: str, rank: int, schedule_path: str) -> int:
         t3 = time.perf_counter()
         if x.item() != world:
             raise RuntimeError(f"generation {generation}: all-reduce gave {x.item()}, not {world}")
+        connections = sum(1 for fd, link in _socket_fds().items()
+                          if sockets_before.get(fd) != link and _group_connection(fd))
         side.set(f"result/{generation}/{rank}", json.dumps({
             "build_s": t1 - t0, "build_cpu_s": cpu1 - cpu0, "allreduce_s": t2 - t1, "barrier_s": t3 - t2,
+            "connections": connections,
             **{f"{k}_s": v for k, v in spent.items()}}))
     sys.stdout.flush()
     os._exit(0)  # the groups are leaked on purpose; skip their destructors
@@ -304,7 +312,9 @@ def run_groups(args, work: C.Workdir, failures: C.Failures) -> list[dict]:
             for key in ("build_s", "arrive_s", "init_s", "record_s", "allreduce_s", "barrier_s"):
                 row[key] = C.median(max(r.get(key, 0.0) for r in ranks_of) for ranks_of in builds)
             row["build_cpu_s"] = C.median(sum(r["build_cpu_s"] for r in b) / len(b) for b in builds)
-            row["store_bytes_read"] = world * world * (154 + (8 * world if variant == "before" else 0))
+            row["connections_per_rank"] = C.median(sum(r["connections"] for r in b) / len(b) for b in builds)
+            reads = (row["connections_per_rank"] * world if variant == "lazy" else world * (world - 1))
+            row["store_bytes_read"] = reads * (154 + (8 * world if variant == "before" else 0))
             rows.append(row)
     print(f"  groups: {ranks} processes, {len(schedule)} builds in {wall:.0f} s (process start included)", flush=True)
     return rows
@@ -446,27 +456,32 @@ def fits_of(jobs: list[dict], groups: list[dict], decide: list[dict]) -> dict:
     return {k: v for k, v in fits.items() if v is not None}
 
 
-def model_projection(jobs: list[dict], decide: list[dict], fits: dict, store: dict | None) -> dict:
+def model_projection(jobs: list[dict], decide: list[dict], fits: dict, store: dict | None,
+                     groups: list[dict] | None = None) -> dict:
     """A recovery at R ranks with a core per rank: the figures that do not depend on R as measured at the smallest
     job (detect, restore, rest: a barrier and one step), the controller's decision as measured at R, and the group
     build as the CPU one rank spends on it, projected linearly (on a core of its own a rank's build connects to
     R - 1 peers and reads R keys; here every rank's table of sockets is the host's, of all ranks, which adds a
     term that grows faster), plus the store's share: Gloo's full mesh has every rank read every rank's key, R^2
-    reads that the one TCPStore serves one after another."""
+    reads that the one TCPStore serves one after another; lazily (`lazy`), a read per connection a rank makes, as
+    many as at the largest size measured (a ring all-reduce and a barrier talk to a few peers each)."""
     if not jobs:
         return {}
     small = min(jobs, key=lambda r: r["ranks"])
     decide_fit = fits.get("controller decide_cpu_s")
     per_get = store["server_cpu_per_get_s"] if store else None
+    lazy = [g for g in groups or [] if g["variant"] == "lazy"]
+    lazy_reads = max(lazy, key=lambda g: g["ranks"])["connections_per_rank"] if lazy else None
     out = {}
     for r in PROJECT_TO:
         measured = [d["decide_cpu_s"] for d in decide if d["ranks"] == r and d["nproc"] == 1]
         decide_s = measured[0] if measured else (decide_fit["projected"][str(r)] if decide_fit else None)
-        for variant in ("table", "now"):
+        for variant in ("table", "now", "lazy"):
             cpu_fit = fits.get(f"group build_cpu_s ({variant})")
+            reads = r * lazy_reads if variant == "lazy" and lazy_reads is not None else r * r
             parts = {"detect_s": small["detect_s"], "decide_s": decide_s,
                      "rebuild_cpu_s": cpu_fit["linear"]["at"][str(r)] if cpu_fit else None,
-                     "store_s": r * r * per_get if per_get else None,
+                     "store_s": reads * per_get if per_get else None,
                      "restore_s": small["restore_s"], "rest_s": small["rest_s"]}
             known = [v for v in parts.values() if v is not None]
             parts["total_s"] = sum(known) if len(known) == len(parts) else None
@@ -496,7 +511,7 @@ def analyse(result: dict) -> dict:
     for row in jobs:
         row["total_steps"] = row["total_s"] / row["step_s"] if row.get("step_s") else None
     fits = fits_of(jobs, groups, decide)
-    return {**result, "fits": fits, "projection": model_projection(jobs, decide, fits, store),
+    return {**result, "fits": fits, "projection": model_projection(jobs, decide, fits, store, groups),
             "target": target_of(jobs)}
 
 
@@ -517,10 +532,11 @@ def report(result: dict) -> None:
     if groups:
         print("\ngroups only (slowest rank's wall, median over builds; cpu: CPU seconds per rank; ms):")
         print(C.table(["ranks", "variant", "build", "arrive", "init", "record", "cpu/rank", "allreduce", "barrier",
-                       "store read"],
+                       "conns/rank", "store read"],
                       [[g["ranks"], g["variant"], ms(g["build_s"]), ms(g["arrive_s"]), ms(g["init_s"]),
                         ms(g["record_s"]), ms(g["build_cpu_s"]), ms(g["allreduce_s"]), ms(g["barrier_s"]),
-                        f"{g['store_bytes_read'] / 1e3:.0f} kB"] for g in groups]))
+                        C.fmt(g.get('connections_per_rank'), '.1f'), f"{g['store_bytes_read'] / 1e3:.0f} kB"]
+                       for g in groups]))
     if decide:
         print("\ncontroller alone (failure -> probe round -> plan -> Reconfigure out; CPU ms):")
         print(C.table(["ranks", "nodes x nproc", "decide cpu"],

@@ -244,12 +244,15 @@ def test_recovery_growth_quick(procs, tmp_path):
         assert len(row["recoveries"]) == 1 and row["step_s"] > 0, row
         assert all(row[k] > 0 for k in ("detect_s", "decide_s", "rebuild_s", "restore_s", "total_s")), row
     assert {(g["ranks"], g["variant"]) for g in got["groups"]} == {(r, v) for r in (2, 4)
-                                                                   for v in ("before", "table", "now")}
+                                                                   for v in ("before", "table", "now", "lazy")}
     assert all(g["build_s"] > 0 and g["build_cpu_s"] > 0 and g["allreduce_s"] > 0 for g in got["groups"])
     assert got["store"]["server_cpu_per_get_s"] > 0 and all(d["decide_cpu_s"] > 0 for d in got["decide"])
     for name in ("job total_s", "job rebuild_s", "group build_cpu_s (now)", "controller decide_cpu_s"):
         assert set(got["fits"][name]["projected"]) == {"512", "4096"}, name
     assert got["projection"]["now"]["4096"]["total_s"] > got["projection"]["now"]["512"]["total_s"] > 0
+    lazy = {g["ranks"]: g["connections_per_rank"] for g in got["groups"] if g["variant"] == "lazy"}
+    full_mesh = {g["ranks"]: g["connections_per_rank"] for g in got["groups"] if g["variant"] == "now"}
+    assert full_mesh == {2: 1, 4: 3} and 0 < lazy[4] <= 3, (lazy, full_mesh)
 
 
 @pytest.mark.timeout(240)
