@@ -112,11 +112,14 @@ class GroupConnections:
         self._again: threading.Event | None = None  # (lazy) set: the severing again after a sever ends
 
     def begin(self, lazy: bool) -> None:
-        """A generation's groups are about to be made: forget the last one's; `lazy`: they connect on first use."""
+        """A generation's groups are about to be made (`lazy`: they connect on first use). The last generation's
+        connections that were never severed stay held until the next sever, as recorded ones always did."""
         with self._lock:
             if self._again is not None:
                 self._again.set()
-            self._held, self._lazy, self._listeners, self._again = {}, lazy, set(), None
+            if self._lazy:
+                self._held.update(self._lazily_made())
+            self._lazy, self._listeners, self._again = lazy, set(), None
             self._before = _socket_fds() if lazy else {}
 
     @contextlib.contextmanager
