@@ -42,39 +42,47 @@ def _socket_fds() -> dict[int, str]:
     return found
 
 
-def _group_connection(fd: int) -> bool:
-    """Is `fd` a connected TCP socket (not a listener: getpeername fails on one; not a Unix socket) that is not
-    snapshot traffic (a replica DEALER that connected while the groups were built: dpcommon.traffic_class)?"""
+@contextlib.contextmanager
+def _socket_of(fd: int) -> Iterator[socket.socket | None]:
+    """A duplicate of `fd` as a socket object, closed after the block (None: the fd is gone)."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
+        sock = None
+    try:
+        yield sock
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _connected_tcp(sock: socket.socket) -> bool:
+    """Is `sock` a connected TCP socket (not a listener: getpeername fails on one; not a Unix socket) that is not
+    snapshot traffic (a replica DEALER that connected while the groups were built: dpcommon.traffic_class)?"""
+    if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return False
     try:
-        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return False
         sock.getpeername()
         return not traffic_class.is_snapshot_traffic(sock)
     except OSError:
         return False
-    finally:
-        sock.close()
+
+
+def _group_connection(fd: int) -> bool:
+    """Is `fd` a connection that groups may have made (_connected_tcp)?"""
+    with _socket_of(fd) as sock:
+        return sock is not None and _connected_tcp(sock)
 
 
 def _listening_address(fd: int) -> tuple | None:
     """The local address of `fd` where it is a listening TCP socket, else None."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return None
-    try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6) or not sock.getsockopt(socket.SOL_SOCKET,
-                                                                                      socket.SO_ACCEPTCONN):
+    with _socket_of(fd) as sock:
+        if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
             return None
-        return sock.getsockname()[:2]
-    except OSError:
-        return None
-    finally:
-        sock.close()
+        try:
+            return sock.getsockname()[:2] if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) else None
+        except OSError:
+            return None
 
 
 def _made_by_gloo(fd: int, listeners: set[tuple], listening_ports: set[int]) -> bool:
@@ -82,21 +90,15 @@ def _made_by_gloo(fd: int, listeners: set[tuple], listening_ports: set[int]) -> 
     either accepted at one of the groups' `listeners` or connected by Gloo to a peer's (Gloo sets SO_REUSEADDR on
     the sockets it connects; the TCPStore client's and ZeroMQ's connecting sockets have it unset, and a socket
     accepted at another of this process's listeners, whose port is in `listening_ports`, inherits it)?"""
-    if not _group_connection(fd):
-        return False
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
-    try:
-        local = sock.getsockname()[:2]
-        if local in listeners:
-            return True
-        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)) and local[1] not in listening_ports
-    except OSError:
-        return False
-    finally:
-        sock.close()
+    with _socket_of(fd) as sock:
+        if sock is None or not _connected_tcp(sock):
+            return False
+        try:
+            local = sock.getsockname()[:2]
+            return local in listeners or (bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR))
+                                          and local[1] not in listening_ports)
+        except OSError:
+            return False
 
 
 class GroupConnections:
