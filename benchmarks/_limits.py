@@ -3,6 +3,8 @@
 * memcpy bandwidth (torch copy of a large buffer into a reused one, one thread);
 * loopback TCP bandwidth (one process sends N bytes with sendall, another recv_into's a reused buffer), and
   the CPU time both ends spend on it (tcp_cpu_s: what moving the state costs a host whose cores are busy);
+* the same N bytes over several connections at once, a thread per connection at each end (tcp_streams of
+  them: whether one stream is the limit on this host, where several connections would send faster);
 * time to rebuild a 2-rank Gloo process group once both processes are there (init_process_group + barrier).
 
 `python benchmarks/_limits.py --bytes N` prints them as JSON; `measure(N)` runs it in fresh processes.
@@ -17,6 +19,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -35,6 +38,37 @@ def _memcpy(nbytes: int, reps: int = 3) -> float:
     return nbytes / statistics.median(times)
 
 
+def parallel_streams() -> int:
+    """Connections of the several-streams test: 2 on a small host, up to 4 where there are cores for them (a
+    thread at each end of each)."""
+    return max(2, min(4, (os.cpu_count() or 1) // 4))
+
+
+def _together(work: list) -> float:
+    """Run each callable on a thread of its own, all at once; the seconds until the last is done."""
+    threads = [threading.Thread(target=w) for w in work]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def _recv_all(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:], min(len(view) - got, 1 << 24))
+        if not n:
+            raise SystemExit("sender went away")
+        got += n
+
+
+def _slices(view: memoryview, k: int) -> list[memoryview]:
+    step = -(-len(view) // k)
+    return [view[i * step : (i + 1) * step] for i in range(k)]
+
+
 def _peer(role: str, port: int, nbytes: int, reps: int, store_port: int) -> None:
     """Both ends of the TCP test and of the process-group test (rank = 0 for the sender)."""
     import torch
@@ -49,7 +83,7 @@ def _peer(role: str, port: int, nbytes: int, reps: int, store_port: int) -> None
         srv = socket.socket()
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         srv.bind(("127.0.0.1", port))
-        srv.listen(1)
+        srv.listen(parallel_streams() + 1)
         print("ready", flush=True)
         conn, _ = srv.accept()
         times = []
@@ -61,21 +95,30 @@ def _peer(role: str, port: int, nbytes: int, reps: int, store_port: int) -> None
             times.append(time.perf_counter() - t0)
         out["send_cpu_s"] = (time.process_time() - c0) / reps
         conn.close()
-        srv.close()
         out["tcp_s"] = statistics.median(times)
+        conns = [srv.accept()[0] for _ in range(parallel_streams())]
+        times = []
+        for _ in range(reps):  # (each end's threads start apart: the receiver's acks close every repetition)
+            times.append(_together([lambda c=c, v=v: (c.sendall(v), c.recv(1)) for c, v in
+                                    zip(conns, _slices(view, len(conns)))]))
+        out["tcp_parallel_s"] = statistics.median(times)
+        for c in conns:
+            c.close()
+        srv.close()
     else:
         conn = _connect(port)
         c0 = time.process_time()
         for _ in range(reps):
-            got = 0
-            while got < nbytes:
-                n = conn.recv_into(view[got:], min(nbytes - got, 1 << 24))
-                if not n:
-                    raise SystemExit("sender went away")
-                got += n
+            _recv_all(conn, view)
             conn.sendall(b"k")
         out["recv_cpu_s"] = (time.process_time() - c0) / reps
         conn.close()
+        conns = [_connect(port) for _ in range(parallel_streams())]
+        for _ in range(reps):
+            _together([lambda c=c, v=v: (_recv_all(c, v), c.sendall(b"k")) for c, v in
+                       zip(conns, _slices(view, len(conns)))])
+        for c in conns:
+            c.close()
     # process group rebuilds over one TCPStore, a new prefix each time (what a recovery does)
     store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, wait_for_workers=True)
     pg_times = []
@@ -115,7 +158,8 @@ def _free_port() -> int:
 
 
 def measure(nbytes: int, reps: int = 3, timeout: float = 300) -> dict:
-    """memcpy and loopback TCP bandwidth (bytes/s) for `nbytes`, and a 2-rank Gloo group rebuild (s)."""
+    """memcpy and loopback TCP bandwidth (bytes/s) for `nbytes`, one stream and tcp_streams at once, and a 2-rank
+    Gloo group rebuild (s)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     port, store_port = _free_port(), _free_port()
     me = os.path.abspath(__file__)
@@ -143,6 +187,7 @@ def measure(nbytes: int, reps: int = 3, timeout: float = 300) -> dict:
                 p.wait()
     return {"bytes": nbytes, "memcpy_Bps": sent["memcpy_Bps"], "tcp_Bps": nbytes / sent["tcp_s"],
             "tcp_s": sent["tcp_s"], "tcp_cpu_s": sent["send_cpu_s"] + got["recv_cpu_s"],
+            "tcp_parallel_Bps": nbytes / sent["tcp_parallel_s"], "tcp_streams": parallel_streams(),
             "pg_rebuild_s": max(sent["pg_s"], got["pg_s"])}
 
 

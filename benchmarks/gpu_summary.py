@@ -262,6 +262,10 @@ def pipeline_figures(out: Path, name: str, gpu: bool) -> Check:
             one.need(key, row.get(key))
         for key in ("whole_snapshot_s", "whole_pipeline_ratio", "cpu_bound_s"):  # the same snapshot sent after it
             one.put(key, row.get(key))
+        # the restore over several connections beside the setting's, and TCP's limit over as many
+        for key in ("fetch_streams", "parallel_streams", "restore_streams_s", "restore_streams_ratio",
+                    "tcp_parallel_GBps"):
+            one.put(key, row.get(key))
         sizes.append(one.figures)
         c.missing.extend(f"{mb:g} MB {m}" if isinstance(mb, (int, float)) else m for m in one.missing)
     c.need("sizes", sizes)

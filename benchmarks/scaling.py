@@ -20,7 +20,9 @@ The limits are measured at min(size, 512 MB): memcpy (one thread) and loopback T
 Ratios: capture / memcpy, replication / TCP, restore / TCP (achieved bandwidth over the limit). The stages'
 own throughputs (copy, checksum, send; fetch, verify, load) are reported too, and the pipeline's time over
 its slowest stage (pipeline_ratio: 1 where the stages overlap completely, their sum over the slowest where
-they run one after the other). Each repetition snapshots twice, side by side: once sent whole after its
+they run one after the other). Each repetition restores twice, side by side: with the DP_FETCH_STREAMS
+setting (restore_s) and over several connections (restore_streams_s, as many as the TCP limit's parallel test
+uses: tcp_parallel_GBps). Each repetition snapshots twice, side by side: once sent whole after its
 capture (DP_SNAPSHOT_STREAM=0: the stages one after the other, which gives each stage's own time and
 replicate_s, the send alone) and once streamed as it is captured (what training does: snapshot_s;
 whole_snapshot_s and whole_pipeline_ratio are the former's). cpu_bound_s: the streamed snapshot's CPU seconds
@@ -40,7 +42,8 @@ JSON: {"device", "sizes": [{"mb", "capture_s", "replicate_s", "restore_s", "capt
 "restore_GBps", "memcpy_GBps", "tcp_GBps", "capture_ratio", "replicate_ratio", "restore_ratio", "copy_GBps",
 "crc_GBps", "fetch_GBps", "verify_GBps", "load_GBps", "d2h_GBps", "h2d_GBps" (None on the CPU), "copy_ratio"
 (over d2h on a GPU, memcpy on the CPU), "crc_ratio" (over memcpy), "pipeline_ratio", "whole_snapshot_s",
-"whole_pipeline_ratio", "cpu_bound_s", "cpu_bound_ratio", "streamed_reps", and the
+"whole_pipeline_ratio", "cpu_bound_s", "cpu_bound_ratio", "streamed_reps", "fetch_streams" (DP_FETCH_STREAMS),
+"parallel_streams", "restore_streams_s", "restore_streams_GBps", "restore_streams_ratio", "tcp_parallel_GBps", and the
 first repetition's "replicate_s_cold", "restore_s_cold", "replicate_cold_ratio", "restore_cold_ratio"}],
 "recovery": [{"mb", "detect_s", "rebuild_s", "restore_s", "total_s", "restore_at_tcp_s"}], "skipped": [...],
 "failed": [{"run", "cause"}]}. A size whose run fails (the worker's or holder's exit, a recovery's exit code) is
@@ -67,7 +70,7 @@ import _limits  # noqa: E402
 HERE = Path(__file__).resolve().parent
 CHUNK = 16 * 2**20  # float32 elements per tensor (64 MB)
 PHASES = ("capture_s", "copy_s", "crc_s", "replicate_s", "snapshot_s", "whole_snapshot_s", "cpu_bound_s", "fetch_s",
-          "verify_s", "load_s", "restore_s")
+          "verify_s", "load_s", "restore_s", "restore_streams_s")
 
 
 # ------------------------------------------------------------------------------------------ worker process
@@ -99,8 +102,8 @@ def worker(mb: float, endpoint: str, token: str, reps: int, device_name: str = "
 
     sys.path.insert(0, str(HERE.parent))
     from dpcommon import protocol as P
+    from dpcommon.fetch_streams import fetch_streams
     from dpcommon.thread_cpu import thread_cpu_times
-    from dpstate.snapshot import packing as S
     from dpstate.steps.abort import AbortSignal
     from dpstate.replication.replicator import Replicator
 
@@ -113,13 +116,19 @@ def worker(mb: float, endpoint: str, token: str, reps: int, device_name: str = "
     numel = int(mb * 1e6 / 4)
     sizes = [CHUNK] * (numel // CHUNK) + ([numel % CHUNK] if numel % CHUNK else [])
     live = {f"t{i}": torch.full((n,), float(i), device=device) for i, n in enumerate(sizes)}
+    # the setting's fetches (DP_FETCH_STREAMS) and, side by side, fetches over `parallel` connections: the
+    # Replicator's context gets an I/O thread for each of those (it takes one per connection of the setting)
+    setting, parallel = fetch_streams(), _limits.parallel_streams()
+    os.environ["DP_FETCH_STREAMS"] = str(max(setting, parallel))
     rep = Replicator(P.Codec(token.encode()), 0, AbortSignal())
+    os.environ["DP_FETCH_STREAMS"], rep.fetch_streams = str(setting), setting
     rep.slots = rep.slots[:1]  # one host buffer (memory: a 4 GB state), warm like a training run's after a few steps
     rep.configure(0, "", 0)
     rep.submit(0, {"step": 0, "state": live})  # warm-up capture, kept local: the buffer's pages exist
     rep.wait_acked()
     rep.configure(0, endpoint, 0)
-    out: dict = {"mb": mb, "bytes": 4 * numel, "device": str(device), **limits, **{key: [] for key in PHASES}}
+    out: dict = {"mb": mb, "bytes": 4 * numel, "device": str(device), "fetch_streams": setting,
+                 "parallel_streams": parallel, **limits, **{key: [] for key in PHASES}}
     st = rep.stats
 
     def cpu_s() -> float:  # both processes' CPU seconds, every thread (/proc, 10 ms ticks)
@@ -134,6 +143,9 @@ def worker(mb: float, endpoint: str, token: str, reps: int, device_name: str = "
         return {"snapshot_s": time.perf_counter() - t0, "capture_s": st.capture_s - c0,
                 "replicate_s": st.send_s - s0, "copy_s": st.copy_s - copy0, "crc_s": st.crc_s - crc0,
                 "cpu_s": cpu_s() - cpu0}
+
+    def restore(step: int, streams: int) -> dict:
+        return restore_into(rep, live, endpoint, step, streams, device)
 
     for r in range(reps):
         # each repetition snapshots twice: sent whole after the capture (the stages one after the other: each
@@ -153,23 +165,40 @@ def worker(mb: float, endpoint: str, token: str, reps: int, device_name: str = "
         rep.quiesce()
         for slot in rep.slots:
             slot.release() if r == 0 and device.type == "cpu" else rep.forget(slot)
-        f0, v0 = st.fetch_s, st.fetch_verify_s
-        t0 = time.perf_counter()
-        slot = rep.fetch(endpoint, 0, 2 * r + 2, timeout=600)
-        t1 = time.perf_counter()
-        tree = S.unpack(slot.meta, slot.data, clone=False)
-        for k, t in tree["state"].items():
-            live[k].copy_(t)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t2 = time.perf_counter()
-        out["fetch_s"].append(st.fetch_s - f0)
-        out["verify_s"].append(st.fetch_verify_s - v0)
-        out["load_s"].append(t2 - t1)
-        out["restore_s"].append(t2 - t0)
-        del tree
-        rep.forget(slot)  # the next capture writes into it
+        # the setting's restore and one over `parallel` connections (dpcommon.fetch_streams), in turns first (the
+        # setting's first in the first repetition: its cold figure); once where the two are the same
+        for streams in dict.fromkeys((setting, parallel) if r % 2 == 0 else (parallel, setting)):
+            timed = restore(2 * r + 2, streams)
+            if streams == setting:
+                for key in ("fetch_s", "verify_s", "load_s", "restore_s"):
+                    out[key].append(timed[key])
+            if streams == parallel:
+                out["restore_streams_s"].append(timed["restore_s"])
     return out
+
+
+def restore_into(rep, live: dict, endpoint: str, step: int, streams: int, device) -> dict:
+    """Fetch the holder's snapshot of `step` over `streams` connections and load it into `live`, timed; its slot
+    is let go after (the next capture or fetch writes there)."""
+    import torch
+
+    from dpstate.snapshot import packing as S
+
+    st = rep.stats
+    rep.fetch_streams = streams
+    f0, v0 = st.fetch_s, st.fetch_verify_s
+    t0 = time.perf_counter()
+    slot = rep.fetch(endpoint, 0, step, timeout=600)
+    t1 = time.perf_counter()
+    tree = S.unpack(slot.meta, slot.data, clone=False)
+    for k, t in tree["state"].items():
+        live[k].copy_(t)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t2 = time.perf_counter()
+    del tree
+    rep.forget(slot)
+    return {"fetch_s": st.fetch_s - f0, "verify_s": st.fetch_verify_s - v0, "load_s": t2 - t1, "restore_s": t2 - t0}
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -312,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
             r.update(memcpy_GBps=limits["memcpy_Bps"] / 1e9, tcp_GBps=limits["tcp_Bps"] / 1e9,
                      capture_GBps=nbytes / r["capture_s"] / 1e9, replicate_GBps=nbytes / r["replicate_s"] / 1e9,
                      restore_GBps=nbytes / r["restore_s"] / 1e9)
+            r.update(restore_streams_GBps=nbytes / r["restore_streams_s"] / 1e9,
+                     restore_streams_ratio=nbytes / r["restore_streams_s"] / 1e9 / r["tcp_GBps"],
+                     tcp_parallel_GBps=limits["tcp_parallel_Bps"] / 1e9)
             r.update(replicate_cold_GBps=nbytes / r["replicate_s_cold"] / 1e9,
                      restore_cold_GBps=nbytes / r["restore_s_cold"] / 1e9)
             r.update(capture_ratio=r["capture_GBps"] / r["memcpy_GBps"],
@@ -337,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{C.fmt(r['whole_pipeline_ratio'], '.2f')}x its slowest stage ({r['streamed_reps']} of "
                   f"{args.reps} streamed); the streamed one's CPU (both processes) over the cores: "
                   f"{r['cpu_bound_s']:.3f} s", flush=True)
+            print(f"           restore over {r['fetch_streams']} connection(s) {r['restore_s']:.3f} s, over "
+                  f"{r['parallel_streams']} {r['restore_streams_s']:.3f} s ({r['restore_streams_ratio']:.2f} of TCP; "
+                  f"TCP over {r['parallel_streams']} connections {r['tcp_parallel_GBps']:.2f} GB/s)", flush=True)
         tcp = C.median(r["tcp_GBps"] for r in rows)  # None without a row of part 1: no bandwidth measured
         for mb in rec_sizes:
             rec = part2(mb, work, steps=args.recovery_steps, kill_at=args.recovery_steps // 2, timeout=args.timeout,

@@ -13,6 +13,7 @@ not wait for. So are a stopping job's files written, and a resumed job's read (S
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -33,7 +34,7 @@ from .streamed_puts import StreamedPuts
 from dpcommon.protocol import (FetchSnapshot, LoadSnapshots, LocalSnapshot, OfferSnapshot, PutSnapshot, ReserveSnapshot,
                        SaveSnapshots, SnapshotAck, SnapshotBlocks, SnapshotChunk, SnapshotData, SnapshotFiles,
                        SnapshotPart, SnapshotReserved, SnapshotStored, SnapshotWants)
-from dpcommon.replica_store import ReplicaStore, Snapshot, intact
+from dpcommon.replica_store import ReplicaStore, Snapshot, frame_view, intact
 from dpcommon.save_manifest import prune
 from dpcommon.snapshot_files import (CopyRoom, check_copies, copy_out, held_copies, read_files, store_loaded,
                                      write_copies)
@@ -312,9 +313,15 @@ class ReplicaServer:
             log.info("fetch of rank %d step %d: not held (held: %s)", msg.rank, msg.step, self.store.steps(msg.rank))
             self.channel.reply(incoming, SnapshotData(msg.rank, msg.step, found=False))
             return
+        if not 0 <= msg.stream < msg.streams:
+            self.channel.drop_unexpected(incoming)
+            return
         reply = SnapshotData(snap.rank, snap.step, found=True, checksum=snap.checksum, nbytes=snap.nbytes,
                              chunks=len(snap.chunks))
-        self.channel.reply(incoming, reply, [snap.meta])
-        for index, chunk in enumerate(snap.chunks):  # queued zero-copy; the socket's queue is unbounded
-            self.channel.reply(incoming, SnapshotChunk(snap.rank, snap.step, index), [chunk])
-        log.info("served snapshot of rank %d step %d (%d bytes)", snap.rank, snap.step, snap.nbytes)
+        self.channel.reply(incoming, reply, [snap.meta] if msg.stream == 0 else [])
+        offsets = list(itertools.accumulate((frame_view(c).nbytes for c in snap.chunks), initial=0))
+        for index in range(msg.stream, len(snap.chunks), msg.streams):  # queued zero-copy (an unbounded queue)
+            chunk = SnapshotChunk(snap.rank, snap.step, index, offsets[index])
+            self.channel.reply(incoming, chunk, [snap.chunks[index]])
+        log.info("served snapshot of rank %d step %d (%d bytes; connection %d of %d)", snap.rank, snap.step,
+                 snap.nbytes, msg.stream + 1, msg.streams)

@@ -36,7 +36,7 @@ from .snapshot_messages import (
     SnapshotChunk, SnapshotData, SnapshotPart, SnapshotReserved, SnapshotWants,
 )
 
-PROTOCOL_VERSION = 25  # what each version changed: docs/protocol.md
+PROTOCOL_VERSION = 26  # what each version changed: docs/protocol.md
 MAGIC = b"DP" + bytes([PROTOCOL_VERSION])
 MAX_BODY_BYTES = 1 << 20  # control messages are small; snapshot bytes travel as payload frames
 CHUNK_BYTES = 4 << 20  # snapshot data frames (why chunks: docs/protocol.md); a whole number of CHECKSUM_BLOCKs

@@ -67,14 +67,20 @@ class SnapshotAck:
 
 @dataclass(frozen=True)
 class FetchSnapshot:
+    """Ask for rank's snapshot of `step` over connection `stream` of `streams` (a fetch over several connections,
+    each sent this): every one is answered with the SnapshotData (its meta payload on stream 0 only), then the
+    chunks whose index modulo `streams` is `stream`."""
+
     rank: int
     step: int
+    stream: int = 0
+    streams: int = 1
 
 
 @dataclass(frozen=True)
 class SnapshotData:
-    """Reply to FetchSnapshot; when found, its payload is the meta frame and `chunks` SnapshotChunk messages
-    follow with the data (nbytes: meta + data, as in PutSnapshot)."""
+    """Reply to FetchSnapshot; when found, its payload is the meta frame (stream 0; no payload on the others) and
+    its share of the `chunks` SnapshotChunk messages follows with the data (nbytes: meta + data, as in PutSnapshot)."""
 
     rank: int
     step: int
@@ -86,11 +92,14 @@ class SnapshotData:
 
 @dataclass(frozen=True)
 class SnapshotChunk:
-    """Data chunk `index` (from 0, in order) of the snapshot a SnapshotData announced; one payload frame."""
+    """Data chunk `index` of the snapshot a SnapshotData announced, whose bytes start at `offset` of its data (a
+    held copy's chunks are not all of one size); in order on each connection (index modulo `streams` is that
+    connection's `stream`); one payload frame."""
 
     rank: int
     step: int
     index: int
+    offset: int = 0
 
 
 @dataclass(frozen=True)

@@ -222,6 +222,8 @@ def bad_inputs(folder: Path) -> dict[str, tuple[dict, dict, str]]:
         "gloo lazy connect": ({}, {"DP_GLOO_LAZY_CONNECT": "yes"}, "DP_GLOO_LAZY_CONNECT='yes': give 1 (each pair "
                               "of ranks connects on its first use), 0 (every pair as a group is made) or auto (the "
                               "default: lazily from 128 ranks)"),
+        "fetch streams": ({}, {"DP_FETCH_STREAMS": "0"}, "DP_FETCH_STREAMS='0': give how many connections a "
+                          "restore's fetch uses, from 1 to 16 (default 1)"),
         "local address": ({"local_addr": "192.0.2.77"}, {}, "--local-addr 192.0.2.77: this machine cannot listen "
                                                             "there ("),  # (TEST-NET-1: on no interface here)
     }

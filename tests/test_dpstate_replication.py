@@ -3,6 +3,7 @@ real ROUTER (dpagent's ReplicaServer), the local ring of buffers, corrupt and mi
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -152,9 +153,14 @@ def test_a_snapshot_larger_than_a_chunk_travels_in_chunks_and_comes_back_whole(r
         replicator(rank=0).fetch(replica.replica_endpoint, 1, 2, timeout=10)
 
 
-def test_a_fetch_digests_its_chunks_as_they_arrive_and_still_catches_a_flipped_byte(replica, monkeypatch):
+@pytest.mark.parametrize("streams", [1, 3])
+def test_a_fetch_digests_its_chunks_as_they_arrive_and_still_catches_a_flipped_byte(replica, monkeypatch, caplog,
+                                                                                    streams):
     """41 MB of state: the fetch hands ranges of blocks to the digest threads while later chunks are still on
-    their way, its checksum is the capture's, and a byte flipped in a middle chunk is caught."""
+    their way, its checksum is the capture's, and a byte flipped in a middle chunk is caught. Over 3
+    connections (DP_FETCH_STREAMS), each brings every third chunk and the snapshot comes back whole all the same."""
+    monkeypatch.setenv("DP_FETCH_STREAMS", str(streams))
+    caplog.set_level(logging.INFO, logger="dpagent")
     handed: list[tuple[int, int]] = []  # (blocks handed to the threads so far, of how many) after each chunk
     ready = BlockDigester.ready
 
@@ -170,12 +176,36 @@ def test_a_fetch_digests_its_chunks_as_they_arrive_and_still_catches_a_flipped_b
     rep.submit(2, tracked.capture(2))
     rep.wait_acked(timeout=20)
     handed.clear()
+    caplog.clear()
     fetched = replicator(rank=0).fetch(replica.replica_endpoint, 1, 2, timeout=20)
     assert fetched.checksum == rep.local(2).checksum and torch.equal(fetched.data, rep.local(2).data)
     assert any(0 < done < blocks for done, blocks in handed), handed  # (4 MB chunks; 16 blocks a range)
+    served = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("served snapshot"))
+    assert served == [f"served snapshot of rank 1 step 2 ({rep.local(2).nbytes + len(rep.local(2).meta)} bytes; "
+                      f"connection {i} of {streams})" for i in range(1, streams + 1)]
     replica.store.corrupt_all()
     with pytest.raises(ReplicationError, match="checksum mismatch"):
         replicator(rank=0).fetch(replica.replica_endpoint, 1, 2, timeout=20)
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_a_copy_held_in_chunks_of_uneven_sizes_comes_back_whole_over_any_number_of_connections(replica, monkeypatch,
+                                                                                              streams):
+    """A copy held partly by reference to a local one (dedup) is kept in chunks of uneven sizes: each chunk says
+    where its bytes start, and a fetch over one connection or several puts each in its place, bit for bit."""
+    monkeypatch.setenv("DP_FETCH_STREAMS", str(streams))
+    _, _, tracked = state()
+    rep = replicator()
+    rep.configure(0, "", 1)  # kept local only: its meta, data and checksum make the copy the store holds
+    rep.submit(7, tracked.capture(7))
+    rep.wait_acked(timeout=10)
+    local = rep.local(7)
+    raw = bytes(local.data.numpy())
+    cuts = [0, 1, 1000, 1001, 5000, len(raw)]
+    put = P.PutSnapshot(1, 7, 0, local.checksum, len(local.meta) + len(raw))
+    assert replica.store.add(put, local.meta, *[raw[a:b] for a, b in zip(cuts, cuts[1:])]) == ""
+    fetched = replicator(rank=0).fetch(replica.replica_endpoint, 1, 7, timeout=10)
+    assert bytes(fetched.data.numpy()) == raw and fetched.checksum == local.checksum
 
 
 def test_without_replica_snapshots_stay_local():
@@ -291,10 +321,14 @@ class BadStore:
             elif isinstance(msg, P.FetchSnapshot):
                 reply = P.SnapshotData(msg.rank, msg.step, True, checksum=12345,
                                        nbytes=8 if msg.step == 4 else 12, chunks=2)
-                self.sock.send_multipart([ident] + self.codec.encode(reply, [b"meta"]))
-                order = {5: [1, 0], 6: [0]}.get(msg.step, [0, 1])
-                for index in order:
-                    chunk = P.SnapshotChunk(msg.rank, msg.step, index)
+                self.sock.send_multipart([ident] + self.codec.encode(reply, [b"meta"] if msg.stream == 0 else []))
+                own = [i for i in range(2) if i % msg.streams == msg.stream]
+                if msg.step == 5:  # out of order on its connection: reversed, or another connection's chunk
+                    own = [1, 0] if msg.streams == 1 else [(i + 1) % 2 for i in own]
+                elif msg.step == 6:  # the last chunk never comes
+                    own = [i for i in own if i != 1]
+                for index in own:
+                    chunk = P.SnapshotChunk(msg.rank, msg.step, index, 4 * index)
                     self.sock.send_multipart([ident] + self.codec.encode(chunk, [b"data"]))
 
     def close(self):
@@ -304,7 +338,9 @@ class BadStore:
         self.ctx.term()
 
 
-def test_corrupt_fetch_is_refused_and_a_missing_ack_is_abortable():
+@pytest.mark.parametrize("streams", ["1", "2"])
+def test_corrupt_fetch_is_refused_and_a_missing_ack_is_abortable(monkeypatch, streams):
+    monkeypatch.setenv("DP_FETCH_STREAMS", streams)
     bad = BadStore()
     try:
         abort = AbortSignal()
@@ -313,7 +349,7 @@ def test_corrupt_fetch_is_refused_and_a_missing_ack_is_abortable():
             rep.fetch(bad.endpoint, 1, 3, timeout=10)
         with pytest.raises(ReplicationError, match="size mismatch"):
             rep.fetch(bad.endpoint, 1, 4, timeout=10)
-        with pytest.raises(ReplicationError, match="chunk 0 of 2 .* sent SnapshotChunk"):
+        with pytest.raises(ReplicationError, match="chunk [01] of 2 .* sent SnapshotChunk"):
             rep.fetch(bad.endpoint, 1, 5, timeout=10)
         t0 = time.monotonic()
         with pytest.raises(ReplicationError, match="chunk 1 of 2 .* did not come .* in time"):

@@ -229,10 +229,11 @@ def test_a_corrupt_replica_is_detected_and_another_copy_used(procs, tmp_path, sh
     # newest snapshot (10) was acked, hence reported, by both its holders (node 2 and node 0) before any rank
     # passed step 11's gate. The plan names the first holder in order, node 0, whose store is corrupted as
     # the recovery begins (the fault is sent before the plan): the fetch must find the bad checksum, report
-    # it, and take node 2's copy instead.
+    # it, and take node 2's copy instead. Each fetch runs over 3 connections (DP_FETCH_STREAMS), each bringing
+    # every third chunk of a copy that its holder keeps partly by reference (chunks of uneven sizes).
     run = dprun(procs, tmp_path, "corrupt", "--nnodes", "3", "--spares", "1", "--replicas", "2",
                 "--snapshot-interval", "10", "--inject", "kill-node:1@step=14",
-                "--inject", "corrupt-replicas:0@during-recovery", steps=STEPS)
+                "--inject", "corrupt-replicas:0@during-recovery", steps=STEPS, env={"DP_FETCH_STREAMS": "3"})
     assert run.returncode == 0, run.stderr[-4000:]
     plans = run.named("reconfigure")
     assert plans and all(p["restore_step"] == 10 for p in plans), plans

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dpagent.output import parse_ranks, parse_std
-from dpcommon import gloo_connect, traffic_class
+from dpcommon import fetch_streams, gloo_connect, traffic_class
 from dpcommon.save_manifest import resume_steps
 
 from . import option_checks as checks
@@ -145,7 +145,8 @@ def options_from_args(args: RunArgs, env: Mapping[str, str],
     rdzv_endpoint = args.rdzv_endpoint
     if args.master_addr and not rdzv_endpoint:
         rdzv_endpoint = f"{args.master_addr}:{args.master_port or MASTER_PORT}"
-    _check(_launch_problem(args), traffic_class.env_problem(env), gloo_connect.env_problem(env))
+    _check(_launch_problem(args), traffic_class.env_problem(env), gloo_connect.env_problem(env),
+           fetch_streams.env_problem(env))
     try:
         parse_std(args.redirects, "--redirects")
         parse_std(args.tee, "--tee")

@@ -118,29 +118,29 @@ class Received:
 
 
 def receive_snapshot(ctx: zmq.Context, codec: P.Codec, abort: AbortSignal, endpoint: str, rank: int, step: int,
-                     timeout: float, reserve: Callable[[int], Slot], digest_threads: int) -> Received:
-    """Ask the store at `endpoint` for rank's snapshot of `step` and receive it into reserve(data size), each
-    range of chunks digested on `digest_threads` threads while the next arrive (a restore costs about its
-    transfer, not the transfer plus the check). ReplicationError: not held, a meta without a check plan, or
-    not received whole in `timeout` s; Aborted when `abort` is triggered meanwhile."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
+                     timeout: float, reserve: Callable[[int], Slot], digest_threads: int, streams: int = 1) -> Received:
+    """Ask the store at `endpoint` for rank's snapshot of `step` over `streams` connections and receive it into
+    reserve(data size), each chunk at its place whichever connection brought it, each range of chunks digested on
+    `digest_threads` threads while the next arrive (a restore costs about its transfer, not the transfer plus the
+    check). ReplicationError: not held, a meta without a check plan, connections that disagree, or not received
+    whole in `timeout` s; Aborted when `abort` is triggered meanwhile."""
+    socks = []
     try:
-        sock.send_multipart(codec.encode(P.FetchSnapshot(rank=rank, step=step)))
+        for stream in range(streams):
+            sock = ctx.socket(zmq.DEALER)
+            socks.append(sock)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            sock.send_multipart(codec.encode(P.FetchSnapshot(rank=rank, step=step, stream=stream, streams=streams)))
         deadline = time.monotonic() + timeout
-        while True:
-            _await(sock, abort, deadline, f"no SnapshotData from {endpoint} for rank {rank} step {step} in {timeout} s")
-            head = _recv_head(sock, 5)  # the message's 4 frames, then the meta
-            _drain(sock)
-            try:
-                msg, payload = codec.decode(head)
-            except P.ProtocolError:
-                continue
-            if isinstance(msg, P.SnapshotData) and msg.rank == rank and msg.step == step:
-                break
+        late = f"no SnapshotData from {endpoint} for rank {rank} step {step} in {timeout} s"
+        replies = [_reply(sock, codec, abort, deadline, late, rank, step) for sock in socks]
+        msg, payload = replies[0]
         if not msg.found or not payload:
             raise ReplicationError(f"the replica store at {endpoint} has no snapshot of rank {rank} step {step}")
+        if any(other != msg for other, _ in replies[1:]):  # (replaced between two of the requests)
+            raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: the connections to {endpoint} "
+                                   "were answered with different copies")
         meta = bytes(P.payload_bytes(payload[0]))
         try:
             plan = CheckPlan.from_meta(meta)
@@ -150,13 +150,63 @@ def receive_snapshot(ctx: zmq.Context, codec: P.Codec, abort: AbortSignal, endpo
         slot = reserve(max(nbytes, 0))
         data = slot.buffer[: max(nbytes, 0)]
         digester = BlockDigester(data.numpy(), plan, digest_threads)
-        reader = _ChunkReader(sock, codec, msg, abort, deadline, endpoint)
-        if reader.receive_into(data, digester.ready) != nbytes:
+        readers = [_ChunkReader(sock, codec, msg, abort, deadline, endpoint, stream, streams)
+                   for stream, sock in enumerate(socks)]
+        if _receive_into(readers, data, digester.ready) != nbytes:
             raise ReplicationError(f"fetched snapshot of rank {rank} step {step}: size mismatch")
         slot.meta, slot.nbytes = meta, nbytes
         return Received(slot, msg, digester)
     finally:
-        sock.close(0)
+        for sock in socks:
+            sock.close(0)
+
+
+def _reply(sock: Any, codec: P.Codec, abort: AbortSignal, deadline: float, late: str, rank: int,
+           step: int) -> tuple[P.SnapshotData, list]:
+    """The SnapshotData answering this connection's FetchSnapshot, with its payload (the meta, on stream 0)."""
+    while True:
+        _await(sock, abort, deadline, late)
+        head = _recv_head(sock, 5)  # the message's 4 frames, then the meta
+        _drain(sock)
+        try:
+            msg, payload = codec.decode(head)
+        except P.ProtocolError:
+            continue
+        if isinstance(msg, P.SnapshotData) and msg.rank == rank and msg.step == step:
+            return msg, payload
+
+
+def _receive_into(readers: list[_ChunkReader], buffer: torch.Tensor, received: Callable[[int], Any]) -> int:
+    """Each reader's chunks copied to their place in `buffer` as they come, whichever connection is ready first;
+    received(n) each time the first n bytes are all there. Returns where the chunks end, back to back; data that
+    does not fit is dropped (the end then differs from the buffer's size). ReplicationError: a chunk missing, out
+    of order on its connection, not where the one before it ended, or not in time."""
+    view = buffer.numpy().data  # memoryview(array), which numpy's stubs accept only from Python 3.12 on
+    pending = [r for r in readers if r.index < r.reply.chunks]
+    poller = zmq.Poller()
+    for reader in pending:
+        poller.register(reader.sock, zmq.POLLIN)
+    placed: dict[int, tuple[int, int]] = {}  # chunk index -> (offset, size)
+    prefix = end = 0  # the chunks all there from the first on, and where the last of them ends
+    while pending:
+        ready = {sock for sock, _ in poller.poll(50)}
+        pending[0].abort.check()
+        for reader in list(pending):
+            if reader.sock not in ready and time.monotonic() <= reader.deadline:
+                continue
+            chunk = reader.expect()
+            placed[chunk.index] = (chunk.offset, reader.payload_into(view, chunk.offset))
+            if reader.index >= reader.reply.chunks:
+                pending.remove(reader)
+                poller.unregister(reader.sock)
+        while prefix in placed:
+            offset, size = placed[prefix]
+            if offset != end:
+                raise ReplicationError(f"chunk {prefix} of rank {readers[0].reply.rank} step {readers[0].reply.step} "
+                                       f"starts at byte {offset}, not where the chunks before it end ({end})")
+            prefix, end = prefix + 1, end + size
+        received(min(end, len(view)))
+    return end
 
 
 def _await(sock: Any, abort: AbortSignal, deadline: float, late: str) -> None:
@@ -185,7 +235,8 @@ def _drain(sock: Any) -> None:
 
 @dataclass
 class _ChunkReader:
-    """Receives the SnapshotChunk messages that follow a SnapshotData reply, each while the next is on its way."""
+    """One connection's share of the SnapshotChunk messages that follow a SnapshotData reply: chunks `stream`,
+    `stream` + `streams`, ... in that order."""
 
     sock: Any
     codec: P.Codec
@@ -193,23 +244,16 @@ class _ChunkReader:
     abort: AbortSignal
     deadline: float
     endpoint: str
+    stream: int = 0
+    streams: int = 1
 
-    def receive_into(self, buffer: torch.Tensor, received: Callable[[int], Any]) -> int:
-        """Copy the chunks into `buffer`, back to back, calling received(bytes so far) after each. Returns their
-        total size; data that does not fit is dropped (the total then differs from the buffer's size).
-        ReplicationError: one missing, out of order or not in time."""
-        view = buffer.numpy().data  # memoryview(array), which numpy's stubs accept only from Python 3.12 on
-        total = 0
-        for index in range(self.reply.chunks):
-            self._expect(index)
-            while self.sock.get(zmq.RCVMORE):
-                room = view[total:]  # empty once full (or past full)
-                total += self.sock.recv_into(room) if len(room) else len(self.sock.recv(copy=False))
-            received(min(total, len(view)))
-        return total
+    def __post_init__(self) -> None:
+        self.index = self.stream  # the next chunk this connection brings
 
-    def _expect(self, index: int) -> None:
-        """Receive chunk `index`'s header frames; its payload frame is left for the caller."""
+    def expect(self) -> P.SnapshotChunk:
+        """Receive the next chunk's header (its payload frame is left for payload_into). ReplicationError:
+        another message, or none in time."""
+        index = self.index
         what = f"chunk {index} of {self.reply.chunks} of rank {self.reply.rank} step {self.reply.step}"
         _await(self.sock, self.abort, self.deadline, f"{what} did not come from {self.endpoint} in time")
         msg: P.Message | P.ProtocolError
@@ -217,6 +261,17 @@ class _ChunkReader:
             msg, _ = self.codec.decode(_recv_head(self.sock, 4))
         except P.ProtocolError as exc:
             msg = exc
-        if msg != P.SnapshotChunk(self.reply.rank, self.reply.step, index):
+        if not (isinstance(msg, P.SnapshotChunk) and msg.offset >= 0
+                and (msg.rank, msg.step, msg.index) == (self.reply.rank, self.reply.step, index)):
             _drain(self.sock)
             raise ReplicationError(f"{what}: {self.endpoint} sent {msg!r} instead")
+        self.index += self.streams
+        return msg
+
+    def payload_into(self, view: memoryview, offset: int) -> int:
+        """Copy the chunk's payload to `view` at `offset` (what does not fit is dropped); its size."""
+        size = 0
+        while self.sock.get(zmq.RCVMORE):
+            room = view[offset + size :] if offset + size < len(view) else view[:0]
+            size += self.sock.recv_into(room) if len(room) else len(self.sock.recv(copy=False))
+        return size

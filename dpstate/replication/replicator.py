@@ -22,6 +22,7 @@ import zmq
 
 from dpcommon import protocol as P
 from dpcommon import traffic_class
+from dpcommon.fetch_streams import fetch_streams
 from dpcommon.checksum import BlockDigester, digest_threads
 
 from dpstate.snapshot import shared
@@ -68,13 +69,15 @@ class Replicator:
 
     def __init__(self, codec: P.Codec, rank: int, abort: AbortSignal, ctx: zmq.Context | None = None):
         self.codec, self.rank, self.abort = codec, rank, abort
-        # Its own context: one ZeroMQ I/O thread for the snapshot traffic only (control messages never queue
-        # behind a snapshot), which can be given a lower priority with this thread (DP_SNAPSHOT_NICE).
+        # Its own context for the snapshot traffic only (control messages never queue behind a snapshot), whose
+        # I/O threads can be given a lower priority with this thread (DP_SNAPSHOT_NICE): one per connection of a
+        # fetch, so that each receives on a core of its own (dpcommon.fetch_streams).
         try:
             before = set(os.listdir("/proc/self/task"))
         except OSError:
             before = set()
-        self.ctx = zmq.Context(io_threads=1)
+        self.fetch_streams = fetch_streams()
+        self.ctx = zmq.Context(io_threads=self.fetch_streams)
         traffic_class.mark(self.ctx)  # Lower-Effort, and told apart from the groups' connections (severing)
         self.ctx.socket(zmq.DEALER).close(0)  # starts the I/O thread now
         lower_io_threads(before)
@@ -315,7 +318,7 @@ class Replicator:
             return slot
 
         got = receive_snapshot(self.ctx, self.codec, self.abort, endpoint, rank, step, timeout, reserve,
-                               self.digest_threads)
+                               self.digest_threads, self.fetch_streams)
         t1 = time.perf_counter()
         slot, reply = got.slot, got.reply
         slot.layout = FETCHED
