@@ -342,13 +342,12 @@ def main(argv: list[str] | None = None) -> int:
                      capture_GBps=nbytes / r["capture_s"] / 1e9, replicate_GBps=nbytes / r["replicate_s"] / 1e9,
                      restore_GBps=nbytes / r["restore_s"] / 1e9)
             r.update(restore_streams_GBps=nbytes / r["restore_streams_s"] / 1e9,
-                     restore_streams_ratio=nbytes / r["restore_streams_s"] / 1e9 / r["tcp_GBps"],
                      tcp_parallel_GBps=limits["tcp_parallel_Bps"] / 1e9)
             r.update(replicate_cold_GBps=nbytes / r["replicate_s_cold"] / 1e9,
                      restore_cold_GBps=nbytes / r["restore_s_cold"] / 1e9)
             r.update(capture_ratio=r["capture_GBps"] / r["memcpy_GBps"],
                      **{f"{k}_ratio": r[f"{k}_GBps"] / r["tcp_GBps"]
-                        for k in ("replicate", "restore", "replicate_cold", "restore_cold")})
+                        for k in ("replicate", "restore", "restore_streams", "replicate_cold", "restore_cold")})
             r.update({f"{k}_GBps": rate(nbytes, r[f"{k}_s"]) for k in ("copy", "crc", "fetch", "verify", "load")})
             r.update(d2h_GBps=r.pop("d2h_Bps", 0) / 1e9 or None, h2d_GBps=r.pop("h2d_Bps", 0) / 1e9 or None)
             copy_limit = r["d2h_GBps"] if args.device.startswith("cuda") else r["memcpy_GBps"]

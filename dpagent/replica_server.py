@@ -308,13 +308,13 @@ class ReplicaServer:
         self.channel.reply(incoming, SnapshotAck(put.rank, put.step, ok=not error, error=error))
 
     def _fetch(self, incoming: Incoming, msg: FetchSnapshot) -> None:
+        if not 0 <= msg.stream < msg.streams:
+            self.channel.drop_unexpected(incoming)
+            return
         snap = self.store.get(msg.rank, msg.step)  # a stale one (its local copy written since) is not held
         if snap is None:
             log.info("fetch of rank %d step %d: not held (held: %s)", msg.rank, msg.step, self.store.steps(msg.rank))
             self.channel.reply(incoming, SnapshotData(msg.rank, msg.step, found=False))
-            return
-        if not 0 <= msg.stream < msg.streams:
-            self.channel.drop_unexpected(incoming)
             return
         reply = SnapshotData(snap.rank, snap.step, found=True, checksum=snap.checksum, nbytes=snap.nbytes,
                              chunks=len(snap.chunks))

@@ -199,8 +199,10 @@ def _receive_into(readers: list[_ChunkReader], buffer: torch.Tensor, received: C
             if reader.index >= reader.reply.chunks:
                 pending.remove(reader)
                 poller.unregister(reader.sock)
+        if prefix not in placed:
+            continue
         while prefix in placed:
-            offset, size = placed[prefix]
+            offset, size = placed.pop(prefix)
             if offset != end:
                 raise ReplicationError(f"chunk {prefix} of rank {readers[0].reply.rank} step {readers[0].reply.step} "
                                        f"starts at byte {offset}, not where the chunks before it end ({end})")
